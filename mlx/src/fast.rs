@@ -1,0 +1,90 @@
+//! `mlx::core::fast`: the fused ops mlx-lm calls through `mx.fast`. On the CPU wheel they fall
+//! back to op graphs, but calling them with mlx-lm's exact arguments keeps Metal builds on the
+//! same fused kernels Python uses (parity-feasibility.md, G9).
+
+use crate::ffi::bridge as ffi;
+use crate::ops::{ptr, wrap};
+use crate::{Array, Result};
+
+/// `mx.fast.rms_norm(x, weight, eps)`.
+pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
+    // SAFETY: the pointer is null or borrowed from a live array for the call's duration.
+    wrap(unsafe { ffi::rms_norm(x.ffi(), ptr(weight), eps) })
+}
+
+/// `mx.fast.layer_norm(x, weight, bias, eps)`.
+pub fn layer_norm(
+    x: &Array,
+    weight: Option<&Array>,
+    bias: Option<&Array>,
+    eps: f32,
+) -> Result<Array> {
+    // SAFETY: as above.
+    wrap(unsafe { ffi::layer_norm(x.ffi(), ptr(weight), ptr(bias), eps) })
+}
+
+/// Where the rotation frequencies of [`rope`] come from.
+#[derive(Clone, Copy, Debug)]
+pub enum RopeFreqs<'a> {
+    /// `base=...`: frequencies `base ** (-2i / dims)`.
+    Base(f32),
+    /// `freqs=...`: precomputed (llama3, yarn and other scaled variants).
+    Freqs(&'a Array),
+}
+
+/// `mx.fast.rope(x, dims, traditional=, base= | freqs=, scale=, offset=)`.
+pub fn rope(
+    x: &Array,
+    dims: i32,
+    traditional: bool,
+    freqs: RopeFreqs<'_>,
+    scale: f32,
+    offset: i32,
+) -> Result<Array> {
+    let (base, freqs) = match freqs {
+        RopeFreqs::Base(b) => (b, None),
+        RopeFreqs::Freqs(f) => (0.0, Some(f)),
+    };
+    // SAFETY: as above.
+    wrap(unsafe { ffi::rope(x.ffi(), dims, traditional, base, scale, offset, ptr(freqs)) })
+}
+
+/// The `mask` argument of [`scaled_dot_product_attention`].
+#[derive(Clone, Copy, Debug)]
+pub enum SdpaMask<'a> {
+    /// `mask=None`.
+    None,
+    /// `mask="causal"` (bottom-right aligned).
+    Causal,
+    /// A boolean (True = attend) or additive mask array.
+    Array(&'a Array),
+}
+
+/// `mx.fast.scaled_dot_product_attention(q, k, v, scale=, mask=, sinks=)`; q (B, H, L, D),
+/// k and v (B, H_kv, S, D).
+pub fn scaled_dot_product_attention(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    mask: SdpaMask<'_>,
+    sinks: Option<&Array>,
+) -> Result<Array> {
+    let (mode, array) = match mask {
+        SdpaMask::None => ("", None),
+        SdpaMask::Causal => ("causal", None),
+        SdpaMask::Array(a) => ("array", Some(a)),
+    };
+    // SAFETY: as above.
+    wrap(unsafe {
+        ffi::scaled_dot_product_attention(
+            queries.ffi(),
+            keys.ffi(),
+            values.ffi(),
+            scale,
+            mode,
+            ptr(array),
+            ptr(sinks),
+        )
+    })
+}

@@ -1,0 +1,78 @@
+//! Behaviour of the binding itself: data in and out, errors, dtypes, lists. Op values are
+//! checked against Python MLX in ops_golden.rs.
+
+use mlx::{Array, Dtype};
+
+#[test]
+fn matmul_round_trips_through_rust_slices() {
+    let a = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap();
+    let b = Array::from_slice(&[1.0f32, 0.0, 0.0, 1.0, 1.0, 1.0], &[3, 2]).unwrap();
+    let c = a.matmul(&b).unwrap();
+    assert_eq!(c.shape(), vec![2, 2]);
+    assert_eq!(c.dtype(), Dtype::Float32);
+    assert_eq!(c.to_vec::<f32>().unwrap(), vec![4.0, 5.0, 10.0, 11.0]);
+}
+
+#[test]
+fn a_cxx_exception_becomes_an_error_with_mlx_message() {
+    let a = Array::zeros(&[2, 3], Dtype::Float32).unwrap();
+    let err = a.matmul(&a).unwrap_err().to_string();
+    assert!(err.contains("[matmul]"), "{err}");
+    assert!(err.contains("(2,3)"), "{err}");
+}
+
+#[test]
+fn wrong_data_length_is_an_error() {
+    let err = Array::from_slice(&[1.0f32, 2.0], &[3])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("8 bytes"), "{err}");
+}
+
+#[test]
+fn reading_a_wrong_dtype_is_an_error_but_bf16_widens_to_f32() {
+    let a = Array::from_slice(&[1i32, 2, 3], &[3]).unwrap();
+    assert!(a.to_vec::<f32>().is_err());
+    let b = Array::from_slice(&[1.5f32, -2.25], &[2])
+        .unwrap()
+        .astype(Dtype::Bfloat16)
+        .unwrap();
+    assert_eq!(b.dtype(), Dtype::Bfloat16);
+    assert_eq!(b.to_vec::<f32>().unwrap(), vec![1.5, -2.25]);
+}
+
+#[test]
+fn clone_shares_and_drop_frees() {
+    let a = Array::from_slice(&[3.0f32; 4], &[4]).unwrap();
+    let b = a.clone();
+    drop(a);
+    assert_eq!(b.sum(&[], false).unwrap().item::<f32>().unwrap(), 12.0);
+}
+
+#[test]
+fn split_and_concatenate_are_inverse() {
+    let a = Array::arange(0.0, 10.0, 1.0, Dtype::Int32).unwrap();
+    let parts = mlx::ops::split_sections(&a, &[3, 7], 0).unwrap();
+    assert_eq!(
+        parts.iter().map(|p| p.size()).collect::<Vec<_>>(),
+        vec![3, 4, 3]
+    );
+    let refs: Vec<&Array> = parts.iter().collect();
+    let joined = mlx::ops::concatenate(&refs, 0).unwrap();
+    assert_eq!(joined.to_vec::<i32>().unwrap(), (0..10).collect::<Vec<_>>());
+}
+
+#[test]
+fn dtype_names_match_python() {
+    for d in [Dtype::Float32, Dtype::Bfloat16, Dtype::Uint32, Dtype::Bool] {
+        assert_eq!(Dtype::from_name(d.name()), Some(d));
+        let a = Array::zeros(&[1], d).unwrap();
+        assert_eq!(a.dtype(), d);
+    }
+    assert_eq!(Dtype::from_name("float128"), None);
+}
+
+#[test]
+fn version_is_the_pinned_one() {
+    assert_eq!(mlx::version(), mlx::PINNED_VERSION);
+}
