@@ -113,7 +113,6 @@ ArrayPtr random_uniform(I32s shape, uint8_t dtype, const Array& key);
 ArrayPtr random_normal(I32s shape, uint8_t dtype, const Array& key);
 ArrayPtr random_gumbel(I32s shape, uint8_t dtype, const Array& key);
 ArrayPtr random_categorical(const Array& logits, int32_t axis, const Array& key);
-ArrayPtr random_bits(I32s shape, int32_t width, const Array& key);
 
 ListPtr load_safetensors(rust::Str path, rust::Vec<rust::String>& names,
                          rust::Vec<rust::String>& meta_keys,

@@ -2,6 +2,7 @@
 //! exception becomes a Rust error carrying MLX's message instead of aborting the process.
 //! Optional array arguments are raw pointers (null = absent); the safe wrappers own that detail.
 
+#[allow(clippy::too_many_arguments)] // the bridge mirrors MLX signatures as they are
 #[cxx::bridge(namespace = "verity_mlx")]
 pub(crate) mod bridge {
     /// Element-wise operations of one argument.
@@ -262,7 +263,6 @@ pub(crate) mod bridge {
         fn random_normal(shape: &[i32], dtype: u8, key: &Array) -> Result<UniquePtr<Array>>;
         fn random_gumbel(shape: &[i32], dtype: u8, key: &Array) -> Result<UniquePtr<Array>>;
         fn random_categorical(logits: &Array, axis: i32, key: &Array) -> Result<UniquePtr<Array>>;
-        fn random_bits(shape: &[i32], width: i32, key: &Array) -> Result<UniquePtr<Array>>;
 
         // Safetensors.
         fn load_safetensors(

@@ -50,11 +50,6 @@ pub fn categorical(logits: &Array, axis: i32, key: &Array) -> Result<Array> {
     wrap(ffi::random_categorical(logits.ffi(), axis, key.ffi()))
 }
 
-/// `mx.random.bits(shape, width, key=)`.
-pub fn bits(shape: &[i32], width: i32, key: &Array) -> Result<Array> {
-    wrap(ffi::random_bits(shape, width, key.ffi()))
-}
-
 /// Python's global key sequence, made explicit: `seed` then one `split` per draw.
 #[derive(Clone, Debug)]
 pub struct KeySequence {

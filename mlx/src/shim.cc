@@ -392,9 +392,6 @@ ArrayPtr random_gumbel(I32s shape, uint8_t dtype, const Array& key) {
 ArrayPtr random_categorical(const Array& logits, int32_t axis, const Array& key) {
   return wrap(mx::random::categorical(logits.inner, axis, key.inner));
 }
-ArrayPtr random_bits(I32s shape, int32_t width, const Array& key) {
-  return wrap(mx::random::bits(to_shape(shape), width, key.inner));
-}
 
 ListPtr load_safetensors(rust::Str path, rust::Vec<rust::String>& names,
                          rust::Vec<rust::String>& meta_keys,

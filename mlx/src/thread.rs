@@ -7,6 +7,7 @@
 //! threads: it is sent as closures to one `EngineThread`, and only plain data (token ids,
 //! `Vec<f32>`, strings) crosses back. `Array` is `!Send`, so the compiler enforces the rest.
 
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::thread::{self, JoinHandle, ThreadId};
 
@@ -19,10 +20,15 @@ pub struct EngineThread {
     id: ThreadId,
 }
 
-/// The engine thread stopped (a job panicked) before it could answer.
+/// Why a job sent to the engine thread gave no result.
 #[derive(Debug, thiserror::Error)]
-#[error("the MLX engine thread has stopped")]
-pub struct EngineStopped;
+pub enum EngineError {
+    #[error("the MLX engine thread has stopped")]
+    Stopped,
+    /// The job panicked; the engine thread caught it and keeps serving other jobs.
+    #[error("an MLX engine job panicked: {0}")]
+    Panicked(String),
+}
 
 impl EngineThread {
     /// Starts the thread. `name` shows in debuggers and panic messages.
@@ -49,22 +55,30 @@ impl EngineThread {
     }
 
     /// Runs `job` on the engine thread and waits for its result. Callable from any thread.
-    pub fn run<T, F>(&self, job: F) -> Result<T, EngineStopped>
+    pub fn run<T, F>(&self, job: F) -> Result<T, EngineError>
     where
         T: Send + 'static,
         F: FnOnce() -> T + Send + 'static,
     {
         let (tx, rx) = mpsc::sync_channel(1);
         self.submit(move || {
-            let _ = tx.send(job());
+            let result = panic::catch_unwind(AssertUnwindSafe(job)).map_err(|p| {
+                let text = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".into());
+                EngineError::Panicked(text)
+            });
+            let _ = tx.send(result);
         })?;
-        rx.recv().map_err(|_| EngineStopped)
+        rx.recv().map_err(|_| EngineError::Stopped)?
     }
 
     /// Queues `job` without waiting; it may answer through its own channel.
-    pub fn submit(&self, job: impl FnOnce() + Send + 'static) -> Result<(), EngineStopped> {
-        let jobs = self.jobs.as_ref().ok_or(EngineStopped)?;
-        jobs.send(Box::new(job)).map_err(|_| EngineStopped)
+    pub fn submit(&self, job: impl FnOnce() + Send + 'static) -> Result<(), EngineError> {
+        let jobs = self.jobs.as_ref().ok_or(EngineError::Stopped)?;
+        jobs.send(Box::new(job)).map_err(|_| EngineError::Stopped)
     }
 }
 
