@@ -16,7 +16,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.activations import swiglu
+from mlx_lm.models.activations import precise_swiglu, swiglu
+from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -216,6 +217,7 @@ def record(r):
     r.case("random_split", "random_split", [key], mx.random.split(key, 3), num=3)
     r.case("random_uniform", "random_uniform", [key], mx.random.uniform(shape=(3, 5), key=key), shape=[3, 5], dtype="float32")
     r.case("random_normal", "random_normal", [key], mx.random.normal(shape=(3, 5), key=key), shape=[3, 5], dtype="float32")
+    r.case("random_uniform_scalar", "random_uniform", [key], mx.random.uniform(0, 1, key=key), shape=[], dtype="float32")
     r.case("random_gumbel", "random_gumbel", [key], mx.random.gumbel(shape=(3, 5), key=key), shape=[3, 5], dtype="float32")
     lg = r.rand((1, 33), scale=2.0)
     r.case("categorical_row", "random_categorical", [lg, key], mx.random.categorical(lg, key=key), axis=-1)
@@ -231,6 +233,13 @@ def record(r):
     r.case("gelu_approx", "compiled_gelu_approx", [x * 3], nn.gelu_approx(x * 3))
     r.case("softplus", "compiled_softplus", [x * 3], nn.softplus(x * 3))
     r.case("nn_sigmoid", "compiled_sigmoid", [x], nn.sigmoid(x))
+    r.case("precise_swiglu", "compiled_precise_swiglu", [xb, x, y], precise_swiglu(xb, x, y))
+    a_log, a_in, dt = mx.log(mx.abs(r.rand((4,))) * 8 + 0.5), r.rand((1, 3, 4)), r.rand((4,))
+    r.case("compute_g", "compiled_compute_g", [a_log, a_in, dt], compute_g(a_log, a_in, dt))
+    gq, gk = r.rand((1, 4, 32), scale=0.2), r.rand((1, 4, 32), scale=0.2)
+    gv, gg, gb, gs = r.rand((1, 4, 16)), mx.sigmoid(r.rand((1, 4))), mx.sigmoid(r.rand((1, 4))), r.rand((1, 4, 16, 32))
+    r.case("gated_delta_step", "compiled_gated_delta_step", [gq, gk, gv, gg, gb, gs],
+           list(_gated_delta_step_ops(gq, gk, gv, gg, gb, gs)))
     r.case("swiglu_bf16", "compiled_swiglu", [xb, y.astype(mx.bfloat16)], swiglu(xb, y.astype(mx.bfloat16)))
 
 

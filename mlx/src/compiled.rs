@@ -7,12 +7,16 @@ use crate::array::List;
 use crate::ffi::bridge::{self as ffi, Kernel};
 use crate::{Array, Error, Result};
 
-fn call(kernel: Kernel, inputs: &[&Array]) -> Result<Array> {
-    let out = List::from_raw(ffi::call_kernel(
+fn call_all(kernel: Kernel, inputs: &[&Array]) -> Result<Vec<Array>> {
+    List::from_raw(ffi::call_kernel(
         kernel,
         &List::new(inputs.iter().copied()).raw,
-    )?);
-    out.into_vec()?
+    )?)
+    .into_vec()
+}
+
+fn call(kernel: Kernel, inputs: &[&Array]) -> Result<Array> {
+    call_all(kernel, inputs)?
         .into_iter()
         .next()
         .ok_or_else(|| Error::Invalid("compiled kernel returned nothing".into()))
@@ -41,4 +45,34 @@ pub fn softplus(x: &Array) -> Result<Array> {
 /// `mlx.nn.sigmoid` (the compiled module function, not `mx.sigmoid`).
 pub fn sigmoid(x: &Array) -> Result<Array> {
     call(Kernel::Sigmoid, &[x])
+}
+
+/// `mlx_lm.models.activations.precise_swiglu(h, gate, x)`: `silu(gate) * x` in f32, cast to
+/// `h`'s dtype.
+pub fn precise_swiglu(h: &Array, gate: &Array, x: &Array) -> Result<Array> {
+    call(Kernel::PreciseSwiglu, &[h, gate, x])
+}
+
+/// `mlx_lm.models.gated_delta.compute_g`: the per-head decay
+/// `exp(-exp(A_log) * softplus(a + dt_bias))` in f32.
+pub fn compute_g(a_log: &Array, a: &Array, dt_bias: &Array) -> Result<Array> {
+    call(Kernel::ComputeG, &[a_log, a, dt_bias])
+}
+
+/// `mlx_lm.models.gated_delta._gated_delta_step_ops` for one token with a scalar gate per head
+/// and no mask: q, k (B, H, Dk), v (B, H, Dv), g and beta (B, H), state (B, H, Dv, Dk) f32.
+/// Returns (y (B, H, Dv) in q's dtype, the new state).
+pub fn gated_delta_step(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+) -> Result<(Array, Array)> {
+    let mut out = call_all(Kernel::GatedDeltaStep, &[q, k, v, g, beta, state])?.into_iter();
+    match (out.next(), out.next()) {
+        (Some(y), Some(s)) => Ok((y, s)),
+        _ => Err(Error::Invalid("gated_delta_step returns (y, state)".into())),
+    }
 }

@@ -79,6 +79,9 @@ pub(crate) mod bridge {
         GeluApprox,
         Softplus,
         Sigmoid,
+        PreciseSwiglu,
+        ComputeG,
+        GatedDeltaStep,
     }
 
     unsafe extern "C++" {

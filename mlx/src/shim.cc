@@ -86,6 +86,37 @@ std::vector<mx::array> sigmoid_fn(const std::vector<mx::array>& in) {
   return {mx::sigmoid(in[0])};
 }
 
+// mlx_lm.models.activations.precise_swiglu(h, gate, x): silu and product in f32, cast to h's
+// dtype.
+std::vector<mx::array> precise_swiglu_fn(const std::vector<mx::array>& in) {
+  auto g = mx::astype(in[1], mx::float32);
+  g = mx::multiply(g, mx::sigmoid(g));
+  auto x = mx::astype(in[2], mx::float32);
+  return {mx::astype(mx::multiply(g, x), in[0].dtype())};
+}
+
+// mlx_lm.models.gated_delta.compute_g(A_log, a, dt_bias):
+// `exp(-exp(A_log.astype(f32)) * softplus(a + dt_bias))`.
+std::vector<mx::array> compute_g_fn(const std::vector<mx::array>& in) {
+  auto decay = mx::negative(mx::exp(mx::astype(in[0], mx::float32)));
+  auto x = mx::add(in[1], in[2]);
+  auto softplus = mx::logaddexp(x, mx::array(0.0f, x.dtype()));
+  return {mx::exp(mx::multiply(decay, softplus))};
+}
+
+// mlx_lm.models.gated_delta._gated_delta_step_ops(q, k, v, g, beta, state) for a scalar gate
+// per head (g: [B, H]) and no mask: one step of the gated delta rule.
+std::vector<mx::array> gated_delta_step_fn(const std::vector<mx::array>& in) {
+  const auto &q = in[0], &k = in[1], &v = in[2], &g = in[3], &beta = in[4];
+  auto state = mx::multiply(in[5], mx::expand_dims(g, {-1, -2}));
+  auto k_row = mx::expand_dims(k, -2);
+  auto kv_mem = mx::sum(mx::multiply(state, k_row), -1);
+  auto delta = mx::multiply(mx::subtract(v, kv_mem), mx::expand_dims(beta, -1));
+  state = mx::add(state, mx::multiply(k_row, mx::expand_dims(delta, -1)));
+  auto y = mx::sum(mx::multiply(state, mx::expand_dims(q, -2)), -1);
+  return {mx::astype(y, q.dtype()), state};
+}
+
 using CompiledFn = std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
 
 // MLX keeps compile caches per thread; these handles are per thread too, so a kernel traced on
@@ -102,6 +133,10 @@ const CompiledFn& kernel_fn(Kernel kernel) {
     case Kernel::GeluApprox: fn = mx::compile(gelu_approx_fn, true); break;
     case Kernel::Softplus: fn = mx::compile(softplus_fn, true); break;
     case Kernel::Sigmoid: fn = mx::compile(sigmoid_fn, true); break;
+    case Kernel::PreciseSwiglu: fn = mx::compile(precise_swiglu_fn, true); break;
+    case Kernel::ComputeG: fn = mx::compile(compute_g_fn, true); break;
+    // `@mx.compile` without shapeless: retraced per shape, as in Python.
+    case Kernel::GatedDeltaStep: fn = mx::compile(gated_delta_step_fn, false); break;
     default: throw std::invalid_argument("unknown compiled kernel");
   }
   return fns.emplace(key, std::move(fn)).first->second;

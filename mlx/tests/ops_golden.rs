@@ -262,6 +262,12 @@ fn run(op: &str, a: &Args, x: &[Array]) -> mlx::Result<Vec<Array>> {
         "random_normal" => one(random::normal(&a.ints("shape"), a.dtype("dtype"), &x[0])),
         "random_gumbel" => one(random::gumbel(&a.ints("shape"), a.dtype("dtype"), &x[0])),
         "random_categorical" => one(random::categorical(&x[0], a.i32("axis"), &x[1])),
+        "compiled_precise_swiglu" => one(compiled::precise_swiglu(&x[0], &x[1], &x[2])),
+        "compiled_compute_g" => one(compiled::compute_g(&x[0], &x[1], &x[2])),
+        "compiled_gated_delta_step" => {
+            let (y, s) = compiled::gated_delta_step(&x[0], &x[1], &x[2], &x[3], &x[4], &x[5])?;
+            Ok(vec![y, s])
+        }
         "key_sequence" => {
             let mut keys = KeySequence::new(a.u64("seed"))?;
             let mut out = Vec::new();

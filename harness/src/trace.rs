@@ -1,0 +1,277 @@
+//! The golden trace format `verity-trace/1` (DESIGN.md section 5): what an oracle generated,
+//! step by step, and every input needed to generate it again.
+//!
+//! Unknown fields are ignored so recorders may add more; a missing required field or another
+//! `format` is an error naming the file.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// The only format this harness reads.
+pub const TRACE_FORMAT: &str = "verity-trace/1";
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Trace {
+    pub format: String,
+    pub id: String,
+    /// Group name used for reporting; defaults to the first component of `id`.
+    #[serde(default)]
+    pub suite: Option<String>,
+    pub oracle: Oracle,
+    /// Repository-relative model folder.
+    pub model: String,
+    #[serde(default)]
+    pub draft: Option<Draft>,
+    pub prompt: Prompt,
+    pub params: Params,
+    #[serde(default)]
+    pub parity: Parity,
+    #[serde(default)]
+    pub eos_token_ids: Option<Vec<u32>>,
+    pub steps: Vec<Step>,
+    pub finish_reason: FinishReason,
+    pub generation_tokens: usize,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Oracle {
+    pub tool: String,
+    pub tool_version: String,
+    pub mlx_version: String,
+    pub device: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Draft {
+    /// mlx-lm speculative decoding with a separate draft model.
+    Model {
+        model: String,
+        num_draft_tokens: usize,
+    },
+    /// mlx-vlm native multi-token-prediction heads.
+    Mtp { block_size: usize },
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Prompt {
+    /// Exactly what the oracle fed the model, chat template applied.
+    pub tokens: Vec<u32>,
+    /// The text before tokenization (and before the template when `chat`), when recorded.
+    #[serde(default)]
+    pub text: Option<String>,
+    #[serde(default)]
+    pub chat: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Params {
+    pub max_tokens: usize,
+    pub seed: Option<u64>,
+    pub sampler: SamplerParams,
+    pub processors: ProcessorParams,
+    pub prefill_step_size: usize,
+    pub max_kv_size: Option<usize>,
+    pub kv_bits: Option<u32>,
+    pub kv_group_size: u32,
+    pub quantized_kv_start: usize,
+}
+
+/// mlx-lm `make_sampler` arguments. Temperatures stay f64: Python computes `1/temp` in double.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct SamplerParams {
+    pub temp: f64,
+    pub top_p: f64,
+    pub min_p: f64,
+    pub min_tokens_to_keep: usize,
+    pub top_k: usize,
+    pub xtc_probability: f64,
+    pub xtc_threshold: f64,
+    #[serde(default)]
+    pub xtc_special_tokens: Vec<u32>,
+}
+
+/// mlx-lm `make_logits_processors` arguments.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ProcessorParams {
+    /// Token id (as a JSON object key) to additive bias.
+    pub logit_bias: Option<BTreeMap<String, f64>>,
+    pub repetition_penalty: Option<f64>,
+    pub repetition_context_size: usize,
+    pub presence_penalty: Option<f64>,
+    pub presence_context_size: usize,
+    pub frequency_penalty: Option<f64>,
+    pub frequency_context_size: usize,
+}
+
+/// Which parity tier the replay enforces (DESIGN.md section 3).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Parity {
+    pub tier: Tier,
+    /// Tier B: the largest allowed |logprob difference|.
+    #[serde(default)]
+    pub logprob_tolerance: Option<f64>,
+    /// Tier B: the op that provably differs.
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+impl Default for Parity {
+    fn default() -> Self {
+        Parity {
+            tier: Tier::A,
+            logprob_tolerance: None,
+            reason: None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Tier {
+    /// Same tokens, finish reason, and chosen-token logprob and top-k bits.
+    A,
+    /// Same tokens and finish reason; logprobs within a tolerance.
+    B,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Step {
+    pub token: u32,
+    /// The chosen token's logprob as the oracle reported it (f32 bits, written exactly).
+    pub logprob: f32,
+    /// The best entries as (token, logprob), logprob descending then id ascending.
+    pub top: Vec<(u32, f32)>,
+    #[serde(default)]
+    pub from_draft: bool,
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+impl fmt::Display for FinishReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: not a verity trace: {source}")]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{path}: unknown trace format {found:?} (this harness reads {TRACE_FORMAT:?})")]
+    Format { path: PathBuf, found: String },
+    #[error("{path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+impl Trace {
+    /// Reads and validates one trace file.
+    pub fn load(path: &Path) -> Result<Trace, TraceError> {
+        let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Trace::parse(&text, path)
+    }
+
+    /// Parses trace JSON; `path` only names the source in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Trace, TraceError> {
+        let path_buf = || path.to_path_buf();
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|source| TraceError::Json {
+                path: path_buf(),
+                source,
+            })?;
+        match value.get("format").and_then(|f| f.as_str()) {
+            Some(TRACE_FORMAT) => {}
+            other => {
+                return Err(TraceError::Format {
+                    path: path_buf(),
+                    found: other.unwrap_or("<missing>").to_string(),
+                })
+            }
+        }
+        let trace: Trace = serde_json::from_value(value).map_err(|source| TraceError::Json {
+            path: path_buf(),
+            source,
+        })?;
+        trace.validate().map_err(|message| TraceError::Invalid {
+            path: path_buf(),
+            message,
+        })?;
+        Ok(trace)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.prompt.tokens.is_empty() {
+            return Err("the prompt has no tokens".into());
+        }
+        if self.steps.len() != self.generation_tokens {
+            return Err(format!(
+                "{} steps but generation_tokens is {}",
+                self.steps.len(),
+                self.generation_tokens
+            ));
+        }
+        if self.finish_reason == FinishReason::Length && self.steps.len() != self.params.max_tokens
+        {
+            return Err(format!(
+                "finish_reason is length after {} of {} tokens",
+                self.steps.len(),
+                self.params.max_tokens
+            ));
+        }
+        if self.params.sampler.temp > 0.0 && self.params.seed.is_none() {
+            return Err("sampling without a seed cannot be replayed".into());
+        }
+        Ok(())
+    }
+
+    /// The reporting group: `suite`, else the first component of the id.
+    pub fn suite(&self) -> &str {
+        self.suite
+            .as_deref()
+            .unwrap_or_else(|| self.id.split('/').next().unwrap_or(&self.id))
+    }
+
+    /// The sampled token ids, in order.
+    pub fn tokens(&self) -> Vec<u32> {
+        self.steps.iter().map(|s| s.token).collect()
+    }
+}
+
+/// Every `*.json` under `dir`, sorted, so reports list traces in a stable order.
+pub fn find_traces(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d)? {
+            let path = entry?.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "json") {
+                out.push(path);
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
