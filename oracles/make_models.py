@@ -1,0 +1,235 @@
+"""Random-weight fixture models (seeded, float32) and their 4-bit copies, built with the oracles' code.
+
+Why random: they exercise architecture, cache, quantization and loading plumbing in milliseconds and
+rebuild byte-identically anywhere (no training). Every model is instantiated from mlx_lm's own model
+class (mlx_lm.utils._get_classes) under a fixed per-model seed, so the weights are exactly what the
+oracle's initialisers produce, then tweaked so greedy decoding does not collapse onto one token
+(fixtures-report P13): embeddings are untied; every 2-D projection is scaled by 2 (MLX's
+uniform(+-1/sqrt(in)) init is so contractive that the residual stream settles into a loop); every
+norm weight gets an effective scale of 1 + 0.1*N(0,1) (stored as 0.1*N for Gemma's (1+w) norms and
+Qwen3.5's zero-centred HF norms), which also makes a "1+w vs w" convention bug visible.
+
+qwen3_5 is written in full Hugging Face layout (model.language_model.*, conv1d as (C,1,K),
+zero-centred norms, a tiny vision tower, an mtp.* head) so that mlx-lm, mlx-vlm and the MTP drafter
+all read it the way they read a real Qwen3.5 checkpoint (P14, P16). Its safetensors metadata says
+format "pt", like a real HF checkpoint: mlx-vlm's MTP splitter treats a "format":"mlx" file as
+already sanitized and would then skip the +1 shift of the zero-centred mtp.* norms
+(mlx_vlm/speculative/drafters/mtp_split.py, MTPSplitter.transform).
+
+4-bit copies go through mlx_lm's convert (affine, 4 bits, group 64); the golden tokenizer files are
+then copied back over the ones convert re-saves (P2), and convert's README.md (it embeds the
+absolute source path) is dropped.
+
+Usage: make_models.py [NAME ...] [--no-quant]      (default: all random fixtures)
+"""
+
+import common  # noqa: F401  (offline guard first)
+
+import argparse
+import copy
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from common import MODELS, copy_tokenizer, die, fresh_dir, log, write_json
+
+VOCAB = 1024
+EOS = [2, 0]  # <|im_end|>, <|endoftext|>
+NORM_SIGMA = 0.1
+LINEAR_GAIN = 2.0  # measured: with gain 1 random llama repeats one token, with 2 no fixture does
+
+_LLAMA = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=128, num_hidden_layers=2,
+    intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    rms_norm_eps=1e-5, vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=10000.0,
+    attention_bias=False, mlp_bias=False, tie_word_embeddings=False, eos_token_id=EOS,
+)
+_LINEAR_ATTN = dict(
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+    linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
+_QWEN35_TEXT = dict(
+    model_type="qwen3_5_text", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, **_LINEAR_ATTN,
+    rms_norm_eps=1e-6, vocab_size=VOCAB, max_position_embeddings=4096, attention_bias=False,
+    tie_word_embeddings=False, hidden_act="silu", dtype="float32",
+    rope_parameters=dict(rope_type="default", type="default", rope_theta=100000.0,
+                         partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
+                         mrope_interleaved=True),
+    mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False, eos_token_id=EOS,
+)
+_QWEN35_VISION = dict(
+    model_type="qwen3_5", depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+    in_channels=3, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+    out_hidden_size=128, num_position_embeddings=64, deepstack_visual_indexes=[],
+    hidden_act="gelu_pytorch_tanh",
+)
+
+# name -> (seed, config). Every dimension a quantized Linear sees as input is a multiple of 64
+# (P11) and head_dim 32 is divisible by kv_group_size 32.
+SPECS = {
+    "llama": (1, _LLAMA),
+    "llama-draft": (2, {**_LLAMA, "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
+                        "num_attention_heads": 2, "num_key_value_heads": 1}),
+    "qwen3": (3, {**_LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                  "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}),
+    "gemma3": (4, dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=128,
+        num_hidden_layers=4, intermediate_size=256, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=32, query_pre_attn_scalar=32, sliding_window=16, sliding_window_pattern=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, rope_scaling=None, rms_norm_eps=1e-6, vocab_size=VOCAB,
+        max_position_embeddings=4096, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=False, eos_token_id=EOS)),
+    "qwen3_next": (5, dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_size=128,
+        num_hidden_layers=4, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, **_LINEAR_ATTN, num_experts=0, num_experts_per_tok=0, decoder_sparse_step=1,
+        shared_expert_intermediate_size=0, moe_intermediate_size=0, mlp_only_layers=[],
+        norm_topk_prob=True, rms_norm_eps=1e-6, vocab_size=VOCAB, max_position_embeddings=4096,
+        rope_theta=1000000.0, partial_rotary_factor=0.25, attention_bias=False,
+        tie_word_embeddings=False, eos_token_id=EOS)),
+    "qwen3_5": (6, dict(
+        architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
+        text_config=_QWEN35_TEXT, vision_config=_QWEN35_VISION, image_token_id=248056,
+        video_token_id=248057, vision_start_token_id=248053, vision_end_token_id=248054,
+        tie_word_embeddings=False, eos_token_id=EOS)),
+}
+
+# Norm weights that HF stores zero-centred and the oracles shift by +1 when loading a Qwen3.5 HF
+# checkpoint. The gated linear_attn.norm is not among them (HF stores it one-centred); in mtp.*
+# every norm is zero-centred. Same suffix logic as mlx_lm qwen3_5 sanitize / mlx_vlm
+# NORM_WEIGHT_SUFFIXES / _QWEN_MTP_NORM_SUFFIXES.
+QWEN35_TEXT_SHIFTED = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                       "language_model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+
+
+def hf_zero_centred(key: str) -> bool:
+    if key.startswith("mtp."):
+        return is_norm(key)
+    return key.endswith(QWEN35_TEXT_SHIFTED)
+
+
+def is_norm(key: str) -> bool:
+    """RMSNorm weights (input_layernorm, q_norm, linear_attn.norm, pre_fc_norm_hidden, ...)."""
+    *_, module, leaf = key.split(".")
+    return leaf == "weight" and "norm" in module and ".visual." not in key
+
+
+def tweak_init(weights: dict, seed: int, one_centred: bool) -> dict:
+    """Projections scaled by LINEAR_GAIN; norm weights with effective scale 1 + 0.1*N(0,1), stored as
+    0.1*N when not one-centred."""
+    key = mx.random.key(10_000 + seed)
+    out = {k: v * LINEAR_GAIN if v.ndim == 2 and "embed" not in k and ".visual." not in k else v
+           for k, v in weights.items()}
+    for name in sorted(k for k in weights if is_norm(k)):
+        key, sub = mx.random.split(key)
+        noise = NORM_SIGMA * mx.random.normal(weights[name].shape, key=sub)
+        out[name] = (1.0 + noise) if one_centred else noise
+    return out
+
+
+def build_mlx_lm(cfg: dict, seed: int) -> dict:
+    from mlx_lm.utils import _get_classes
+
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(copy.deepcopy(cfg)))
+    weights = dict(tree_flatten(model.parameters()))
+    if cfg.get("tie_word_embeddings") is False and not any(k.endswith("lm_head.weight") for k in weights):
+        die(f"{cfg['model_type']}: tie_word_embeddings=false but the model has no lm_head")
+    gemma = cfg["model_type"].startswith("gemma")
+    return tweak_init(weights, seed, one_centred=not gemma)
+
+
+def build_qwen3_5_hf(cfg: dict, seed: int) -> dict:
+    """Text model from mlx_lm, vision tower and MTP head from mlx_vlm, mapped to HF names/layouts."""
+    from mlx_lm.models import qwen3_5 as lm_qwen35
+    from mlx_vlm.models.qwen3_5.config import VisionConfig
+    from mlx_vlm.models.qwen3_5.vision import VisionModel
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp.config import Qwen3_5MTPConfig
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp.qwen3_5_mtp import Qwen3_5MTPDraftModel
+
+    mx.random.seed(seed)
+    text = lm_qwen35.Model(lm_qwen35.ModelArgs.from_dict(copy.deepcopy(cfg)))
+    mx.random.seed(seed + 100)
+    vision = VisionModel(VisionConfig.from_dict(copy.deepcopy(cfg["vision_config"])))
+    mx.random.seed(seed + 200)
+    mtp = Qwen3_5MTPDraftModel(Qwen3_5MTPConfig.from_dict({"text_config": copy.deepcopy(cfg["text_config"])}))
+
+    weights = {}
+    for k, v in tree_flatten(text.parameters()):
+        if k.startswith("language_model.model."):
+            k = "model.language_model." + k[len("language_model.model."):]
+        elif k == "language_model.lm_head.weight":
+            k = "lm_head.weight"
+        else:
+            die(f"unexpected qwen3_5 text parameter {k}")
+        weights[k] = v
+    weights.update({"model.visual." + k: v for k, v in tree_flatten(vision.parameters())})
+    weights.update({"mtp." + k: v for k, v in tree_flatten(mtp.parameters())})
+
+    weights = tweak_init(weights, seed, one_centred=True)
+    for k, v in weights.items():
+        if k.endswith("conv1d.weight"):  # MLX (C, K, 1) -> PyTorch (C, 1, K)
+            weights[k] = v.moveaxis(2, 1)
+        elif k.endswith("patch_embed.proj.weight"):  # MLX (O, T, H, W, C) -> PyTorch (O, C, T, H, W)
+            weights[k] = v.transpose(0, 4, 1, 2, 3)
+        elif hf_zero_centred(k):
+            weights[k] = v - 1.0  # zero-centred, as HF stores Qwen3_5RMSNorm
+    return weights
+
+
+def save(name: str, cfg: dict, weights: dict, fmt: str = "mlx") -> Path:
+    out = fresh_dir(MODELS / name)
+    weights = {k: weights[k].astype(mx.float32) if mx.issubdtype(weights[k].dtype, mx.floating)
+               else weights[k] for k in sorted(weights)}
+    mx.eval(list(weights.values()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": fmt})
+    write_json(out / "config.json", cfg)
+    copy_tokenizer(out)
+    n = sum(v.size for v in weights.values())
+    log(f"{name}: {n / 1e3:.0f}k params, {(out / 'model.safetensors').stat().st_size / 1e6:.2f} MB")
+    return out
+
+
+def quantize_copy(src: Path, dst: Path) -> Path:
+    """mlx_lm convert -q --q-bits 4 --q-group-size 64 (affine), then restore the tokenizer files."""
+    from mlx_lm.convert import convert
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    convert(hf_path=str(src), mlx_path=str(dst), quantize=True, q_group_size=64, q_bits=4,
+            q_mode="affine")
+    (dst / "README.md").unlink(missing_ok=True)  # model card with the absolute source path
+    for p in dst.iterdir():
+        if p.name not in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+            p.unlink()
+    copy_tokenizer(dst)
+    log(f"{dst.name}: {(dst / 'model.safetensors').stat().st_size / 1e6:.2f} MB")
+    return dst
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("names", nargs="*", help=f"subset of {list(SPECS)}")
+    ap.add_argument("--no-quant", action="store_true", help="skip the -4bit copies")
+    args = ap.parse_args()
+    for name in args.names:
+        if name not in SPECS:
+            die(f"unknown fixture {name!r}; known: {', '.join(SPECS)}")
+    for name in args.names or SPECS:
+        seed, cfg = SPECS[name]
+        if name == "qwen3_5":
+            src = save(name, cfg, build_qwen3_5_hf(cfg, seed), fmt="pt")
+        else:
+            src = save(name, cfg, build_mlx_lm(cfg, seed))
+        if not args.no_quant:
+            quantize_copy(src, MODELS / f"{name}-4bit")
+
+
+if __name__ == "__main__":
+    main()

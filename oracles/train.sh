@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Trains golden/models/qwen3-target and qwen3-draft (train_tiny.py) in parallel, one core each.
+# Reproducible bit for bit: Debian's single-threaded OpenBLAS is preloaded (the wheel's reference
+# BLAS is ~15x slower at sgemm) and pinned to one thread. Only the TRAINING uses OpenBLAS; every
+# golden output is produced with the stock wheel (fixtures-report P12).
+# Usage: oracles/train.sh [STEPS [OUT_ROOT]]   (defaults: 1500, golden/models)
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+py="$here/.venv/bin/python"
+blas=/usr/lib/x86_64-linux-gnu/openblas-serial/libopenblas.so.0
+[ -x "$py" ] || { echo "error: run oracles/venv.sh first" >&2; exit 2; }
+[ -f "$blas" ] || { echo "error: $blas missing (apt-get install libopenblas0-serial)" >&2; exit 2; }
+steps="${1:-1500}"
+root="$(realpath -m "${2:-$here/../golden/models}")"
+export HF_HUB_OFFLINE=1 OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+export TRANSFORMERS_VERBOSITY=error PYTHONDONTWRITEBYTECODE=1
+export HF_HUB_CACHE="$(mktemp -d)"
+trap 'rm -rf "$HF_HUB_CACHE"' EXIT
+start=$SECONDS
+pids=()
+for which in target draft; do
+  LD_PRELOAD="$blas" "$py" "$here/train_tiny.py" "$which" --steps "$steps" \
+    --out "$root/qwen3-$which" > >(sed -u "s/^/[$which] /") 2>&1 &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+echo "training finished in $((SECONDS - start)) s (status $status)"
+exit $status

@@ -1,0 +1,167 @@
+"""Train the tiny qwen3 target (~1M params) or its ~5x smaller draft on the stdlib corpus, on CPU.
+
+Why trained fixtures: random models give meaningless speculative acceptance (fixtures-report P13);
+these two produce Python-like text and chat answers ending in <|im_end|>, so acceptance rates,
+finish reasons and traces mean something. The weights are committed; CI never trains.
+
+Data: the pinned stdlib training files plus chat pairs (rendered with the golden chat template,
+4 copies), each document followed by <|endoftext|>; validation = the held-out files and their chat
+pairs (corpus.split). Batches are random 128-token windows from a seeded numpy Generator.
+Model: mlx_lm's qwen3 class, tied embeddings, default MLX init under a fixed seed.
+Optimisation: compiled step, AdamW (wd 0.01), 50 warmup steps then cosine 3e-3 -> 1.5e-4,
+grad-norm clip 1.0, batch 16 x 128, fixed step count.
+Reproducible bit for bit when run through train.sh (serial OpenBLAS, one thread): same command,
+same weights and training_log.json.
+
+Usage: train_tiny.py {target,draft} [--steps N] [--out DIR]
+"""
+
+import common  # noqa: F401  (offline guard first)
+
+import argparse
+import hashlib
+import math
+import os
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+import corpus
+from common import MODELS, TOKENIZER, copy_tokenizer, die, fresh_dir, log, write_json
+
+BASE = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=1024, head_dim=32,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096,
+    tie_word_embeddings=True, eos_token_id=[2, 0],
+)
+SPECS = {  # name -> (folder, seed, config)
+    "target": ("qwen3-target", 0, {**BASE, "hidden_size": 128, "num_hidden_layers": 4,
+                                   "intermediate_size": 384, "num_attention_heads": 4,
+                                   "num_key_value_heads": 2}),
+    "draft": ("qwen3-draft", 1, {**BASE, "hidden_size": 64, "num_hidden_layers": 2,
+                                 "intermediate_size": 192, "num_attention_heads": 2,
+                                 "num_key_value_heads": 1}),
+}
+STEPS, BATCH, SEQ = 1500, 16, 128
+LR, LR_END, WARMUP, WD, CLIP = 3e-3, 1.5e-4, 50, 0.01, 1.0
+CHAT_COPIES = 4
+EVAL_EVERY, EVAL_WINDOWS = 250, 64
+
+
+def token_streams():
+    """(train, val) int32 token arrays; documents separated by <|endoftext|> (id 0)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    chat = PreTrainedTokenizerFast.from_pretrained(str(TOKENIZER))
+
+    def docs(files, copies):
+        out = [text for _, text in files]
+        for q, a in corpus.chat_pairs(files):
+            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            out += [chat.apply_chat_template(msgs, tokenize=False)] * copies
+        return out
+
+    def stream(texts):
+        ids = []
+        for enc in tok.encode_batch(texts, add_special_tokens=False):
+            ids += enc.ids + [0]
+        return np.array(ids, dtype=np.int32)
+
+    train, held = corpus.split(corpus.load_sources())
+    return stream(docs(train, CHAT_COPIES)), stream(docs(held, 1))
+
+
+def build(cfg: dict, seed: int):
+    from mlx_lm.utils import _get_classes
+
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(seed)
+    return model_cls(args_cls.from_dict(dict(cfg)))
+
+
+def loss_fn(model, x, y):
+    return nn.losses.cross_entropy(model(x), y, reduction="mean")
+
+
+def train(name: str, steps: int, out: Path):
+    folder, seed, cfg = SPECS[name]
+    log(f"{name}: tokenizing the corpus")
+    train_ids, val_ids = token_streams()
+    log(f"{name}: {len(train_ids)} train / {len(val_ids)} val tokens")
+    model = build(cfg, seed)
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(0.0, LR, WARMUP), optim.cosine_decay(LR, max(1, steps - WARMUP), LR_END)],
+        [WARMUP])
+    opt = optim.AdamW(learning_rate=schedule, weight_decay=WD)
+    state = [model.state, opt.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(x, y):
+        loss, grads = nn.value_and_grad(model, loss_fn)(model, x, y)
+        grads, _ = optim.clip_grad_norm(grads, CLIP)
+        opt.update(model, grads)
+        return loss
+
+    val_starts = np.linspace(0, len(val_ids) - SEQ - 2, EVAL_WINDOWS).astype(np.int64)
+    vx = mx.array(np.stack([val_ids[s:s + SEQ] for s in val_starts]))
+    vy = mx.array(np.stack([val_ids[s + 1:s + SEQ + 1] for s in val_starts]))
+
+    def val_loss():
+        return float(loss_fn(model, vx, vy))
+
+    rng = np.random.default_rng(seed)
+    losses, evals = [], []
+    log(f"{name}: {n_params / 1e3:.0f}k params, {steps} steps of {BATCH}x{SEQ}")
+    for i in range(1, steps + 1):
+        starts = rng.integers(0, len(train_ids) - SEQ - 1, size=BATCH)
+        x = mx.array(np.stack([train_ids[s:s + SEQ] for s in starts]))
+        y = mx.array(np.stack([train_ids[s + 1:s + SEQ + 1] for s in starts]))
+        loss = step(x, y)
+        mx.eval(state)
+        losses.append(round(float(loss), 5))
+        if not math.isfinite(losses[-1]):
+            die(f"{name}: loss diverged at step {i}")
+        if i % EVAL_EVERY == 0 or i == steps:
+            evals.append({"step": i, "val_loss": round(val_loss(), 5)})
+            log(f"{name}: step {i} loss {losses[-1]:.3f} val {evals[-1]['val_loss']:.3f}")
+
+    out = fresh_dir(out)
+    weights = dict(sorted(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    write_json(out / "config.json", cfg)
+    copy_tokenizer(out)
+    write_json(out / "training_log.json", {
+        "model": folder, "params": n_params, "seed": seed, "steps": steps, "batch": BATCH,
+        "seq": SEQ, "train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids)),
+        "optimizer": {"name": "AdamW", "lr": LR, "lr_end": LR_END, "warmup": WARMUP,
+                      "schedule": "linear warmup then cosine", "weight_decay": WD, "grad_clip": CLIP},
+        "blas": os.environ.get("LD_PRELOAD", "") and Path(os.environ["LD_PRELOAD"]).name,
+        "val": evals, "loss": losses,
+    })
+    digest = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    log(f"{name}: saved {out} (model.safetensors sha256 {digest[:16]})")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("which", choices=sorted(SPECS))
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--out", type=Path, help="output folder (default golden/models/<name>)")
+    args = ap.parse_args()
+    if args.steps < 1:
+        die("--steps must be positive")
+    if not os.environ.get("LD_PRELOAD"):
+        log("warning: no OpenBLAS preloaded (use train.sh); training will be ~6x slower")
+    train(args.which, args.steps, (args.out or MODELS / SPECS[args.which][0]).resolve())
+
+
+if __name__ == "__main__":
+    main()
