@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::trace::{FinishReason, Step, Tier, Trace};
+use crate::trace::{FinishReason, Parity, Step, Tier, Trace};
 
 /// What an engine produced when it replayed a trace.
 #[derive(Clone, Debug, PartialEq)]
@@ -121,10 +121,36 @@ pub fn margin(step: &Step) -> Option<f32> {
     }
 }
 
-/// Compares a run with the trace under the trace's tier.
-pub fn compare(trace: &Trace, run: &Generation) -> Verdict {
-    let tier = trace.parity.tier;
-    let tolerance = trace.parity.logprob_tolerance.unwrap_or(0.0) as f32;
+/// The logprob tolerance of a trace replayed on another device than it was recorded on (a CPU
+/// golden on Metal): kernels differ, so only tokens must match exactly (tier B).
+pub const CROSS_DEVICE_TOLERANCE: f64 = 1e-3;
+
+/// The parity a trace demands when replayed on `device`: its own, or tier B with
+/// [`CROSS_DEVICE_TOLERANCE`] when the oracle ran on another device.
+pub fn parity_on(trace: &Trace, device: &str) -> Parity {
+    if trace.oracle.device == device {
+        return trace.parity.clone();
+    }
+    let tolerance = trace
+        .parity
+        .logprob_tolerance
+        .unwrap_or(0.0)
+        .max(CROSS_DEVICE_TOLERANCE);
+    Parity {
+        tier: Tier::B,
+        logprob_tolerance: Some(tolerance),
+        reason: Some(format!(
+            "recorded on {}, replayed on {device}",
+            trace.oracle.device
+        )),
+    }
+}
+
+/// Compares a run on `device` with the trace, under [`parity_on`].
+pub fn compare(trace: &Trace, run: &Generation, device: &str) -> Verdict {
+    let parity = parity_on(trace, device);
+    let tier = parity.tier;
+    let tolerance = parity.logprob_tolerance.unwrap_or(0.0) as f32;
     let near_tie_margin = match tier {
         Tier::A => NEAR_TIE_MARGIN,
         Tier::B => NEAR_TIE_MARGIN.max(2.0 * tolerance),

@@ -15,6 +15,7 @@ pub fn divergence_report(
     trace: &Trace,
     run: &Generation,
     verdict: &Verdict,
+    device: &str,
     decode: &dyn Fn(&[u32]) -> String,
 ) -> String {
     let Some(d) = verdict.divergence() else {
@@ -31,7 +32,7 @@ pub fn divergence_report(
         trace.id,
         d.step,
         trace.steps.len(),
-        trace.parity.tier
+        crate::compare::parity_on(trace, device).tier
     );
     let _ = writeln!(out, "  {}", d.kind);
     let describe = |side: &str, step: Option<&crate::trace::Step>| match step {

@@ -65,6 +65,9 @@ pub struct Prompt {
     pub text: Option<String>,
     #[serde(default)]
     pub chat: bool,
+    /// For chat prompts: the rendered template the oracle tokenized.
+    #[serde(default)]
+    pub rendered: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

@@ -53,6 +53,8 @@ void reset_peak_memory();
 void clear_cache();
 rust::String version();
 void use_cpu();
+void use_gpu();
+bool gpu_available();
 
 ArrayPtr unary(UnaryOp op, const Array& a);
 ArrayPtr binary(BinaryOp op, const Array& a, const Array& b);

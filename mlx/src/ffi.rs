@@ -118,6 +118,8 @@ pub(crate) mod bridge {
         fn clear_cache();
         fn version() -> String;
         fn use_cpu() -> Result<()>;
+        fn use_gpu() -> Result<()>;
+        fn gpu_available() -> bool;
 
         // Generic element-wise ops and reductions.
         fn unary(op: UnaryOp, a: &Array) -> Result<UniquePtr<Array>>;

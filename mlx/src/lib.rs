@@ -38,9 +38,44 @@ pub fn version() -> String {
     bridge::version()
 }
 
-/// Makes the CPU the default device of this process (the oracle goldens are CPU runs).
+/// A device MLX can run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Gpu,
+}
+
+impl Device {
+    /// The name traces record: "cpu" or "gpu".
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Gpu => "gpu",
+        }
+    }
+
+    /// The GPU (Metal) when this build has one, else the CPU.
+    pub fn best_available() -> Device {
+        if bridge::gpu_available() {
+            Device::Gpu
+        } else {
+            Device::Cpu
+        }
+    }
+}
+
+/// Makes `device` the default device of this process.
+pub fn set_default_device(device: Device) -> Result<()> {
+    match device {
+        Device::Cpu => bridge::use_cpu()?,
+        Device::Gpu => bridge::use_gpu()?,
+    }
+    Ok(())
+}
+
+/// Makes the CPU the default device of this process (the committed goldens are CPU runs).
 pub fn use_cpu() -> Result<()> {
-    Ok(bridge::use_cpu()?)
+    set_default_device(Device::Cpu)
 }
 
 /// Memory accounting, as `mx.get_peak_memory()` and friends report it (bytes).
@@ -62,5 +97,29 @@ pub mod memory {
     /// `mx.clear_cache()`: returns cached buffers to the system.
     pub fn clear_cache() {
         bridge::clear_cache()
+    }
+}
+
+/// Where MLX keeps the kernels `mx::compile` JIT-builds on CPU: `<temp dir>/mlx/<version>/cpu`,
+/// shared by every process, written without locking. Parallel test processes (nextest runs one
+/// process per test) could then read a kernel another is still compiling.
+pub mod jit {
+    /// Under nextest, points this process's temp dir (and so MLX's JIT cache) at a folder of its
+    /// own test slot: processes running at the same time never share one, and the tests that
+    /// run one after another in a slot reuse its kernels. Does nothing outside nextest.
+    ///
+    /// Call it first thing in a test, before any MLX work or other threads start.
+    pub fn isolate_per_test_slot() {
+        let Ok(slot) = std::env::var("NEXTEST_TEST_GLOBAL_SLOT") else {
+            return;
+        };
+        let name = format!("verity-mlx-jit-slot-{slot}");
+        if std::env::temp_dir().ends_with(&name) {
+            return;
+        }
+        let dir = std::env::temp_dir().join(name);
+        if std::fs::create_dir_all(&dir).is_ok() {
+            std::env::set_var("TMPDIR", &dir);
+        }
     }
 }

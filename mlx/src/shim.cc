@@ -212,6 +212,8 @@ void reset_peak_memory() { mx::reset_peak_memory(); }
 void clear_cache() { mx::clear_cache(); }
 rust::String version() { return mx::version(); }
 void use_cpu() { mx::set_default_device(mx::Device::cpu); }
+void use_gpu() { mx::set_default_device(mx::Device::gpu); }
+bool gpu_available() { return mx::is_available(mx::Device::gpu); }
 
 ArrayPtr unary(UnaryOp op, const Array& a) {
   const auto& x = a.inner;

@@ -1,0 +1,239 @@
+"""Records golden token traces (format verity-trace/1, DESIGN.md section 5) with mlx-lm.
+
+Reads golden/MANIFEST.toml, expands its groups (models x variants x prompts) into cases, runs each
+through mlx_lm.stream_generate exactly as `mlx_lm.generate` would (chat template, encoding,
+sampler and processor construction, seeding), and writes golden/traces/<id>.json. Traces it did
+not write this run are deleted, so the folder always equals the manifest.
+
+    oracles/.venv/bin/python oracles/record.py [--only SUBSTRING] [--check] [--device gpu]
+
+--device gpu (an M-series Mac with the mlx-metal wheel) records the Metal set into
+golden/traces-gpu; the default CPU set, golden/traces, is the committed one.
+
+--check records into memory and compares with the committed files instead of writing: exit 1
+if any trace would change (recording is deterministic, so this is how CI-side drift shows).
+"""
+
+import argparse
+import json
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+from mlx_lm import load, stream_generate
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "golden"
+TOP_K = 5
+
+SAMPLER_KEYS = {"temp", "top_p", "min_p", "min_tokens_to_keep", "top_k", "xtc_probability", "xtc_threshold"}
+PROCESSOR_KEYS = {
+    "logit_bias", "repetition_penalty", "repetition_context_size", "presence_penalty",
+    "presence_context_size", "frequency_penalty", "frequency_context_size",
+}
+GENERATION_KEYS = {
+    "max_tokens", "seed", "prefill_step_size", "max_kv_size", "kv_bits", "kv_group_size",
+    "quantized_kv_start", "draft", "num_draft_tokens", "tier", "logprob_tolerance", "reason",
+}
+DEFAULTS = {
+    "temp": 0.0, "top_p": 0.0, "min_p": 0.0, "min_tokens_to_keep": 1, "top_k": 0,
+    "xtc_probability": 0.0, "xtc_threshold": 0.1,
+    "logit_bias": None, "repetition_penalty": None, "repetition_context_size": 20,
+    "presence_penalty": None, "presence_context_size": 20, "frequency_penalty": None,
+    "frequency_context_size": 20,
+    "max_tokens": 48, "seed": None, "prefill_step_size": 2048, "max_kv_size": None,
+    "kv_bits": None, "kv_group_size": 64, "quantized_kv_start": 5000, "draft": None,
+    "num_draft_tokens": 3, "tier": "A", "logprob_tolerance": None, "reason": None,
+}
+
+
+class ManifestError(ValueError):
+    pass
+
+
+def expand(manifest):
+    """Yields one case dict per (group, model, variant, prompt), validated."""
+    if manifest.get("format") != "verity-manifest/1":
+        raise ManifestError("MANIFEST.toml: format must be 'verity-manifest/1'")
+    prompts, variants = manifest.get("prompts", {}), manifest.get("variants", {})
+    defaults = dict(DEFAULTS, **manifest.get("defaults", {}))
+    seen = set()
+    for g, group in enumerate(manifest.get("group", [])):
+        for key in ("suite", "models", "variants", "prompts"):
+            if key not in group:
+                raise ManifestError(f"group #{g + 1} lacks '{key}'")
+        for model in group["models"]:
+            for vname in group["variants"]:
+                if vname not in variants:
+                    raise ManifestError(f"group #{g + 1}: unknown variant '{vname}'")
+                params = dict(defaults, **variants[vname])
+                unknown = set(variants[vname]) - SAMPLER_KEYS - PROCESSOR_KEYS - GENERATION_KEYS
+                if unknown:
+                    raise ManifestError(f"variant '{vname}': unknown keys {sorted(unknown)}")
+                if params["temp"] > 0 and params["seed"] is None:
+                    raise ManifestError(f"variant '{vname}': sampling without a seed cannot be replayed")
+                for pname in group["prompts"]:
+                    if pname not in prompts:
+                        raise ManifestError(f"group #{g + 1}: unknown prompt '{pname}'")
+                    case_id = f"{model}/{vname}/{pname}"
+                    if case_id in seen:
+                        raise ManifestError(f"case {case_id} appears twice")
+                    seen.add(case_id)
+                    yield {"id": case_id, "suite": group["suite"], "model": model,
+                           "prompt": prompts[pname], "params": params}
+
+
+class Models:
+    """Loads each fixture once (a whole run touches ~20 folders)."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def get(self, name):
+        if name not in self.cache:
+            path = GOLDEN / "models" / name
+            if not (path / "config.json").is_file():
+                raise ManifestError(f"model folder {path} has no config.json")
+            self.cache[name] = load(str(path))
+        return self.cache[name]
+
+
+def prompt_tokens(tokenizer, prompt):
+    """What mlx_lm.generate's main() feeds the model (generate.py:2090-2131): the rendered chat
+    template (or None for raw text) and the token ids."""
+    text = prompt["text"]
+    if prompt.get("chat", False):
+        messages = [{"role": "user", "content": text}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return rendered, tokenizer.encode(rendered, add_special_tokens=False)
+    return None, tokenizer.encode(text, add_special_tokens=True)
+
+
+def top_entries(logprobs):
+    """The TOP_K best (id, logprob): logprob descending, then id ascending."""
+    lp = np.array(logprobs.astype(mx.float32))
+    order = np.lexsort((np.arange(lp.size), -lp))[:TOP_K]
+    return [[int(i), float(lp[i])] for i in order]
+
+
+def record_case(case, models):
+    p = case["params"]
+    model, tokenizer = models.get(case["model"])
+    rendered, tokens = prompt_tokens(tokenizer, case["prompt"])
+    eos = sorted(tokenizer.eos_token_ids)
+    xtc_special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
+    sampler_args = {k: p[k] for k in sorted(SAMPLER_KEYS)}
+    sampler = make_sampler(**sampler_args, xtc_special_tokens=xtc_special)
+    bias = {int(k): float(v) for k, v in p["logit_bias"].items()} if p["logit_bias"] else None
+    processors = make_logits_processors(
+        bias, p["repetition_penalty"], p["repetition_context_size"], p["presence_penalty"],
+        p["presence_context_size"], p["frequency_penalty"], p["frequency_context_size"],
+    )
+    kwargs = dict(
+        max_tokens=p["max_tokens"], sampler=sampler, logits_processors=processors,
+        prefill_step_size=p["prefill_step_size"], max_kv_size=p["max_kv_size"],
+        kv_bits=p["kv_bits"], kv_group_size=p["kv_group_size"],
+        quantized_kv_start=p["quantized_kv_start"],
+    )
+    draft = None
+    if p["draft"] is not None:
+        draft = {"kind": "model", "model": f"golden/models/{p['draft']}",
+                 "num_draft_tokens": p["num_draft_tokens"]}
+        kwargs["draft_model"] = models.get(p["draft"])[0]
+        kwargs["num_draft_tokens"] = p["num_draft_tokens"]
+    if p["seed"] is not None:
+        mx.random.seed(p["seed"])
+    steps, finish, count, generated = [], None, 0, []
+    for r in stream_generate(model, tokenizer, tokens, **kwargs):
+        steps.append({"token": int(r.token), "logprob": float(r.logprobs[r.token].astype(mx.float32).item()),
+                      "top": top_entries(r.logprobs), "from_draft": bool(r.from_draft)})
+        generated.append(int(r.token))
+        finish, count = r.finish_reason, r.generation_tokens
+    trace = {
+        "format": "verity-trace/1",
+        "id": case["id"],
+        "suite": case["suite"],
+        "oracle": {"tool": "mlx-lm", "tool_version": mlx_lm.__version__,
+                   "mlx_version": mx.__version__, "device": str(mx.default_device().type).split(".")[-1]},
+        "model": f"golden/models/{case['model']}",
+        "draft": draft,
+        "prompt": {"tokens": [int(t) for t in tokens], "text": case["prompt"]["text"],
+                   "chat": bool(case["prompt"].get("chat", False)), "rendered": rendered},
+        "params": {
+            "max_tokens": p["max_tokens"], "seed": p["seed"],
+            "sampler": dict(sampler_args, xtc_special_tokens=xtc_special),
+            "processors": {"logit_bias": {str(k): v for k, v in bias.items()} if bias else None,
+                           **{k: p[k] for k in sorted(PROCESSOR_KEYS - {"logit_bias"})}},
+            "prefill_step_size": p["prefill_step_size"], "max_kv_size": p["max_kv_size"],
+            "kv_bits": p["kv_bits"], "kv_group_size": p["kv_group_size"],
+            "quantized_kv_start": p["quantized_kv_start"],
+        },
+        "parity": {"tier": p["tier"], "logprob_tolerance": p["logprob_tolerance"], "reason": p["reason"]},
+        "eos_token_ids": eos,
+        "steps": steps,
+        "finish_reason": finish,
+        "generation_tokens": count,
+        "text": tokenizer.decode(generated),
+    }
+    return trace
+
+
+def dumps(trace):
+    """Stable, reviewable JSON: objects indented, lists of scalars and steps on one line each."""
+
+    def enc(v, pad):
+        if isinstance(v, dict):
+            inner = ",\n".join(f"{pad} {json.dumps(k)}: {enc(x, pad + ' ')}" for k, x in v.items())
+            return "{\n" + inner + "\n" + pad + "}" if v else "{}"
+        if isinstance(v, list) and any(isinstance(x, dict) for x in v):
+            return "[\n" + ",\n".join(f"{pad} {json.dumps(x, ensure_ascii=False)}" for x in v) + "\n" + pad + "]"
+        return json.dumps(v, ensure_ascii=False)
+
+    return enc(trace, "") + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help="record only cases whose id contains this")
+    ap.add_argument("--check", action="store_true", help="compare with committed traces, write nothing")
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="device to record on")
+    args = ap.parse_args()
+    mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
+    manifest = tomllib.loads((GOLDEN / "MANIFEST.toml").read_text())
+    cases = [c for c in expand(manifest) if not args.only or args.only in c["id"]]
+    out_dir = GOLDEN / ("traces" if args.device == "cpu" else f"traces-{args.device}")
+    models, written, changed = Models(), set(), []
+    for case in tqdm(cases, desc="recording traces", unit="trace"):
+        path = out_dir / f"{case['id']}.json"
+        text = dumps(record_case(case, models))
+        written.add(path)
+        if args.check:
+            if not path.is_file() or path.read_text() != text:
+                changed.append(case["id"])
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    stale = [] if args.only else [p for p in out_dir.rglob("*.json") if p not in written]
+    if args.check:
+        problems = changed + [f"stale {p.relative_to(out_dir)}" for p in stale]
+        print("\n".join(problems) if problems else f"{len(cases)} traces unchanged")
+        sys.exit(1 if problems else 0)
+    for p in stale:
+        p.unlink()
+    print(f"recorded {len(cases)} traces into {out_dir.relative_to(ROOT)}, removed {len(stale)} stale")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ManifestError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,204 @@
+//! mlx-lm's RotatingKVCache (sliding windows and max_kv_size): a ring buffer of `max_size`
+//! slots whose first `keep` slots are never overwritten. Multi-token updates re-order it in
+//! time and let it grow to `max_size - 1 + S` so every new query sees a full window.
+
+use mlx::{ops, Array, Dtype, Result};
+
+use super::kv::{seq, write_seq};
+use super::mask::create_causal_mask;
+use super::{Mask, STEP};
+
+pub struct RotatingKvCache {
+    pub(crate) keys: Option<Array>,
+    pub(crate) values: Option<Array>,
+    /// Tokens seen in total.
+    pub offset: usize,
+    pub max_size: usize,
+    pub keep: usize,
+    /// The physical write cursor.
+    pub(crate) idx: usize,
+}
+
+impl RotatingKvCache {
+    pub fn new(max_size: usize, keep: usize) -> RotatingKvCache {
+        RotatingKvCache {
+            keys: None,
+            values: None,
+            offset: 0,
+            max_size,
+            keep,
+            idx: 0,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| k.dim(2) as usize)
+    }
+
+    /// `_trim`: keep the first `keep` slots, drop the next `trim_size`, append `append`.
+    fn trim_buffer(&self, trim_size: i32, v: &Array, append: Option<&Array>) -> Result<Array> {
+        let keep = self.keep as i32;
+        let mut parts = if trim_size > 0 {
+            vec![seq(v, 0, keep)?, seq(v, trim_size + keep, v.dim(2))?]
+        } else {
+            vec![v.clone()]
+        };
+        if let Some(a) = append {
+            parts.push(a.clone());
+        }
+        ops::concatenate(&parts.iter().collect::<Vec<_>>(), 2)
+    }
+
+    /// `_temporal_order`: the buffer in time order, unused tail sliced off.
+    fn temporal_order(&self, v: &Array) -> Result<Array> {
+        let (idx, keep) = (self.idx as i32, self.keep as i32);
+        let n = v.dim(2);
+        if idx == n {
+            Ok(v.clone())
+        } else if (self.idx) < self.offset {
+            let parts = [seq(v, 0, keep)?, seq(v, idx, n)?, seq(v, keep, idx)?];
+            ops::concatenate(&parts.iter().collect::<Vec<_>>(), 2)
+        } else {
+            seq(v, 0, idx)
+        }
+    }
+
+    fn update_concat(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        match (self.keys.take(), self.values.take()) {
+            (Some(k), Some(v)) => {
+                let k = self.temporal_order(&k)?;
+                let v = self.temporal_order(&v)?;
+                self.idx = k.dim(2) as usize;
+                let trim_size = self.idx as i32 - self.max_size as i32 + 1;
+                self.keys = Some(self.trim_buffer(trim_size, &k, Some(keys))?);
+                self.values = Some(self.trim_buffer(trim_size, &v, Some(values))?);
+            }
+            _ => {
+                self.keys = Some(keys.clone());
+                self.values = Some(values.clone());
+            }
+        }
+        self.offset += keys.dim(2) as usize;
+        self.idx = self.len();
+        Ok((self.keys.clone().unwrap(), self.values.clone().unwrap()))
+    }
+
+    fn update_in_place(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let ks = keys.shape();
+        let s = ks[2] as usize;
+        let prev = self.offset;
+        if self.keys.is_none() || (prev >= self.len() && self.len() < self.max_size) {
+            let new_size = (STEP as usize).min(self.max_size - prev) as i32;
+            let new_k = Array::zeros(&[ks[0], ks[1], new_size, ks[3]], keys.dtype())?;
+            let new_v = Array::zeros(&[ks[0], ks[1], new_size, values.dim(3)], values.dtype())?;
+            match (self.keys.take(), self.values.take()) {
+                (Some(k), Some(v)) => {
+                    self.keys = Some(ops::concatenate(&[&k, &new_k], 2)?);
+                    self.values = Some(ops::concatenate(&[&v, &new_v], 2)?);
+                }
+                _ => {
+                    self.keys = Some(new_k);
+                    self.values = Some(new_v);
+                }
+            }
+            self.idx = prev;
+        }
+        let trim_size = self.len() as i32 - self.max_size as i32;
+        if trim_size > 0 {
+            let (k, v) = (self.keys.take().unwrap(), self.values.take().unwrap());
+            self.keys = Some(self.trim_buffer(trim_size, &k, None)?);
+            self.values = Some(self.trim_buffer(trim_size, &v, None)?);
+            self.idx = self.max_size;
+        }
+        if self.idx == self.max_size {
+            self.idx = self.keep;
+        }
+        let (k, v) = (self.keys.take().unwrap(), self.values.take().unwrap());
+        self.keys = Some(write_seq(&k, keys, self.idx as i32)?);
+        self.values = Some(write_seq(&v, values, self.idx as i32)?);
+        self.offset += s;
+        self.idx += s;
+        let (k, v) = (self.keys.as_ref().unwrap(), self.values.as_ref().unwrap());
+        if (self.offset as i32) < k.dim(2) {
+            Ok((
+                seq(k, 0, self.offset as i32)?,
+                seq(v, 0, self.offset as i32)?,
+            ))
+        } else {
+            Ok((k.clone(), v.clone()))
+        }
+    }
+
+    pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        if keys.dim(2) == 1 {
+            self.update_in_place(keys, values)
+        } else {
+            self.update_concat(keys, values)
+        }
+    }
+
+    pub fn make_mask(&self, n: usize, window: Option<usize>) -> Result<Mask> {
+        if n > 1 {
+            let window = window.unwrap_or(self.max_size);
+            let offset = (self.max_size - 1).min(self.offset);
+            return if offset + n > window {
+                Ok(Mask::Array(create_causal_mask(n, offset, Some(window))?))
+            } else {
+                Ok(Mask::Causal)
+            };
+        }
+        let Some(window) = window else {
+            return Ok(Mask::None);
+        };
+        if self.offset >= window && self.max_size > window {
+            let idx = if self.idx >= self.max_size {
+                0
+            } else {
+                self.idx
+            };
+            let mask_size = if self.offset < self.max_size {
+                self.offset + 1
+            } else {
+                self.max_size
+            };
+            let positions = Array::arange(0.0, mask_size as f64, 1.0, Dtype::Int32)?;
+            let mask = positions.greater_equal(&Array::from_i32((mask_size - window) as i32))?;
+            return Ok(Mask::Array(roll(&mask, idx + 1)?));
+        }
+        Ok(Mask::None)
+    }
+
+    pub fn state(&self) -> Vec<&Array> {
+        self.keys.iter().chain(self.values.iter()).collect()
+    }
+
+    /// Whether trimming is still exact: only before the buffer has wrapped.
+    pub fn is_trimmable(&self) -> bool {
+        self.offset < self.max_size
+    }
+
+    /// mlx-lm's trim: moves the offset and cursor back (exact only while trimmable).
+    pub fn trim(&mut self, n: usize) -> usize {
+        let n = n.min(self.offset);
+        self.offset -= n;
+        self.idx = self.idx.saturating_sub(n);
+        n
+    }
+}
+
+/// `mx.roll(x, shift)` for a 1-D array.
+fn roll(x: &Array, shift: usize) -> Result<Array> {
+    let n = x.dim(0) as usize;
+    let shift = (shift % n) as i32;
+    if shift == 0 {
+        return Ok(x.clone());
+    }
+    let n = n as i32;
+    ops::concatenate(
+        &[
+            &x.slice_axis(0, n - shift, n)?,
+            &x.slice_axis(0, 0, n - shift)?,
+        ],
+        0,
+    )
+}

@@ -1,0 +1,203 @@
+//! `verity generate`: mlx_lm.generate's flags and behaviour (chat template on by default, text
+//! streamed to stdout, speed and peak memory on stderr).
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use serde_json::json;
+use verity::cache::KvQuantization;
+use verity::generate::{GenerateParams, Generation};
+use verity::replay::Loaded;
+use verity_harness::trace::{FinishReason, ProcessorParams, SamplerParams};
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// Model folder (config.json, model*.safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt text; "-" reads standard input.
+    #[arg(long, short, default_value = "hello")]
+    prompt: String,
+    #[arg(long, short = 'm', default_value_t = 100)]
+    max_tokens: usize,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temp: f64,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f64,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1)]
+    min_tokens_to_keep: usize,
+    #[arg(long, default_value_t = 0.0)]
+    xtc_probability: f64,
+    #[arg(long, default_value_t = 0.1)]
+    xtc_threshold: f64,
+    /// Random seed; sampling without one uses seed 0, so every run is reproducible.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Feed the prompt as raw text, without the model's chat template.
+    #[arg(long)]
+    ignore_chat_template: bool,
+    #[arg(long)]
+    system_prompt: Option<String>,
+    /// Additive logit bias, TOKEN_ID=BIAS (repeatable).
+    #[arg(long, value_parser = parse_bias)]
+    logit_bias: Vec<(u32, f64)>,
+    #[arg(long)]
+    repetition_penalty: Option<f64>,
+    #[arg(long, default_value_t = 20)]
+    repetition_context_size: usize,
+    #[arg(long)]
+    presence_penalty: Option<f64>,
+    #[arg(long, default_value_t = 20)]
+    presence_context_size: usize,
+    #[arg(long)]
+    frequency_penalty: Option<f64>,
+    #[arg(long, default_value_t = 20)]
+    frequency_context_size: usize,
+    /// Rotating KV cache of this many tokens (models without their own cache layout).
+    #[arg(long)]
+    max_kv_size: Option<usize>,
+    /// Quantize the KV cache to this many bits (4 or 8).
+    #[arg(long)]
+    kv_bits: Option<i32>,
+    #[arg(long, default_value_t = 64)]
+    kv_group_size: i32,
+    #[arg(long, default_value_t = 5000)]
+    quantized_kv_start: usize,
+    #[arg(long, default_value_t = 2048)]
+    prefill_step_size: usize,
+}
+
+fn parse_bias(s: &str) -> Result<(u32, f64), String> {
+    let (id, bias) = s.split_once('=').ok_or("expected TOKEN_ID=BIAS")?;
+    Ok((
+        id.trim().parse().map_err(|_| "bad token id")?,
+        bias.trim().parse().map_err(|_| "bad bias")?,
+    ))
+}
+
+pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
+    let loaded = Loaded::load(&a.model)?;
+    let mut text = a.prompt.clone();
+    if text == "-" {
+        text.clear();
+        std::io::stdin()
+            .read_to_string(&mut text)
+            .context("reading the prompt from stdin")?;
+    }
+    let tok = &loaded.tokenizer;
+    let use_chat = !a.ignore_chat_template && tok.has_chat_template();
+    let prompt = if use_chat {
+        let mut messages = Vec::new();
+        if let Some(system) = &a.system_prompt {
+            messages.push(json!({"role": "system", "content": system}));
+        }
+        messages.push(json!({"role": "user", "content": text}));
+        let rendered = tok.apply_chat_template(&messages, true, &serde_json::Map::new())?;
+        tok.encode(&rendered, false)?
+    } else {
+        tok.encode(&text, true)?
+    };
+    if a.kv_bits.is_some_and(|b| b != 4 && b != 8) {
+        bail!("--kv-bits must be 4 or 8");
+    }
+    if a.max_kv_size.is_some() && loaded.model.model.ignores_max_kv_size() {
+        eprintln!(
+            "note: this model builds its own caches; --max-kv-size is ignored (as in mlx-lm)"
+        );
+    }
+    let seed = match (a.seed, a.temp > 0.0) {
+        (Some(s), _) => Some(s),
+        (None, true) => {
+            eprintln!("note: no --seed given; sampling with seed 0");
+            Some(0)
+        }
+        (None, false) => None,
+    };
+    let mut xtc_special_tokens = tok.encode("\n", false)?;
+    xtc_special_tokens.extend(&loaded.eos_token_ids);
+    let params = GenerateParams {
+        max_tokens: a.max_tokens,
+        sampler: SamplerParams {
+            temp: a.temp,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            min_tokens_to_keep: a.min_tokens_to_keep,
+            top_k: a.top_k,
+            xtc_probability: a.xtc_probability,
+            xtc_threshold: a.xtc_threshold,
+            xtc_special_tokens,
+        },
+        processors: ProcessorParams {
+            logit_bias: (!a.logit_bias.is_empty()).then(|| {
+                a.logit_bias
+                    .iter()
+                    .map(|(id, b)| (id.to_string(), *b))
+                    .collect::<BTreeMap<_, _>>()
+            }),
+            repetition_penalty: a.repetition_penalty,
+            repetition_context_size: a.repetition_context_size,
+            presence_penalty: a.presence_penalty,
+            presence_context_size: a.presence_context_size,
+            frequency_penalty: a.frequency_penalty,
+            frequency_context_size: a.frequency_context_size,
+        },
+        seed,
+        prefill_step_size: a.prefill_step_size,
+        max_kv_size: a.max_kv_size,
+        kv_quantization: a.kv_bits.map(|bits| KvQuantization {
+            bits,
+            group_size: a.kv_group_size,
+            start: a.quantized_kv_start,
+        }),
+        eos_token_ids: loaded.eos_token_ids.clone(),
+    };
+
+    mlx::memory::reset_peak();
+    let start = Instant::now();
+    let generation = Generation::new(loaded.model.model.as_ref(), &prompt, &params)?;
+    let mut detok = tok.detokenizer();
+    let mut stdout = std::io::stdout().lock();
+    let (mut first_token_at, mut count, mut finish) = (None, 0usize, None);
+    for step in generation {
+        let step = step?;
+        first_token_at.get_or_insert_with(Instant::now);
+        count += 1;
+        finish = step.finish;
+        if step.finish == Some(FinishReason::Stop) {
+            break;
+        }
+        detok.add_token(step.token);
+        write!(stdout, "{}", detok.take_segment())?;
+        stdout.flush()?;
+    }
+    writeln!(stdout, "{}", detok.finalize())?;
+    let first = first_token_at.unwrap_or_else(Instant::now);
+    let prompt_secs = (first - start).as_secs_f64();
+    let gen_secs = first.elapsed().as_secs_f64();
+    eprintln!("==========");
+    eprintln!(
+        "Prompt: {} tokens, {:.3} tokens-per-sec",
+        prompt.len(),
+        prompt.len() as f64 / prompt_secs.max(1e-9)
+    );
+    eprintln!(
+        "Generation: {count} tokens, {:.3} tokens-per-sec",
+        count as f64 / gen_secs.max(1e-9)
+    );
+    eprintln!(
+        "Finish: {}",
+        finish.map_or("none".into(), |f| f.to_string())
+    );
+    eprintln!("Peak memory: {:.3} GB", mlx::memory::peak() as f64 / 1e9);
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,62 @@
+//! Command-line verbs. Errors reach `main` as anyhow errors and exit with code 2; `check` and
+//! `replay` exit 1 when a trace diverges.
+
+mod check;
+mod generate;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Parser)]
+#[command(
+    name = "verity",
+    version,
+    about = "An MLX inference engine that proves parity with mlx-lm"
+)]
+pub struct Cli {
+    /// Device to run MLX on [default: the GPU when this build has Metal, else the CPU].
+    #[arg(long, global = true, value_enum)]
+    device: Option<DeviceArg>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Gpu,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Replay every golden trace and print a parity table per suite (the main job).
+    Check(check::CheckArgs),
+    /// Replay the given trace files and explain each divergence.
+    Replay(check::ReplayArgs),
+    /// Generate text from a model folder, like mlx_lm.generate.
+    Generate(Box<generate::GenerateArgs>),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let device = match cli.device {
+        Some(DeviceArg::Cpu) => mlx::Device::Cpu,
+        Some(DeviceArg::Gpu) => mlx::Device::Gpu,
+        None => mlx::Device::best_available(),
+    };
+    mlx::set_default_device(device)?;
+    match cli.command {
+        Command::Check(a) => check::check(a, device),
+        Command::Replay(a) => check::replay(a, device),
+        Command::Generate(a) => generate::generate(*a),
+    }
+}
+
+/// The repository root: `--root`, else the current directory.
+fn root_or_cwd(root: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    Ok(match root {
+        Some(r) => r,
+        None => std::env::current_dir()?,
+    })
+}

@@ -1,0 +1,189 @@
+//! The plain decode loop, with mlx-lm's generate_step / stream_generate semantics: the prompt
+//! prefilled in chunks of `prefill_step_size` leaving the last token for the first step, the
+//! next step always enqueued before the current token is returned (so one extra forward and
+//! one extra random draw happen after the last token, and the cache holds every emitted
+//! token), EOS counted as a generated token, and "length" at max_tokens.
+
+use mlx::{Array, Dtype};
+use verity_harness::trace::{FinishReason, ProcessorParams, SamplerParams};
+
+use crate::cache::{KvQuantization, LayerCache};
+use crate::model::LanguageModel;
+use crate::sample::{LogitsProcessors, Sampler, StepSampler};
+
+/// Everything a generation needs besides the model and the prompt.
+#[derive(Clone, Debug)]
+pub struct GenerateParams {
+    pub max_tokens: usize,
+    pub sampler: SamplerParams,
+    pub processors: ProcessorParams,
+    pub seed: Option<u64>,
+    pub prefill_step_size: usize,
+    pub max_kv_size: Option<usize>,
+    pub kv_quantization: Option<KvQuantization>,
+    /// Tokens that end generation with finish reason "stop".
+    pub eos_token_ids: Vec<u32>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    #[error("prefill_step_size must be at least 1")]
+    ZeroPrefillStep,
+    #[error("sampling at temperature {0} needs a seed (unseeded sampling cannot be replayed)")]
+    Unseeded(f64),
+    #[error(transparent)]
+    Mlx(#[from] mlx::Error),
+}
+
+/// One generated token with the step's full logprobs (V,) after the processors, before the
+/// sampler's filters and temperature.
+pub struct GeneratedToken {
+    pub token: u32,
+    pub logprobs: Array,
+    pub from_draft: bool,
+    /// Set on the last token: "stop" on EOS, "length" at max_tokens.
+    pub finish: Option<FinishReason>,
+}
+
+/// Streams tokens; ends after the token that carries a finish reason.
+pub struct Generation<'m> {
+    model: &'m dyn LanguageModel,
+    caches: Vec<LayerCache>,
+    step_sampler: StepSampler,
+    kv_quantization: Option<KvQuantization>,
+    /// The token sampled for step n and its logprobs, already enqueued.
+    pending: Option<(Array, Array)>,
+    n: usize,
+    max_tokens: usize,
+    eos: Vec<u32>,
+    done: bool,
+}
+
+impl<'m> Generation<'m> {
+    /// Prefills the prompt and enqueues the first token.
+    pub fn new(
+        model: &'m dyn LanguageModel,
+        prompt: &[u32],
+        params: &GenerateParams,
+    ) -> Result<Generation<'m>, GenerateError> {
+        if prompt.is_empty() {
+            return Err(GenerateError::EmptyPrompt);
+        }
+        if params.max_tokens == 0 {
+            return Err(GenerateError::ZeroMaxTokens);
+        }
+        if params.prefill_step_size == 0 {
+            return Err(GenerateError::ZeroPrefillStep);
+        }
+        if params.sampler.temp > 0.0 && params.seed.is_none() {
+            return Err(GenerateError::Unseeded(params.sampler.temp));
+        }
+        let sampler = Sampler::new(params.sampler.clone())?;
+        let processors = LogitsProcessors::new(&params.processors)?;
+        let mut g = Generation {
+            model,
+            caches: model.make_cache(params.max_kv_size),
+            step_sampler: StepSampler::new(sampler, processors, params.seed)?,
+            kv_quantization: params.kv_quantization,
+            pending: None,
+            n: 0,
+            max_tokens: params.max_tokens,
+            eos: params.eos_token_ids.clone(),
+            done: false,
+        };
+        // mlx-lm feeds the prompt as int32 (mx.array of Python ints).
+        let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
+        let mut rest = Array::from_slice(&ids, &[ids.len() as i32])?;
+        while rest.dim(0) > 1 {
+            let n = (params.prefill_step_size as i32).min(rest.dim(0) - 1);
+            let chunk = rest.slice_axis(0, 0, n)?;
+            g.model
+                .forward(&chunk.expand_dims(&[0])?, &mut g.caches, &[])?;
+            g.maybe_quantize()?;
+            mlx::eval(g.caches.iter().flat_map(|c| c.state()))?;
+            g.step_sampler.extend_history(&chunk)?;
+            rest = rest.slice_axis(0, n, rest.dim(0))?;
+            mlx::memory::clear_cache();
+        }
+        let first = g.step(&rest)?;
+        mlx::async_eval([&first.0, &first.1])?;
+        g.pending = Some(first);
+        Ok(g)
+    }
+
+    /// The caches, for inspection after generation (they hold every emitted token).
+    pub fn caches(&self) -> &[LayerCache] {
+        &self.caches
+    }
+
+    fn maybe_quantize(&mut self) -> mlx::Result<()> {
+        if let Some(q) = &self.kv_quantization {
+            for c in &mut self.caches {
+                c.maybe_quantize(q)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// generate_step's `_step`: forward the input, process, quantize the cache, sample.
+    fn step(&mut self, input: &Array) -> mlx::Result<(Array, Array)> {
+        let out = self
+            .model
+            .forward(&input.expand_dims(&[0])?, &mut self.caches, &[])?;
+        let l = out.logits.dim(1);
+        let logits = out.logits.slice_axis(1, l - 1, l)?.squeeze(&[1])?;
+        self.step_sampler.extend_history(input)?;
+        let logits = self.step_sampler.process(&logits)?;
+        self.maybe_quantize()?;
+        let logprobs = StepSampler::logprobs(&logits)?;
+        let sampled = self.step_sampler.sample(&logprobs)?;
+        Ok((sampled, logprobs.squeeze(&[0])?))
+    }
+
+    fn next_token(&mut self) -> Result<GeneratedToken, GenerateError> {
+        let (y, logprobs) = self.pending.take().expect("a pending step while not done");
+        // Enqueue step n+1 before returning token n, as generate_step does, even after the
+        // last token: the extra forward and random draw are part of mlx-lm's behaviour.
+        let next = self.step(&y)?;
+        mlx::async_eval([&next.0, &next.1])?;
+        self.pending = Some(next);
+        let token = y.astype(Dtype::Uint32)?.item::<u32>()?;
+        self.n += 1;
+        if self.n.is_multiple_of(256) {
+            mlx::memory::clear_cache();
+        }
+        let finish = if self.eos.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if self.n == self.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        self.done = finish.is_some();
+        Ok(GeneratedToken {
+            token,
+            logprobs,
+            from_draft: false,
+            finish,
+        })
+    }
+}
+
+impl Iterator for Generation<'_> {
+    type Item = Result<GeneratedToken, GenerateError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        let item = self.next_token();
+        if item.is_err() {
+            self.done = true;
+        }
+        Some(item)
+    }
+}

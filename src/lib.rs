@@ -1,0 +1,9 @@
+//! verity: an LLM inference engine on MLX that generates exactly what mlx-lm generates.
+
+pub mod cache;
+pub mod generate;
+pub mod load;
+pub mod model;
+pub mod replay;
+pub mod sample;
+pub mod tokenizer;

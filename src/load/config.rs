@@ -1,0 +1,98 @@
+//! config.json, read the way mlx-lm's load_config reads it.
+
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
+
+use super::LoadError;
+
+/// A model's config.json with generation_config.json's eos_token_id folded in (as
+/// mlx_lm.utils.load_config does), plus the folder it came from for error messages.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub path: PathBuf,
+    pub json: Map<String, Value>,
+}
+
+/// Reads `<dir>/config.json` and `<dir>/generation_config.json` if present.
+pub fn load_config(dir: &Path) -> Result<Config, LoadError> {
+    if !dir.is_dir() {
+        return Err(LoadError::MissingFolder(dir.to_path_buf()));
+    }
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        return Err(LoadError::MissingConfig(path));
+    }
+    let mut json = read_object(&path)?;
+    let generation = dir.join("generation_config.json");
+    if generation.is_file() {
+        // mlx-lm ignores a generation config it cannot parse; so do we.
+        if let Ok(g) = read_object(&generation) {
+            if let Some(eos) = g.get("eos_token_id").filter(|v| !v.is_null()) {
+                json.insert("eos_token_id".into(), eos.clone());
+            }
+        }
+    }
+    Ok(Config { path, json })
+}
+
+fn read_object(path: &Path) -> Result<Map<String, Value>, LoadError> {
+    let bad = |message: String| LoadError::BadConfig {
+        path: path.to_path_buf(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    match serde_json::from_str::<Value>(&text).map_err(|e| bad(format!("invalid JSON: {e}")))? {
+        Value::Object(map) => Ok(map),
+        _ => Err(bad("expected a JSON object".into())),
+    }
+}
+
+impl Config {
+    /// The `model_type`.
+    pub fn model_type(&self) -> Result<&str, LoadError> {
+        self.json
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| self.error("no \"model_type\""))
+    }
+
+    pub fn error(&self, message: impl Into<String>) -> LoadError {
+        LoadError::BadConfig {
+            path: self.path.clone(),
+            message: message.into(),
+        }
+    }
+
+    /// Deserializes the whole config (or `text_config` when the model nests its text part)
+    /// into a model's argument struct, naming the file on failure.
+    pub fn parse<T: DeserializeOwned>(&self) -> Result<T, LoadError> {
+        serde_json::from_value(Value::Object(self.json.clone()))
+            .map_err(|e| self.error(format!("bad model arguments: {e}")))
+    }
+
+    /// Like [`Config::parse`], on `text_config` when the config nests one (vision-language
+    /// checkpoints such as qwen3_5), else on the whole config.
+    pub fn parse_text<T: DeserializeOwned>(&self) -> Result<T, LoadError> {
+        let text = match self.json.get("text_config") {
+            Some(Value::Object(t)) => Value::Object(t.clone()),
+            _ => Value::Object(self.json.clone()),
+        };
+        serde_json::from_value(text).map_err(|e| self.error(format!("bad model arguments: {e}")))
+    }
+
+    /// The EOS token ids the config names (an int or a list), in order.
+    pub fn eos_token_ids(&self) -> Result<Vec<u32>, LoadError> {
+        let bad = || self.error("eos_token_id must be an integer or a list of integers");
+        match self.json.get("eos_token_id") {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Number(n)) => Ok(vec![n.as_u64().ok_or_else(bad)? as u32]),
+            Some(Value::Array(list)) => list
+                .iter()
+                .map(|v| v.as_u64().map(|n| n as u32).ok_or_else(bad))
+                .collect(),
+            Some(_) => Err(bad()),
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! Weight quantization settings, resolved per module the way mlx_lm.utils.load_model's
+//! class_predicate resolves them.
+
+use serde_json::{Map, Value};
+
+use super::{Config, LoadError, Weights};
+
+/// How one layer's weight is packed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuantParams {
+    pub group_size: i32,
+    pub bits: i32,
+    pub mode: String,
+}
+
+/// config.json's `quantization` block: defaults plus per-module overrides.
+#[derive(Clone, Debug, Default)]
+pub struct QuantConfig {
+    block: Option<Map<String, Value>>,
+}
+
+impl QuantConfig {
+    /// Reads `quantization` from the config (absent: nothing is quantized).
+    pub fn from_config(config: &Config) -> Result<QuantConfig, LoadError> {
+        match config.json.get("quantization") {
+            None | Some(Value::Null) => {
+                if let Some(q) = config.json.get("quantization_config") {
+                    let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("?");
+                    return Err(config.error(format!(
+                        "quantization_config with quant_method {method:?} is not supported; \
+                         convert the model with mlx_lm.convert"
+                    )));
+                }
+                Ok(QuantConfig { block: None })
+            }
+            Some(Value::Object(map)) => Ok(QuantConfig {
+                block: Some(map.clone()),
+            }),
+            Some(_) => Err(config.error("\"quantization\" must be an object")),
+        }
+    }
+
+    /// The packing of the module at `path` (e.g. `model.layers.0.mlp.up_proj`) whose
+    /// unquantized weight has `in_dims` inputs, or None when it is stored unquantized.
+    pub fn for_module(
+        &self,
+        path: &str,
+        in_dims: i32,
+        weights: &Weights,
+    ) -> Result<Option<QuantParams>, LoadError> {
+        let Some(block) = &self.block else {
+            return Ok(None);
+        };
+        match block.get(path) {
+            Some(Value::Bool(false)) => return Ok(None),
+            Some(Value::Object(o)) => return Ok(Some(explicit(o, block, path, weights)?)),
+            Some(Value::Bool(true)) | None => {}
+            Some(_) => {
+                return Err(weights.config_error(format!("quantization.{path} is malformed")))
+            }
+        }
+        let Some(scales) = weights.peek(&format!("{path}.scales")) else {
+            return Ok(None);
+        };
+        let weight = weights
+            .peek(&format!("{path}.weight"))
+            .ok_or_else(|| weights.missing(&format!("{path}.weight")))?;
+        let groups = scales.dim(-1);
+        if groups <= 0 || in_dims % groups != 0 {
+            return Err(
+                weights.config_error(format!("{path}.scales does not divide {in_dims} inputs"))
+            );
+        }
+        let group_size = in_dims / groups;
+        let bits = weight.dim(-1) * 32 / in_dims;
+        let mode = if scales.dtype() != mlx::Dtype::Uint8 {
+            "affine"
+        } else {
+            match (bits, group_size) {
+                (4, 16) => "nvfp4",
+                (4, 32) => "mxfp4",
+                (8, 32) => "mxfp8",
+                _ => {
+                    return Err(weights.config_error(format!(
+                        "cannot infer the quantization mode of {path}: {bits} bits, group size {group_size}"
+                    )))
+                }
+            }
+        };
+        Ok(Some(QuantParams {
+            group_size,
+            bits,
+            mode: mode.into(),
+        }))
+    }
+}
+
+fn explicit(
+    o: &Map<String, Value>,
+    block: &Map<String, Value>,
+    path: &str,
+    weights: &Weights,
+) -> Result<QuantParams, LoadError> {
+    let int = |key: &str| {
+        o.get(key)
+            .or_else(|| block.get(key))
+            .and_then(Value::as_i64)
+            .map(|v| v as i32)
+            .ok_or_else(|| weights.config_error(format!("quantization.{path} lacks {key}")))
+    };
+    let mode = o
+        .get("mode")
+        .or_else(|| block.get("mode"))
+        .and_then(Value::as_str)
+        .unwrap_or("affine");
+    Ok(QuantParams {
+        group_size: int("group_size")?,
+        bits: int("bits")?,
+        mode: mode.into(),
+    })
+}

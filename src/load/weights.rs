@@ -1,0 +1,208 @@
+//! The tensors of a model folder, consumed by name as the model is built so that a missing,
+//! mis-shaped or unused tensor is an error naming it (mlx-lm loads with strict=True).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use mlx::Array;
+
+use super::LoadError;
+
+pub struct Weights {
+    folder: PathBuf,
+    tensors: BTreeMap<String, Array>,
+}
+
+impl Weights {
+    /// Loads every `model*.safetensors` in `dir` (mlx-lm's glob; the index json is not needed).
+    pub fn load(dir: &Path) -> Result<Weights, LoadError> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|_| LoadError::MissingFolder(dir.to_path_buf()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                name.starts_with("model") && name.ends_with(".safetensors")
+            })
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(LoadError::NoWeights(dir.to_path_buf()));
+        }
+        let mut tensors = BTreeMap::new();
+        for file in &files {
+            check_safetensors(file)?;
+            let loaded =
+                mlx::io::load_safetensors(file).map_err(|e| LoadError::BadSafetensors {
+                    path: file.clone(),
+                    message: e.to_string(),
+                })?;
+            // Read everything now, as mlx-lm does unless lazy, so I/O errors surface at load.
+            let arrays: Vec<&Array> = loaded.tensors.values().collect();
+            mlx::eval(arrays).map_err(|e| LoadError::BadSafetensors {
+                path: file.clone(),
+                message: e.to_string(),
+            })?;
+            tensors.extend(loaded.tensors);
+        }
+        Ok(Weights {
+            folder: dir.to_path_buf(),
+            tensors,
+        })
+    }
+
+    /// Tensors from memory (for tests and converted checkpoints).
+    pub fn from_map(folder: &Path, tensors: BTreeMap<String, Array>) -> Weights {
+        Weights {
+            folder: folder.to_path_buf(),
+            tensors,
+        }
+    }
+
+    pub fn folder(&self) -> &Path {
+        &self.folder
+    }
+
+    pub fn contains(&self, key: &str) -> bool {
+        self.tensors.contains_key(key)
+    }
+
+    pub fn peek(&self, key: &str) -> Option<&Array> {
+        self.tensors.get(key)
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &String> {
+        self.tensors.keys()
+    }
+
+    /// Removes and returns a tensor.
+    pub fn take(&mut self, key: &str) -> Result<Array, LoadError> {
+        self.tensors.remove(key).ok_or_else(|| self.missing(key))
+    }
+
+    /// Removes a tensor and checks its shape.
+    pub fn take_shaped(&mut self, key: &str, shape: &[i32]) -> Result<Array, LoadError> {
+        let a = self.take(key)?;
+        let found = a.shape();
+        if found != shape {
+            return Err(LoadError::TensorShape {
+                folder: self.folder.clone(),
+                key: key.into(),
+                expected: shape.to_vec(),
+                found,
+            });
+        }
+        Ok(a)
+    }
+
+    /// Removes a tensor if present.
+    pub fn take_optional(&mut self, key: &str) -> Option<Array> {
+        self.tensors.remove(key)
+    }
+
+    /// Inserts or replaces a tensor (used by sanitize steps that rename or reshape).
+    pub fn insert(&mut self, key: String, a: Array) {
+        self.tensors.insert(key, a);
+    }
+
+    /// Renames every tensor with `f`, dropping those it maps to None (sanitize steps).
+    pub fn rename(&mut self, f: impl Fn(&str) -> Option<String>) {
+        let old = std::mem::take(&mut self.tensors);
+        self.tensors = old
+            .into_iter()
+            .filter_map(|(k, v)| f(&k).map(|k| (k, v)))
+            .collect();
+    }
+
+    /// Replaces every tensor with `f(name, tensor)` (sanitize steps that transform values).
+    pub fn map(&mut self, f: impl Fn(&str, Array) -> mlx::Result<Array>) -> Result<(), LoadError> {
+        let old = std::mem::take(&mut self.tensors);
+        for (k, v) in old {
+            let v = f(&k, v).map_err(|source| LoadError::Mlx {
+                folder: self.folder.clone(),
+                source,
+            })?;
+            self.tensors.insert(k, v);
+        }
+        Ok(())
+    }
+
+    /// Drops every tensor whose name satisfies `pred` (sanitize steps).
+    pub fn drop_where(&mut self, pred: impl Fn(&str) -> bool) {
+        self.tensors.retain(|k, _| !pred(k));
+    }
+
+    /// Fails if any tensor was not consumed.
+    pub fn finish(self) -> Result<(), LoadError> {
+        if self.tensors.is_empty() {
+            return Ok(());
+        }
+        let mut keys: Vec<&str> = self.tensors.keys().map(String::as_str).collect();
+        let more = keys.len().saturating_sub(8);
+        keys.truncate(8);
+        let mut list = keys.join(", ");
+        if more > 0 {
+            list.push_str(&format!(" and {more} more"));
+        }
+        Err(LoadError::UnexpectedTensors {
+            folder: self.folder,
+            keys: list,
+        })
+    }
+
+    pub fn missing(&self, key: &str) -> LoadError {
+        LoadError::MissingTensor {
+            folder: self.folder.clone(),
+            key: key.into(),
+        }
+    }
+
+    pub fn config_error(&self, message: String) -> LoadError {
+        LoadError::BadConfig {
+            path: self.folder.join("config.json"),
+            message,
+        }
+    }
+}
+
+/// Validates a safetensors file's header against its size before MLX maps it, so a truncated
+/// or corrupt file fails at load with a clear message instead of at first use.
+fn check_safetensors(path: &Path) -> Result<(), LoadError> {
+    use std::io::Read;
+    let bad = |message: String| LoadError::BadSafetensors {
+        path: path.to_path_buf(),
+        message,
+    };
+    let mut file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
+    let size = file.metadata().map_err(|e| bad(e.to_string()))?.len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|_| bad("shorter than its 8-byte header length".into()))?;
+    let header_len = u64::from_le_bytes(len);
+    if header_len > size.saturating_sub(8) {
+        return Err(bad(format!(
+            "header length {header_len} exceeds the file size {size}"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| bad(e.to_string()))?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
+    let data_len = size - 8 - header_len;
+    for (name, info) in &header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let end = info
+            .get("data_offsets")
+            .and_then(|o| o.get(1))
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| bad(format!("tensor {name} has no data_offsets")))?;
+        if end > data_len {
+            return Err(bad(format!(
+                "tensor {name} ends at byte {end} of the data section, which holds {data_len} (truncated?)"
+            )));
+        }
+    }
+    Ok(())
+}

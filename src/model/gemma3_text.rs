@@ -1,0 +1,277 @@
+//! mlx_lm/models/gemma3_text.py: sliding-window layers (every `sliding_window_pattern`-th is
+//! global), Gemma's `1 + weight` RMSNorms around attention and MLP, a GELU MLP, and the input
+//! embedding scaled by sqrt(hidden) rounded to bf16.
+
+use mlx::{Array, Dtype, Result};
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::layers::{Activation, Attention, Embedding, GatedMlp, Linear, QkNorm, RmsNorm, Rope};
+use super::llama::{capture, Head};
+use super::{Forward, LanguageModel};
+use crate::cache::{KvCache, LayerCache, Mask, RotatingKvCache};
+use crate::load::{Config, LoadError, QuantConfig, Weights};
+
+#[derive(Deserialize)]
+struct Args {
+    #[serde(default = "d_hidden")]
+    hidden_size: i32,
+    #[serde(default = "d_layers")]
+    num_hidden_layers: usize,
+    #[serde(default = "d_intermediate")]
+    intermediate_size: i32,
+    #[serde(default = "d_heads")]
+    num_attention_heads: i32,
+    #[serde(default = "d_head_dim")]
+    head_dim: i32,
+    #[serde(default = "d_eps")]
+    rms_norm_eps: f64,
+    #[serde(default = "d_vocab")]
+    vocab_size: i32,
+    #[serde(default = "d_kv_heads")]
+    num_key_value_heads: i32,
+    #[serde(default = "d_rope_theta")]
+    rope_theta: f64,
+    #[serde(default = "d_rope_local")]
+    rope_local_base_freq: f64,
+    #[serde(default = "d_query_scalar")]
+    query_pre_attn_scalar: f64,
+    #[serde(default = "d_window")]
+    sliding_window: usize,
+    #[serde(default = "d_pattern")]
+    sliding_window_pattern: usize,
+    rope_scaling: Option<Value>,
+}
+
+// The Python dataclass defaults (gemma3_text.ModelArgs).
+fn d_hidden() -> i32 {
+    1152
+}
+fn d_layers() -> usize {
+    26
+}
+fn d_intermediate() -> i32 {
+    6912
+}
+fn d_heads() -> i32 {
+    4
+}
+fn d_head_dim() -> i32 {
+    256
+}
+fn d_eps() -> f64 {
+    1.0e-6
+}
+fn d_vocab() -> i32 {
+    262144
+}
+fn d_kv_heads() -> i32 {
+    1
+}
+fn d_rope_theta() -> f64 {
+    1_000_000.0
+}
+fn d_rope_local() -> f64 {
+    10_000.0
+}
+fn d_query_scalar() -> f64 {
+    256.0
+}
+fn d_window() -> usize {
+    512
+}
+fn d_pattern() -> usize {
+    6
+}
+
+struct Block {
+    attn: Attention,
+    mlp: GatedMlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+    pre_feedforward_layernorm: RmsNorm,
+    post_feedforward_layernorm: RmsNorm,
+}
+
+/// The compiled `clip_residual`: a plain sum, except that float16 sums are formed in f32 and
+/// clipped to the float16 range.
+fn clip_residual(x: &Array, y: &Array) -> Result<Array> {
+    if x.dtype() != Dtype::Float16 {
+        return x.add(y);
+    }
+    let bound = Array::from_f32(65504.0);
+    let sum = x.astype(Dtype::Float32)?.add(&y.astype(Dtype::Float32)?)?;
+    mlx::ops::clip(&sum, Some(&bound.negative()?), Some(&bound))?.astype(Dtype::Float16)
+}
+
+impl Block {
+    fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
+        let r = self
+            .attn
+            .forward(&self.input_layernorm.forward(x)?, mask, cache)?;
+        let h = clip_residual(x, &self.post_attention_layernorm.forward(&r)?)?;
+        let r = self
+            .mlp
+            .forward(&self.pre_feedforward_layernorm.forward(&h)?)?;
+        clip_residual(&h, &self.post_feedforward_layernorm.forward(&r)?)
+    }
+}
+
+pub struct Model {
+    embed_tokens: Embedding,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    head: Head,
+    embed_scale: f32,
+    window: usize,
+    pattern: usize,
+}
+
+impl Model {
+    pub fn load(
+        config: &Config,
+        w: &mut Weights,
+        q: &QuantConfig,
+    ) -> std::result::Result<Model, LoadError> {
+        let a: Args = config.parse()?;
+        if a.sliding_window_pattern == 0 || a.sliding_window_pattern > a.num_hidden_layers {
+            return Err(
+                config.error("sliding_window_pattern must be between 1 and the layer count")
+            );
+        }
+        let (hd, eps) = (a.head_dim, a.rms_norm_eps);
+        let scale = a.query_pre_attn_scalar.powf(-0.5) as f32;
+        let local =
+            Rope::new(hd, a.rope_local_base_freq, false, None).map_err(|m| config.error(m))?;
+        let global = Rope::new(hd, a.rope_theta, false, a.rope_scaling.as_ref())
+            .map_err(|m| config.error(m))?;
+        let mut layers = Vec::with_capacity(a.num_hidden_layers);
+        for i in 0..a.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let sliding = (i + 1) % a.sliding_window_pattern != 0;
+            let (qd, kvd) = (a.num_attention_heads * hd, a.num_key_value_heads * hd);
+            let h = a.hidden_size;
+            let attn = Attention {
+                q_proj: Linear::load(w, q, &format!("{p}.self_attn.q_proj"), h, qd, false)?,
+                k_proj: Linear::load(w, q, &format!("{p}.self_attn.k_proj"), h, kvd, false)?,
+                v_proj: Linear::load(w, q, &format!("{p}.self_attn.v_proj"), h, kvd, false)?,
+                o_proj: Linear::load(w, q, &format!("{p}.self_attn.o_proj"), qd, h, false)?,
+                qk_norm: QkNorm::AfterTranspose {
+                    q: RmsNorm::load_offset(w, &format!("{p}.self_attn.q_norm"), hd, eps)?,
+                    k: RmsNorm::load_offset(w, &format!("{p}.self_attn.k_norm"), hd, eps)?,
+                },
+                rope: if sliding { local } else { global },
+                n_heads: a.num_attention_heads,
+                n_kv_heads: a.num_key_value_heads,
+                scale,
+            };
+            let norm = |w: &mut Weights, name: &str| {
+                RmsNorm::load_offset(w, &format!("{p}.{name}"), h, eps)
+            };
+            layers.push(Block {
+                attn,
+                mlp: GatedMlp::load(
+                    w,
+                    q,
+                    &format!("{p}.mlp"),
+                    h,
+                    a.intermediate_size,
+                    false,
+                    Activation::GeluApprox,
+                )?,
+                input_layernorm: norm(w, "input_layernorm")?,
+                post_attention_layernorm: norm(w, "post_attention_layernorm")?,
+                pre_feedforward_layernorm: norm(w, "pre_feedforward_layernorm")?,
+                post_feedforward_layernorm: norm(w, "post_feedforward_layernorm")?,
+            });
+        }
+        // sanitize: the head is tied exactly when lm_head.weight is absent.
+        let head = if w.contains("lm_head.weight") {
+            Head::Separate(Linear::load(
+                w,
+                q,
+                "lm_head",
+                a.hidden_size,
+                a.vocab_size,
+                false,
+            )?)
+        } else {
+            Head::Tied
+        };
+        // Python rounds `hidden_size**0.5` to bf16 (mx.array(.., mx.bfloat16)) at every call.
+        let embed_scale = (a.hidden_size as f64).sqrt() as f32;
+        Ok(Model {
+            embed_tokens: Embedding::load(w, q, "model.embed_tokens", a.vocab_size, a.hidden_size)?,
+            norm: RmsNorm::load_offset(w, "model.norm", a.hidden_size, eps)?,
+            head,
+            layers,
+            embed_scale,
+            window: a.sliding_window,
+            pattern: a.sliding_window_pattern,
+        })
+    }
+
+    fn is_global(&self, layer: usize) -> bool {
+        layer % self.pattern == self.pattern - 1
+    }
+}
+
+impl LanguageModel for Model {
+    fn forward(
+        &self,
+        inputs: &Array,
+        caches: &mut [LayerCache],
+        taps: &[usize],
+    ) -> Result<Forward> {
+        let h = self.embed_tokens.forward(inputs)?;
+        let scale = Array::scalar(self.embed_scale, Dtype::Bfloat16)?.astype(h.dtype())?;
+        let mut h = h.multiply(&scale)?;
+        let n = h.dim(1) as usize;
+        let global_mask = caches[self.pattern - 1].make_mask(n, None)?;
+        let sliding_mask = if self.pattern > 1 {
+            caches[0].make_mask(n, Some(self.window))?
+        } else {
+            Mask::None
+        };
+        let mut hidden = vec![None; taps.len()];
+        for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
+            let mask = if self.is_global(i) {
+                &global_mask
+            } else {
+                &sliding_mask
+            };
+            h = layer.forward(&h, mask, cache)?;
+            capture(taps, i, &h, &mut hidden);
+        }
+        let h = self.norm.forward(&h)?;
+        capture(taps, self.layers.len(), &h, &mut hidden);
+        let logits = match &self.head {
+            Head::Tied => self.embed_tokens.as_linear(&h)?,
+            Head::Separate(lm_head) => lm_head.forward(&h)?,
+        };
+        Ok(Forward {
+            logits,
+            hidden: hidden.into_iter().flatten().collect(),
+        })
+    }
+
+    fn make_cache(&self, _max_kv_size: Option<usize>) -> Vec<LayerCache> {
+        (0..self.layers.len())
+            .map(|i| {
+                if self.is_global(i) {
+                    LayerCache::Kv(KvCache::default())
+                } else {
+                    LayerCache::Rotating(RotatingKvCache::new(self.window, 0))
+                }
+            })
+            .collect()
+    }
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn ignores_max_kv_size(&self) -> bool {
+        true
+    }
+}

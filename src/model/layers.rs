@@ -1,0 +1,461 @@
+//! Layers shared by the model families, each computing exactly what its mlx.nn / mlx-lm
+//! counterpart computes (same ops, same order), since parity is decided at the bit level.
+
+use mlx::fast::{self, RopeFreqs};
+use mlx::{compiled, ops, Array, Dtype, Result};
+use serde_json::Value;
+
+use crate::cache::{KeysValues, LayerCache, Mask};
+use crate::load::{LoadError, QuantConfig, QuantParams, Weights};
+
+/// A quantized weight: packed values plus per-group scales (and biases in affine mode).
+struct Packed {
+    weight: Array,
+    scales: Array,
+    biases: Option<Array>,
+    params: QuantParams,
+}
+
+impl Packed {
+    fn load(
+        w: &mut Weights,
+        path: &str,
+        params: QuantParams,
+    ) -> std::result::Result<Packed, LoadError> {
+        Ok(Packed {
+            weight: w.take(&format!("{path}.weight"))?,
+            scales: w.take(&format!("{path}.scales"))?,
+            biases: w.take_optional(&format!("{path}.biases")),
+            params,
+        })
+    }
+
+    /// `mx.quantized_matmul(x, w, scales, biases, transpose, group_size, bits, mode)`.
+    fn matmul(&self, x: &Array, transpose: bool) -> Result<Array> {
+        let p = &self.params;
+        ops::quantized_matmul(
+            x,
+            &self.weight,
+            &self.scales,
+            self.biases.as_ref(),
+            transpose,
+            p.group_size,
+            p.bits,
+            &p.mode,
+        )
+    }
+}
+
+/// mlx.nn.Linear / QuantizedLinear.
+pub struct Linear {
+    dense: Option<Array>,
+    packed: Option<Packed>,
+    bias: Option<Array>,
+}
+
+impl Linear {
+    /// Loads `<path>.weight` (out_dims x in_dims, or its packed form) and `<path>.bias`.
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        in_dims: i32,
+        out_dims: i32,
+        bias: bool,
+    ) -> std::result::Result<Linear, LoadError> {
+        let (dense, packed) = match q.for_module(path, in_dims, w)? {
+            Some(params) => (None, Some(Packed::load(w, path, params)?)),
+            None => (
+                Some(w.take_shaped(&format!("{path}.weight"), &[out_dims, in_dims])?),
+                None,
+            ),
+        };
+        let bias = if bias {
+            Some(w.take_shaped(&format!("{path}.bias"), &[out_dims])?)
+        } else {
+            None
+        };
+        Ok(Linear {
+            dense,
+            packed,
+            bias,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        if let Some(p) = &self.packed {
+            let y = p.matmul(x, true)?;
+            return match &self.bias {
+                Some(b) => y.add(b),
+                None => Ok(y),
+            };
+        }
+        let w = self
+            .dense
+            .as_ref()
+            .expect("a linear layer is dense or packed");
+        match &self.bias {
+            Some(b) => ops::addmm(b, x, &w.transpose(&[])?, 1.0, 1.0),
+            None => x.matmul(&w.transpose(&[])?),
+        }
+    }
+}
+
+/// mlx.nn.Embedding / QuantizedEmbedding, including `as_linear` for tied output heads.
+pub struct Embedding {
+    dense: Option<Array>,
+    packed: Option<Packed>,
+}
+
+impl Embedding {
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        vocab: i32,
+        dims: i32,
+    ) -> std::result::Result<Embedding, LoadError> {
+        Ok(match q.for_module(path, dims, w)? {
+            Some(params) => Embedding {
+                dense: None,
+                packed: Some(Packed::load(w, path, params)?),
+            },
+            None => Embedding {
+                dense: Some(w.take_shaped(&format!("{path}.weight"), &[vocab, dims])?),
+                packed: None,
+            },
+        })
+    }
+
+    /// `weight[ids]` (dequantizing the gathered rows when packed).
+    pub fn forward(&self, ids: &Array) -> Result<Array> {
+        if let Some(p) = &self.packed {
+            let biases = p.biases.as_ref().map(|b| b.take(ids, 0)).transpose()?;
+            let q = &p.params;
+            return ops::dequantize(
+                &p.weight.take(ids, 0)?,
+                &p.scales.take(ids, 0)?,
+                biases.as_ref(),
+                q.group_size,
+                q.bits,
+                &q.mode,
+            );
+        }
+        self.dense.as_ref().expect("dense or packed").take(ids, 0)
+    }
+
+    /// `x @ weight.T`: the embedding used as the output projection.
+    pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        if let Some(p) = &self.packed {
+            return p.matmul(x, true);
+        }
+        x.matmul(
+            &self
+                .dense
+                .as_ref()
+                .expect("dense or packed")
+                .transpose(&[])?,
+        )
+    }
+}
+
+/// mlx.nn.RMSNorm; Gemma's variant scales by `1 + weight`, folded in at load (the same bits
+/// Python computes on every call).
+pub struct RmsNorm {
+    weight: Array,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn load(
+        w: &mut Weights,
+        path: &str,
+        dims: i32,
+        eps: f64,
+    ) -> std::result::Result<RmsNorm, LoadError> {
+        Ok(RmsNorm {
+            weight: w.take_shaped(&format!("{path}.weight"), &[dims])?,
+            eps: eps as f32,
+        })
+    }
+
+    /// Gemma's RMSNorm: `rms_norm(x, 1.0 + weight, eps)`.
+    pub fn load_offset(
+        w: &mut Weights,
+        path: &str,
+        dims: i32,
+        eps: f64,
+    ) -> std::result::Result<RmsNorm, LoadError> {
+        let mut norm = Self::load(w, path, dims, eps)?;
+        norm.weight = norm
+            .weight
+            .add_scalar(1.0)
+            .map_err(|source| LoadError::Mlx {
+                folder: w.folder().into(),
+                source,
+            })?;
+        Ok(norm)
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        fast::rms_norm(x, Some(&self.weight), self.eps)
+    }
+}
+
+/// nn.RoPE as mlx-lm's initialize_rope builds it for the "default" and "linear" types.
+#[derive(Clone, Copy, Debug)]
+pub struct Rope {
+    dims: i32,
+    traditional: bool,
+    base: f32,
+    scale: f32,
+}
+
+impl Rope {
+    /// `scaling` is config.json's rope_scaling (or rope_parameters) object, if any.
+    pub fn new(
+        dims: i32,
+        base: f64,
+        traditional: bool,
+        scaling: Option<&Value>,
+    ) -> std::result::Result<Rope, String> {
+        let kind = scaling
+            .and_then(|s| s.get("type").or_else(|| s.get("rope_type")))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let scale = match kind {
+            // mlx-lm applies mrope as a plain RoPE: exact for text-only positions.
+            "default" | "mrope" => 1.0,
+            "linear" => {
+                let factor = scaling
+                    .and_then(|s| s.get("factor"))
+                    .and_then(Value::as_f64)
+                    .ok_or("linear rope scaling needs a factor")?;
+                (1.0 / factor) as f32
+            }
+            other => return Err(format!("RoPE scaling type {other:?} is not supported yet")),
+        };
+        Ok(Rope {
+            dims,
+            traditional,
+            base: base as f32,
+            scale,
+        })
+    }
+
+    /// `mx.fast.rope(x, dims, traditional, base, scale, offset)`.
+    pub fn forward(&self, x: &Array, offset: usize) -> Result<Array> {
+        fast::rope(
+            x,
+            self.dims,
+            self.traditional,
+            RopeFreqs::Base(self.base),
+            self.scale,
+            offset as i32,
+        )
+    }
+}
+
+/// Where a model applies its per-head query/key RMSNorm.
+pub enum QkNorm {
+    None,
+    /// On (B, L, H, D), before the head transpose (qwen3).
+    BeforeTranspose {
+        q: RmsNorm,
+        k: RmsNorm,
+    },
+    /// On (B, H, L, D), after it (gemma3).
+    AfterTranspose {
+        q: RmsNorm,
+        k: RmsNorm,
+    },
+}
+
+/// Multi-head attention with grouped KV heads, RoPE at the cache offset, and mlx-lm's choice of
+/// fused or quantized attention kernel (models/base.py scaled_dot_product_attention).
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    pub qk_norm: QkNorm,
+    pub rope: Rope,
+    pub n_heads: i32,
+    pub n_kv_heads: i32,
+    /// Python computes `head_dim ** -0.5` (or the model's formula) in double.
+    pub scale: f32,
+}
+
+impl Attention {
+    pub fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
+        let (b, l) = (x.dim(0), x.dim(1));
+        let heads = |y: Array, n: i32| y.reshape(&[b, l, n, -1]);
+        let (mut q, mut k) = (
+            heads(self.q_proj.forward(x)?, self.n_heads)?,
+            heads(self.k_proj.forward(x)?, self.n_kv_heads)?,
+        );
+        let v = heads(self.v_proj.forward(x)?, self.n_kv_heads)?.transpose(&[0, 2, 1, 3])?;
+        if let QkNorm::BeforeTranspose { q: qn, k: kn } = &self.qk_norm {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        q = q.transpose(&[0, 2, 1, 3])?;
+        k = k.transpose(&[0, 2, 1, 3])?;
+        if let QkNorm::AfterTranspose { q: qn, k: kn } = &self.qk_norm {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let offset = cache.offset();
+        let q = self.rope.forward(&q, offset)?;
+        let k = self.rope.forward(&k, offset)?;
+        let kv = cache.update_and_fetch(&k, &v)?;
+        let out = attend(&q, &kv, self.scale, mask)?;
+        self.o_proj
+            .forward(&out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)
+    }
+}
+
+/// mlx-lm's scaled_dot_product_attention: the fused kernel for dense caches, the
+/// quantized-matmul formulation for quantized ones.
+pub fn attend(q: &Array, kv: &KeysValues, scale: f32, mask: &Mask) -> Result<Array> {
+    match kv {
+        KeysValues::Dense { keys, values } => {
+            fast::scaled_dot_product_attention(q, keys, values, scale, mask.as_sdpa(), None)
+        }
+        KeysValues::Quantized {
+            keys,
+            values,
+            group_size,
+            bits,
+        } => quantized_attention(q, keys, values, scale, mask, *group_size, *bits),
+    }
+}
+
+/// models/base.py quantized_scaled_dot_product_attention, op for op.
+fn quantized_attention(
+    queries: &Array,
+    keys: &[Array; 3],
+    values: &[Array; 3],
+    scale: f32,
+    mask: &Mask,
+    group_size: i32,
+    bits: i32,
+) -> Result<Array> {
+    let qs = queries.shape();
+    let (b, n_q_heads, l, d) = (qs[0], qs[1], qs[2], qs[3]);
+    let n_kv_heads = keys[0].dim(-3);
+    let n_repeats = n_q_heads / n_kv_heads;
+    let mut q = queries.multiply_scalar(scale)?;
+    let expand = |t: &[Array; 3]| -> Result<[Array; 3]> {
+        Ok([
+            t[0].expand_dims(&[-3])?,
+            t[1].expand_dims(&[-3])?,
+            t[2].expand_dims(&[-3])?,
+        ])
+    };
+    let (keys, values) = if n_repeats > 1 {
+        q = q.reshape(&[b, n_kv_heads, n_repeats, l, d])?;
+        (expand(keys)?, expand(values)?)
+    } else {
+        (keys.clone(), values.clone())
+    };
+    let qmm = |x: &Array, t: &[Array; 3], transpose: bool| {
+        ops::quantized_matmul(
+            x,
+            &t[0],
+            &t[1],
+            Some(&t[2]),
+            transpose,
+            group_size,
+            bits,
+            "affine",
+        )
+    };
+    let mut scores = qmm(&q, &keys, true)?;
+    let mask = match mask {
+        Mask::None => None,
+        Mask::Causal => {
+            let (ql, kl) = (scores.dim(-2), scores.dim(-1));
+            let q_idx = Array::arange((kl - ql) as f64, kl as f64, 1.0, Dtype::Int32)?;
+            let k_idx = Array::arange(0.0, kl as f64, 1.0, Dtype::Int32)?;
+            Some(
+                q_idx
+                    .expand_dims(&[1])?
+                    .greater_equal(&k_idx.expand_dims(&[0])?)?,
+            )
+        }
+        Mask::Array(m) => Some(m.clone()),
+    };
+    if let Some(mut m) = mask {
+        if n_repeats > 1 && m.ndim() > 3 {
+            m = m.expand_dims(&[-3])?;
+        }
+        scores = if m.dtype() == Dtype::Bool {
+            let lowest = Array::scalar(finfo_min(scores.dtype()), scores.dtype())?;
+            ops::r#where(&m, &scores, &lowest)?
+        } else {
+            scores.add(&m)?
+        };
+    }
+    let scores = ops::softmax(&scores, &[-1], true)?;
+    let out = qmm(&scores, &values, false)?;
+    if n_repeats > 1 {
+        out.reshape(&[b, n_q_heads, l, d])
+    } else {
+        Ok(out)
+    }
+}
+
+/// `mx.finfo(dtype).min` as an f32 (exact for every float dtype MLX models use).
+fn finfo_min(dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::Float16 => -65504.0,
+        Dtype::Bfloat16 => f32::from_bits(0xff7f_0000),
+        _ => f32::MIN,
+    }
+}
+
+/// The gated MLPs: `down(act(gate(x)) * up(x))`.
+pub struct GatedMlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+    pub activation: Activation,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub enum Activation {
+    /// mlx-lm's compiled `swiglu(gate, x)`.
+    Swiglu,
+    /// `nn.gelu_approx(gate) * x` (gemma).
+    GeluApprox,
+}
+
+impl GatedMlp {
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        dims: i32,
+        hidden: i32,
+        bias: bool,
+        activation: Activation,
+    ) -> std::result::Result<GatedMlp, LoadError> {
+        Ok(GatedMlp {
+            gate_proj: Linear::load(w, q, &format!("{path}.gate_proj"), dims, hidden, bias)?,
+            up_proj: Linear::load(w, q, &format!("{path}.up_proj"), dims, hidden, bias)?,
+            down_proj: Linear::load(w, q, &format!("{path}.down_proj"), hidden, dims, bias)?,
+            activation,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let gate = self.gate_proj.forward(x)?;
+        let up = self.up_proj.forward(x)?;
+        let h = match self.activation {
+            Activation::Swiglu => compiled::swiglu(&gate, &up)?,
+            Activation::GeluApprox => compiled::gelu_approx(&gate)?.multiply(&up)?,
+        };
+        self.down_proj.forward(&h)
+    }
+}

@@ -1,0 +1,90 @@
+//! Model families, one file per family mirroring mlx-lm's model files, over shared layers.
+
+pub mod gated_delta;
+pub mod gemma3_text;
+pub mod layers;
+pub mod llama;
+pub mod qwen3;
+pub mod qwen3_5;
+pub mod qwen3_next;
+
+use std::path::Path;
+
+use mlx::{Array, Result};
+
+use crate::cache::LayerCache;
+use crate::load::{load_config, Config, LoadError, QuantConfig, Weights};
+
+/// What one forward pass returns.
+pub struct Forward {
+    /// (B, L, vocab) logits in the model's dtype.
+    pub logits: Array,
+    /// Hidden states at the requested taps, in the order asked: tap `i < num_layers` is layer
+    /// i's output; tap `num_layers` is the final (post-norm) hidden state.
+    pub hidden: Vec<Array>,
+}
+
+/// A decoder-only language model.
+pub trait LanguageModel {
+    /// Runs `inputs` (B, L token ids) through the model, updating `caches` (one per layer).
+    /// `taps` lists the hidden states a caller (a drafter) wants back.
+    fn forward(&self, inputs: &Array, caches: &mut [LayerCache], taps: &[usize])
+        -> Result<Forward>;
+
+    /// mlx-lm's make_prompt_cache: the model's own `make_cache` when its Python class defines
+    /// one (which then ignores `max_kv_size`, as mlx-lm does), else the default caches.
+    fn make_cache(&self, max_kv_size: Option<usize>) -> Vec<LayerCache>;
+
+    fn num_layers(&self) -> usize;
+
+    /// Whether `make_cache` ignores `max_kv_size` (the model builds its own caches).
+    fn ignores_max_kv_size(&self) -> bool;
+}
+
+/// The model types verity can load, with the mlx-lm remaps it honours.
+pub const MODEL_TYPES: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen3",
+    "gemma3_text",
+    "qwen3_next",
+    "qwen3_5",
+];
+
+/// A loaded model folder.
+pub struct LoadedModel {
+    pub model: Box<dyn LanguageModel>,
+    pub config: Config,
+    /// config.json's eos_token_id (after generation_config.json), in order.
+    pub config_eos: Vec<u32>,
+}
+
+/// Loads a model folder: config, weights (evaluated once, as mlx-lm does unless lazy), and
+/// the family's sanitize step. Any unused tensor is an error.
+pub fn load(dir: &Path) -> std::result::Result<LoadedModel, LoadError> {
+    let config = load_config(dir)?;
+    let model_type = config.model_type()?.to_string();
+    let mut weights = Weights::load(dir)?;
+    let quant = QuantConfig::from_config(&config)?;
+    let model: Box<dyn LanguageModel> = match model_type.as_str() {
+        "llama" | "mistral" => Box::new(llama::Model::load(&config, &mut weights, &quant)?),
+        "qwen3" => Box::new(qwen3::load(&config, &mut weights, &quant)?),
+        "gemma3_text" => Box::new(gemma3_text::Model::load(&config, &mut weights, &quant)?),
+        "qwen3_next" => Box::new(qwen3_next::Model::load(&config, &mut weights, &quant)?),
+        "qwen3_5" => Box::new(qwen3_5::load(&config, &mut weights, &quant)?),
+        other => {
+            return Err(LoadError::UnknownModelType {
+                path: config.path.clone(),
+                model_type: other.to_string(),
+                known: MODEL_TYPES.join(", "),
+            })
+        }
+    };
+    weights.finish()?;
+    let config_eos = config.eos_token_ids()?;
+    Ok(LoadedModel {
+        model,
+        config,
+        config_eos,
+    })
+}

@@ -1,0 +1,69 @@
+//! mlx-lm's sampling (sample_utils.py): the sampler's filter chain, the logits processors, and
+//! the step that joins them so plain and speculative decoding sample through one path.
+
+mod processors;
+mod sampler;
+
+pub use processors::LogitsProcessors;
+pub use sampler::Sampler;
+
+use mlx::random::KeySequence;
+use mlx::{Array, Result};
+
+/// processors -> logprobs -> sample, in the order mlx-lm's `_step` applies them. Holds the
+/// token history the processors read and the explicit random key sequence.
+pub struct StepSampler {
+    pub sampler: Sampler,
+    pub processors: LogitsProcessors,
+    keys: Option<KeySequence>,
+    history: Option<Array>,
+}
+
+impl StepSampler {
+    /// `seed` seeds the key sequence like `mx.random.seed(seed)`; sampling without one
+    /// (temp > 0) is refused by [`Sampler::new`]'s caller, since it could not be replayed.
+    pub fn new(
+        sampler: Sampler,
+        processors: LogitsProcessors,
+        seed: Option<u64>,
+    ) -> Result<StepSampler> {
+        let keys = seed.map(KeySequence::new).transpose()?;
+        Ok(StepSampler {
+            sampler,
+            processors,
+            keys,
+            history: None,
+        })
+    }
+
+    /// Appends tokens the model has just been fed to the processors' history (generate_step's
+    /// `tokens`: the uncached prompt, then every fed-back sample).
+    pub fn extend_history(&mut self, tokens: &Array) -> Result<()> {
+        if self.processors.is_empty() || tokens.size() == 0 {
+            return Ok(());
+        }
+        self.history = Some(match &self.history {
+            Some(h) => mlx::ops::concatenate(&[h, tokens], 0)?,
+            None => tokens.clone(),
+        });
+        Ok(())
+    }
+
+    /// Applies the processors to (1, V) logits (no-op before any history).
+    pub fn process(&self, logits: &Array) -> Result<Array> {
+        match &self.history {
+            Some(h) if !self.processors.is_empty() => self.processors.apply(h, logits),
+            _ => Ok(logits.clone()),
+        }
+    }
+
+    /// `logits - logsumexp(logits, keepdims=True)` over all axes, as generate_step writes it.
+    pub fn logprobs(logits: &Array) -> Result<Array> {
+        logits.subtract(&logits.logsumexp(&[], true)?)
+    }
+
+    /// Samples one token per row of `logprobs`.
+    pub fn sample(&mut self, logprobs: &Array) -> Result<Array> {
+        self.sampler.sample(logprobs, self.keys.as_mut())
+    }
+}

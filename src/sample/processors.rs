@@ -1,0 +1,220 @@
+//! `make_logits_processors`: logit bias, then repetition, presence and frequency penalties
+//! over the last `context_size` tokens of the history, each as mlx-lm computes it.
+
+use mlx::{ops, Array, Error, Result};
+use verity_harness::trace::ProcessorParams;
+
+enum Processor {
+    /// `logits.at[:, ids].add(values)`.
+    Bias { ids: Array, values: Array },
+    /// Negative logits times `penalty`, positive ones divided by it, once per distinct token.
+    Repetition { penalty: f32, context: usize },
+    /// `logits[:, tokens] -= penalty`: once per distinct token.
+    Presence { penalty: f32, context: usize },
+    /// `logits.at[:, tokens].subtract(penalty)`: once per occurrence.
+    Frequency { penalty: f32, context: usize },
+}
+
+pub struct LogitsProcessors {
+    list: Vec<Processor>,
+}
+
+impl LogitsProcessors {
+    /// A penalty takes part only when set and non-zero (so 1.0 repetition still runs, as in
+    /// mlx-lm, and changes no value).
+    pub fn new(p: &ProcessorParams) -> Result<LogitsProcessors> {
+        let mut list = Vec::new();
+        if let Some(bias) = p.logit_bias.as_ref().filter(|b| !b.is_empty()) {
+            let mut ids = Vec::with_capacity(bias.len());
+            let mut values = Vec::with_capacity(bias.len());
+            for (k, v) in bias {
+                let id: i32 = k.parse().map_err(|_| {
+                    Error::Invalid(format!("logit_bias key {k:?} is not a token id"))
+                })?;
+                ids.push(id);
+                values.push(*v as f32);
+            }
+            let n = ids.len() as i32;
+            list.push(Processor::Bias {
+                ids: Array::from_slice(&ids, &[n])?,
+                values: Array::from_slice(&values, &[n, 1, 1])?,
+            });
+        }
+        let active = |v: Option<f64>| v.filter(|&x| x != 0.0).map(|x| x as f32);
+        if let Some(penalty) = active(p.repetition_penalty) {
+            if penalty < 0.0 {
+                return Err(Error::Invalid(format!(
+                    "penalty must be a non-negative float, got {penalty}"
+                )));
+            }
+            list.push(Processor::Repetition {
+                penalty,
+                context: p.repetition_context_size,
+            });
+        }
+        if let Some(penalty) = active(p.presence_penalty) {
+            list.push(Processor::Presence {
+                penalty,
+                context: p.presence_context_size,
+            });
+        }
+        if let Some(penalty) = active(p.frequency_penalty) {
+            list.push(Processor::Frequency {
+                penalty,
+                context: p.frequency_context_size,
+            });
+        }
+        Ok(LogitsProcessors { list })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// Applies every processor in order to (1, V) logits given the 1-D token history.
+    pub fn apply(&self, history: &Array, logits: &Array) -> Result<Array> {
+        let mut logits = logits.clone();
+        for p in &self.list {
+            logits = match p {
+                Processor::Bias { ids, values } => {
+                    ops::scatter_add(&logits, &[ids], &values.astype(logits.dtype())?, &[1])?
+                }
+                Processor::Repetition { penalty, context } => {
+                    let t = last(history, *context)?;
+                    let selected = logits.take(&t, 1)?;
+                    let negative = selected.less(&Array::scalar(0.0, selected.dtype())?)?;
+                    let penalized = ops::r#where(
+                        &negative,
+                        &selected.multiply_scalar(*penalty)?,
+                        &selected.divide_scalar(*penalty)?,
+                    )?;
+                    set_columns(&logits, &t, &penalized)?
+                }
+                Processor::Presence { penalty, context } => {
+                    let t = last(history, *context)?;
+                    let lowered = logits.take(&t, 1)?.subtract_scalar(*penalty)?;
+                    set_columns(&logits, &t, &lowered)?
+                }
+                Processor::Frequency { penalty, context } => {
+                    let t = last(history, *context)?;
+                    let n = t.dim(0);
+                    let minus =
+                        Array::full(&[n, 1, 1], &Array::from_f32(-penalty), logits.dtype())?;
+                    ops::scatter_add(&logits, &[&t], &minus, &[1])?
+                }
+            };
+        }
+        Ok(logits)
+    }
+}
+
+/// `tokens[-context:]`.
+fn last(history: &Array, context: usize) -> Result<Array> {
+    let n = history.dim(0);
+    history.slice_axis(0, (n - context as i32).max(0), n)
+}
+
+/// `logits[:, ids] = values` for (1, V) logits and (1, n) values.
+fn set_columns(logits: &Array, ids: &Array, values: &Array) -> Result<Array> {
+    let n = ids.dim(0);
+    let updates = values.transpose(&[])?.reshape(&[n, 1, 1])?;
+    ops::scatter(logits, &[ids], &updates, &[1])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> ProcessorParams {
+        ProcessorParams {
+            logit_bias: None,
+            repetition_penalty: None,
+            repetition_context_size: 20,
+            presence_penalty: None,
+            presence_context_size: 20,
+            frequency_penalty: None,
+            frequency_context_size: 20,
+        }
+    }
+
+    /// oracle-digest.md section 3.4, verified against mlx-lm: logits [1, -2, 3, .5], history
+    /// [0, 1, 1, 3], repetition penalty 2 -> [.5, -4, 3, .25].
+    #[test]
+    fn repetition_penalizes_each_distinct_token_once() {
+        let p = ProcessorParams {
+            repetition_penalty: Some(2.0),
+            ..params()
+        };
+        let procs = LogitsProcessors::new(&p).unwrap();
+        let logits = Array::from_slice(&[1.0f32, -2.0, 3.0, 0.5], &[1, 4]).unwrap();
+        let history = Array::from_slice(&[0i32, 1, 1, 3], &[4]).unwrap();
+        let out = procs
+            .apply(&history, &logits)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        assert_eq!(out, vec![0.5, -4.0, 3.0, 0.25]);
+    }
+
+    #[test]
+    fn presence_counts_once_and_frequency_counts_every_occurrence() {
+        let logits = Array::from_slice(&[0.0f32; 4], &[1, 4]).unwrap();
+        let history = Array::from_slice(&[1i32, 1, 1, 2], &[4]).unwrap();
+        let presence = LogitsProcessors::new(&ProcessorParams {
+            presence_penalty: Some(0.5),
+            ..params()
+        })
+        .unwrap();
+        let frequency = LogitsProcessors::new(&ProcessorParams {
+            frequency_penalty: Some(0.5),
+            ..params()
+        })
+        .unwrap();
+        let p = presence
+            .apply(&history, &logits)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        let f = frequency
+            .apply(&history, &logits)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        assert_eq!(p, vec![0.0, -0.5, -0.5, 0.0]);
+        assert_eq!(f, vec![0.0, -1.5, -0.5, 0.0]);
+    }
+
+    #[test]
+    fn context_size_limits_the_history() {
+        let p = ProcessorParams {
+            presence_penalty: Some(1.0),
+            presence_context_size: 2,
+            ..params()
+        };
+        let procs = LogitsProcessors::new(&p).unwrap();
+        let logits = Array::from_slice(&[0.0f32; 4], &[1, 4]).unwrap();
+        let history = Array::from_slice(&[0i32, 1, 2, 3], &[4]).unwrap();
+        let out = procs
+            .apply(&history, &logits)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        assert_eq!(out, vec![0.0, 0.0, -1.0, -1.0]);
+    }
+
+    #[test]
+    fn zero_penalties_add_no_processor_and_bad_bias_keys_are_errors() {
+        let p = ProcessorParams {
+            repetition_penalty: Some(0.0),
+            frequency_penalty: Some(0.0),
+            ..params()
+        };
+        assert!(LogitsProcessors::new(&p).unwrap().is_empty());
+        let bias = [("x".to_string(), 1.0)].into_iter().collect();
+        let err = LogitsProcessors::new(&ProcessorParams {
+            logit_bias: Some(bias),
+            ..params()
+        });
+        assert!(err.is_err());
+    }
+}

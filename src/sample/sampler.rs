@@ -1,0 +1,166 @@
+//! `make_sampler`: greedy argmax at temp 0; otherwise top-p, min-p, XTC and top-k filters in
+//! that order, then categorical sampling at the temperature, each expression as mlx-lm writes
+//! it. Filtered entries become -inf; temperature is applied last.
+
+use mlx::random::{self, KeySequence};
+use mlx::{ops, Array, Dtype, Error, Result};
+use verity_harness::trace::SamplerParams;
+
+pub struct Sampler {
+    p: SamplerParams,
+}
+
+fn invalid(message: String) -> Error {
+    Error::Invalid(message)
+}
+
+fn neg_inf_like(a: &Array) -> Result<Array> {
+    Array::scalar(f32::NEG_INFINITY, a.dtype())
+}
+
+impl Sampler {
+    /// Validates the parameters as mlx-lm's filters do, with its messages.
+    pub fn new(p: SamplerParams) -> Result<Sampler> {
+        if p.temp < 0.0 || !p.temp.is_finite() {
+            return Err(invalid(format!(
+                "temperature must be a finite number >= 0, got {}",
+                p.temp
+            )));
+        }
+        if p.temp > 0.0 {
+            if p.min_p != 0.0 && !(0.0..=1.0).contains(&p.min_p) {
+                return Err(invalid(format!(
+                    "`min_p` has to be a float in the [0, 1] interval, but is {}",
+                    p.min_p
+                )));
+            }
+            if p.min_tokens_to_keep < 1 {
+                return Err(invalid(format!(
+                    "`min_tokens_to_keep` has to be a positive integer, but is {}",
+                    p.min_tokens_to_keep
+                )));
+            }
+            if p.xtc_probability > 0.0 {
+                if !(0.0..=0.5).contains(&p.xtc_threshold) {
+                    return Err(invalid(format!(
+                        "`threshold` has to be a float in the [0, 0.5] interval, but is {}",
+                        p.xtc_threshold
+                    )));
+                }
+                if p.xtc_probability > 1.0 {
+                    return Err(invalid(format!(
+                        "`probability` has to be a float in the [0, 1] interval, but is {}",
+                        p.xtc_probability
+                    )));
+                }
+            }
+        }
+        Ok(Sampler { p })
+    }
+
+    pub fn params(&self) -> &SamplerParams {
+        &self.p
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.p.temp == 0.0
+    }
+
+    /// Samples from (rows, V) logprobs; returns (rows,) uint32 token ids. Each random draw
+    /// takes the next key of `keys`, in mlx-lm's program order (XTC's, then categorical's).
+    pub fn sample(&self, logprobs: &Array, keys: Option<&mut KeySequence>) -> Result<Array> {
+        if self.is_greedy() {
+            return ops::argmax(logprobs, -1, false);
+        }
+        let keys =
+            keys.ok_or_else(|| invalid("sampling at temperature > 0 needs a seed".into()))?;
+        let p = &self.p;
+        let mut lp = logprobs.clone();
+        if 0.0 < p.top_p && p.top_p < 1.0 {
+            lp = top_p(&lp, p.top_p)?;
+        }
+        if p.min_p != 0.0 {
+            lp = min_p(&lp, p.min_p, p.min_tokens_to_keep)?;
+        }
+        if p.xtc_probability > 0.0 {
+            lp = xtc(
+                &lp,
+                p.xtc_probability,
+                p.xtc_threshold,
+                &p.xtc_special_tokens,
+                &keys.next_key()?,
+            )?;
+        }
+        if p.top_k > 0 {
+            lp = top_k(&lp, p.top_k)?;
+        }
+        // categorical_sampling: `categorical(logits * (1.0 / temp))`, 1/temp in double.
+        let scaled = lp.multiply_scalar((1.0 / p.temp) as f32)?;
+        random::categorical(&scaled, -1, &keys.next_key()?)
+    }
+}
+
+/// apply_top_p: keep the smallest set of top tokens whose mass reaches `top_p` (ties kept).
+fn top_p(lp: &Array, top_p: f64) -> Result<Array> {
+    let sorted = ops::sort(lp, -1)?;
+    let probs = sorted.astype(Dtype::Float32)?.exp()?;
+    let mass_above = ops::cumsum(&probs, -1, true, false)?;
+    let total = mass_above
+        .slice_axis(-1, 0, 1)?
+        .add(&probs.slice_axis(-1, 0, 1)?)?;
+    let dropped = mass_above
+        .greater_equal(&total.multiply_scalar(top_p as f32)?)?
+        .sum(&[-1], true)?;
+    let threshold = ops::take_along_axis(&sorted, &dropped, -1)?;
+    ops::r#where(&lp.less(&threshold)?, &neg_inf_like(lp)?, lp)
+}
+
+/// apply_min_p: drop tokens less likely than `min_p` times the top one, keeping at least
+/// `keep` tokens.
+fn min_p(lp: &Array, min_p: f64, keep: usize) -> Result<Array> {
+    let top = lp.max(&[-1], true)?;
+    let scaled = top.add_scalar(min_p.ln() as f32)?;
+    let mut remove = lp.less(&scaled)?;
+    if keep > 1 {
+        let keep = keep as i32;
+        let idx = ops::argpartition(lp, -keep, -1)?;
+        let idx = idx.slice_axis(-1, idx.dim(-1) - keep, idx.dim(-1))?;
+        let no = Array::scalar_int(0, Dtype::Bool)?;
+        remove = ops::put_along_axis(&remove, &idx, &no, -1)?;
+    }
+    ops::r#where(&remove, &neg_inf_like(lp)?, lp)
+}
+
+/// apply_xtc: with probability `prob`, exclude every token above `threshold` except the least
+/// likely of them (special tokens are never excluded). Draws one uniform with `key`.
+fn xtc(lp: &Array, prob: f64, threshold: f64, special: &[u32], key: &Array) -> Result<Array> {
+    let probs = ops::softmax(lp, &[-1], false)?;
+    let inf = Array::scalar(f32::INFINITY, probs.dtype())?;
+    let above = probs.greater(&ops::scalar_like(threshold as f32, &probs)?)?;
+    let least = ops::r#where(&above, &probs, &inf)?.min(&[-1], true)?;
+    let mut mask = probs.greater(&least)?;
+    if !special.is_empty() {
+        let ids: Vec<i32> = special.iter().map(|&t| t as i32).collect();
+        let rows = mask.dim(0);
+        let idx = Array::from_slice(&ids, &[1, ids.len() as i32])?
+            .broadcast_to(&[rows, ids.len() as i32])?;
+        mask = ops::put_along_axis(&mask, &idx, &Array::scalar_int(0, Dtype::Bool)?, -1)?;
+    }
+    let draw = random::uniform(&[], Dtype::Float32, key)?;
+    let keep_all = draw.greater(&Array::from_f32(prob as f32))?;
+    let excluded = ops::r#where(&mask, &neg_inf_like(lp)?, lp)?;
+    ops::r#where(&keep_all, lp, &excluded)
+}
+
+/// apply_top_k: -inf outside the `k` most likely tokens.
+fn top_k(lp: &Array, k: usize) -> Result<Array> {
+    let vocab = lp.dim(-1) as usize;
+    if k == 0 || k >= vocab {
+        return Err(invalid(format!(
+            "`top_k` has to be an integer in the (0, {vocab}) interval, but is {k}"
+        )));
+    }
+    let idx = ops::argpartition(&lp.negative()?, k as i32 - 1, -1)?;
+    let idx = idx.slice_axis(-1, k as i32, idx.dim(-1))?;
+    ops::put_along_axis(lp, &idx, &neg_inf_like(lp)?, -1)
+}

@@ -1,0 +1,257 @@
+//! The `verity` binary end to end: the divergence report on a trace corrupted by the test
+//! itself, and one clear error line with exit code 2 for each kind of bad input.
+
+use std::fs;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A fresh scratch folder laid out like a repository root.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("verity-cli-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("golden/models")).unwrap();
+        Scratch(dir)
+    }
+
+    /// Copies a fixture model folder into the scratch root.
+    fn copy_model(&self, name: &str) -> PathBuf {
+        let from = root().join("golden/models").join(name);
+        let to = self.0.join("golden/models").join(name);
+        fs::create_dir_all(&to).unwrap();
+        for entry in fs::read_dir(&from).unwrap() {
+            let entry = entry.unwrap();
+            fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+        to
+    }
+
+    fn write_json(&self, name: &str, value: &Value) -> PathBuf {
+        let path = self.0.join(name);
+        fs::write(&path, serde_json::to_string_pretty(value).unwrap()).unwrap();
+        path
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+fn verity(args: &[&str]) -> Output {
+    mlx::jit::isolate_per_test_slot();
+    Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn root_arg() -> String {
+    root().to_string_lossy().into_owned()
+}
+
+fn golden(id: &str) -> Value {
+    let path = root().join("golden/traces").join(format!("{id}.json"));
+    serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+/// Asserts exit code 2 and a single `error:` line on stderr containing every `needle`.
+fn assert_one_error_line(out: &Output, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "expected one error line, got: {stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    for n in needles {
+        assert!(lines[0].contains(n), "{n:?} missing from: {stderr}");
+    }
+}
+
+const TRACE: &str = "qwen3-target/greedy/code";
+
+#[test]
+fn a_corrupted_trace_gets_a_divergence_report() {
+    let scratch = Scratch::new("diverge");
+    let mut trace = golden(TRACE);
+    // Change the oracle's token at step 5 to its runner-up, as a real divergence would look.
+    let step = &mut trace["steps"][5];
+    let runner_up = step["top"][1][0].as_u64().unwrap();
+    let original = step["token"].as_u64().unwrap();
+    step["token"] = runner_up.into();
+    let path = scratch.write_json("corrupt.json", &trace);
+
+    let out = verity(&["replay", path.to_str().unwrap(), "--root", &root_arg()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains(&format!("FAIL {TRACE}: first difference at step 5 of")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("token: oracle {runner_up}, engine {original}")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("oracle top-1/top-2 margin at step 5:"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("text diff (- oracle, + engine):"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("[-") || stdout.contains("{+"),
+        "the diff marks a change: {stdout}"
+    );
+}
+
+#[test]
+fn a_corrupted_logprob_is_a_tier_a_failure_naming_the_bits() {
+    let scratch = Scratch::new("logprob");
+    let mut trace = golden(TRACE);
+    let lp = trace["steps"][2]["logprob"].as_f64().unwrap() as f32;
+    trace["steps"][2]["logprob"] = Value::from(f32::from_bits(lp.to_bits() + 1) as f64);
+    let path = scratch.write_json("corrupt.json", &trace);
+    let out = verity(&["replay", path.to_str().unwrap(), "--root", &root_arg()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("first difference at step 2"), "{stdout}");
+    assert!(stdout.contains("logprob of token"), "{stdout}");
+}
+
+#[test]
+fn check_on_a_trace_folder_prints_the_suite_table() {
+    let scratch = Scratch::new("table");
+    let traces = scratch.0.join("traces");
+    fs::create_dir_all(&traces).unwrap();
+    fs::write(
+        traces.join("a.json"),
+        serde_json::to_string(&golden(TRACE)).unwrap(),
+    )
+    .unwrap();
+    let out = verity(&[
+        "check",
+        "--traces",
+        traces.to_str().unwrap(),
+        "--root",
+        &root_arg(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("suite"), "{stdout}");
+    assert!(stdout.contains("all traces pass"), "{stdout}");
+}
+
+#[test]
+fn a_missing_model_folder_is_one_error_line() {
+    let out = verity(&["generate", "--model", "no/such/model", "--prompt", "hi"]);
+    assert_one_error_line(&out, &["no/such/model", "no such model folder"]);
+}
+
+#[test]
+fn a_truncated_safetensors_file_is_one_error_line() {
+    let scratch = Scratch::new("truncated");
+    let model = scratch.copy_model("llama");
+    let weights = model.join("model.safetensors");
+    let bytes = fs::read(&weights).unwrap();
+    fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
+    let out = verity(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
+    assert_one_error_line(&out, &["model.safetensors", "truncated"]);
+}
+
+#[test]
+fn an_unknown_model_type_is_one_error_line() {
+    let scratch = Scratch::new("model-type");
+    let model = scratch.copy_model("llama");
+    let config_path = model.join("config.json");
+    let mut config: Value =
+        serde_json::from_str(&fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["model_type"] = "transformer_xl".into();
+    fs::write(&config_path, config.to_string()).unwrap();
+    let out = verity(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
+    assert_one_error_line(
+        &out,
+        &["config.json", "unknown model_type \"transformer_xl\""],
+    );
+}
+
+#[test]
+fn a_trace_of_an_unknown_format_is_one_error_line() {
+    let scratch = Scratch::new("format");
+    let mut trace = golden(TRACE);
+    trace["format"] = "verity-trace/99".into();
+    let path = scratch.write_json("future.json", &trace);
+    let out = verity(&["replay", path.to_str().unwrap(), "--root", &root_arg()]);
+    assert_one_error_line(
+        &out,
+        &["future.json", "unknown trace format \"verity-trace/99\""],
+    );
+}
+
+#[test]
+fn a_trace_that_is_not_json_is_one_error_line() {
+    let scratch = Scratch::new("not-json");
+    let path = scratch.0.join("garbage.json");
+    fs::write(&path, "{ this is not json").unwrap();
+    let out = verity(&["replay", path.to_str().unwrap(), "--root", &root_arg()]);
+    assert_one_error_line(&out, &["garbage.json", "not a verity trace"]);
+}
+
+#[test]
+fn generate_streams_the_same_tokens_as_the_golden_trace() {
+    // The greedy chat golden of the trained target: `verity generate` must print its text.
+    let trace = golden("qwen3-target/greedy/chat");
+    let model = root().join("golden/models/qwen3-target");
+    let prompt = trace["prompt"]["text"].as_str().unwrap();
+    let max = trace["params"]["max_tokens"].as_u64().unwrap().to_string();
+    let out = verity(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        &max,
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // The recorder's `text` decodes every step; an EOS step is not printed (as in mlx-lm).
+    let expected = trace["text"].as_str().unwrap();
+    let expected = if trace["finish_reason"] == "stop" {
+        expected.trim_end_matches("<|im_end|>")
+    } else {
+        expected
+    };
+    assert_eq!(stdout.trim_end_matches('\n'), expected);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("tokens-per-sec") && stderr.contains("Peak memory"),
+        "{stderr}"
+    );
+}
