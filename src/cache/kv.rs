@@ -9,6 +9,8 @@ pub struct KvCache {
     pub(crate) keys: Option<Array>,
     pub(crate) values: Option<Array>,
     pub offset: usize,
+    /// The offset when the open speculative round began.
+    pub(crate) round_start: Option<usize>,
 }
 
 /// `a[..., start:stop, :]` on a (B, H, S, D) array.

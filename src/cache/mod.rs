@@ -5,12 +5,14 @@ mod kv;
 mod mask;
 mod quantized;
 mod recurrent;
+mod rollback;
 mod rotating;
 
 pub use kv::KvCache;
 pub use mask::{create_causal_mask, Mask};
 pub use quantized::QuantizedKvCache;
 pub use recurrent::RecurrentCache;
+pub use rollback::{begin_round, end_round, rollback_plan, Rollback};
 pub use rotating::RotatingKvCache;
 
 use mlx::{Array, Result};
@@ -88,6 +90,52 @@ impl LayerCache {
         }
     }
 
+    /// The keys and values attention can see, in temporal order and dequantized (B, H, S, D);
+    /// None for an empty or a recurrent cache. For inspection and tests.
+    pub fn visible(&self) -> Result<Option<(Array, Array)>> {
+        match self {
+            LayerCache::Kv(c) => match (&c.keys, &c.values) {
+                (Some(k), Some(v)) => {
+                    let n = c.offset as i32;
+                    Ok(Some((kv::seq(k, 0, n)?, kv::seq(v, 0, n)?)))
+                }
+                _ => Ok(None),
+            },
+            LayerCache::QuantizedKv(c) => match (&c.keys, &c.values) {
+                (Some(k), Some(v)) if c.offset > 0 => {
+                    let n = c.offset as i32;
+                    let deq = |t: &[Array; 3]| -> Result<Array> {
+                        let part = |i: usize| kv::seq(&t[i], 0, n);
+                        mlx::ops::dequantize(
+                            &part(0)?,
+                            &part(1)?,
+                            Some(&part(2)?),
+                            c.group_size,
+                            c.bits,
+                            "affine",
+                        )
+                    };
+                    Ok(Some((deq(k)?, deq(v)?)))
+                }
+                _ => Ok(None),
+            },
+            LayerCache::Rotating(c) => c.temporal(),
+            LayerCache::Recurrent(_) => Ok(None),
+        }
+    }
+
+    /// Drops the last `n` tokens of a KV cache (capped at its length, as mlx-lm's trim). Other
+    /// kinds cannot trim exactly outside a round and refuse.
+    pub fn trim(&mut self, n: usize) -> Result<usize> {
+        match self {
+            LayerCache::Kv(c) => Ok(c.trim(n)),
+            LayerCache::QuantizedKv(c) => Ok(c.trim(n)),
+            LayerCache::Rotating(_) | LayerCache::Recurrent(_) => Err(mlx::Error::Invalid(
+                "only KV caches trim outside a speculative round".into(),
+            )),
+        }
+    }
+
     /// The arrays to evaluate after a prefill chunk (mlx-lm's `c.state`).
     pub fn state(&self) -> Vec<&Array> {
         match self {
@@ -104,7 +152,9 @@ impl LayerCache {
     pub fn maybe_quantize(&mut self, q: &KvQuantization) -> Result<()> {
         match self {
             LayerCache::Kv(c) if c.offset >= q.start => {
-                *self = LayerCache::QuantizedKv(c.to_quantized(q.group_size, q.bits)?);
+                let mut quantized = c.to_quantized(q.group_size, q.bits)?;
+                quantized.round_start = c.round_start;
+                *self = LayerCache::QuantizedKv(quantized);
                 Ok(())
             }
             LayerCache::Rotating(c) if c.offset >= q.start => Err(mlx::Error::Invalid(

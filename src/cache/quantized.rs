@@ -12,6 +12,8 @@ pub struct QuantizedKvCache {
     pub offset: usize,
     pub group_size: i32,
     pub bits: i32,
+    /// The offset when the open speculative round began.
+    pub(crate) round_start: Option<usize>,
 }
 
 fn triple(parts: Vec<Array>) -> Result<[Array; 3]> {
@@ -32,6 +34,7 @@ impl QuantizedKvCache {
             offset: 0,
             group_size,
             bits,
+            round_start: None,
         }
     }
 

@@ -17,6 +17,8 @@ pub struct RotatingKvCache {
     pub keep: usize,
     /// The physical write cursor.
     pub(crate) idx: usize,
+    /// The offset when the open speculative round began.
+    pub(crate) round_start: Option<usize>,
 }
 
 impl RotatingKvCache {
@@ -28,6 +30,7 @@ impl RotatingKvCache {
             max_size,
             keep,
             idx: 0,
+            round_start: None,
         }
     }
 
@@ -166,6 +169,21 @@ impl RotatingKvCache {
             return Ok(Mask::Array(roll(&mask, idx + 1)?));
         }
         Ok(Mask::None)
+    }
+
+    /// Keys and values in temporal order, as a multi-token update would see them.
+    pub fn temporal(&self) -> Result<Option<(Array, Array)>> {
+        match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => {
+                let n = (self.offset as i32).min(k.dim(2));
+                let (k, v) = (self.temporal_order(k)?, self.temporal_order(v)?);
+                Ok(Some((
+                    seq(&k, 0, n.min(k.dim(2)))?,
+                    seq(&v, 0, n.min(v.dim(2)))?,
+                )))
+            }
+            _ => Ok(None),
+        }
     }
 
     pub fn state(&self) -> Vec<&Array> {

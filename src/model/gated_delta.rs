@@ -1,7 +1,80 @@
 //! mlx_lm/models/gated_delta.py on the CPU path: q/k normalization and the gated delta rule as
-//! a sequential loop of compiled single-token steps (the path Python takes off Metal).
+//! a sequential loop of compiled single-token steps (the path Python takes off Metal), plus the
+//! causal conv in front of it, packaged as a [`Recurrence`] a recurrent cache can replay.
 
 use mlx::{compiled, fast, ops, Array, Dtype, Result};
+
+/// The recurrent part of a gated-DeltaNet layer: causal depthwise conv over the last K inputs,
+/// then the gated delta rule. Cloning is cheap (arrays share their buffers); a recurrent cache
+/// keeps a clone so it can replay tokens after a rollback without the model.
+#[derive(Clone)]
+pub struct Recurrence {
+    pub conv_weight: Array,
+    pub a_log: Array,
+    pub dt_bias: Array,
+    pub k_heads: i32,
+    pub v_heads: i32,
+    pub k_dim: i32,
+    pub v_dim: i32,
+    pub conv_kernel: i32,
+}
+
+/// What [`Recurrence::run`] leaves behind.
+pub struct RecurrentStep {
+    /// (B, S, Hv, Dv) outputs.
+    pub y: Array,
+    /// The last K-1 conv inputs.
+    pub conv: Array,
+    /// The f32 delta-rule state.
+    pub state: Array,
+}
+
+impl Recurrence {
+    fn conv_dim(&self) -> i32 {
+        2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+    }
+
+    /// Feeds S tokens' projected inputs — `mixed_qkv` (B, S, conv_dim), `a` and `b` (B, S, Hv)
+    /// — through the conv and the delta rule, starting from `conv` / `state` (zeros if None).
+    pub fn run(
+        &self,
+        conv: Option<&Array>,
+        state: Option<&Array>,
+        mixed_qkv: &Array,
+        a: &Array,
+        b: &Array,
+    ) -> Result<RecurrentStep> {
+        let (bsz, s) = (mixed_qkv.dim(0), mixed_qkv.dim(1));
+        let conv_state = match conv {
+            Some(c) => c.clone(),
+            None => Array::zeros(
+                &[bsz, self.conv_kernel - 1, self.conv_dim()],
+                mixed_qkv.dtype(),
+            )?,
+        };
+        let conv_input = ops::concatenate(&[&conv_state, mixed_qkv], 1)?;
+        let n = conv_input.dim(1);
+        let conv = conv_input
+            .slice_axis(1, n - (self.conv_kernel - 1), n)?
+            .contiguous()?;
+        let conv_out = compiled::silu(&ops::conv1d(
+            &conv_input,
+            &self.conv_weight,
+            1,
+            0,
+            1,
+            self.conv_dim(),
+        )?)?;
+        let kd = self.k_heads * self.k_dim;
+        let parts = ops::split_sections(&conv_out, &[kd, 2 * kd], -1)?;
+        let q = parts[0].reshape(&[bsz, s, self.k_heads, self.k_dim])?;
+        let k = parts[1].reshape(&[bsz, s, self.k_heads, self.k_dim])?;
+        let v = parts[2].reshape(&[bsz, s, self.v_heads, self.v_dim])?;
+        let (q, k) = normalize_qk(&q, &k, self.k_dim)?;
+        let (y, state) = gated_delta_update(&q, &k, &v, a, b, &self.a_log, &self.dt_bias, state)?;
+        Ok(RecurrentStep { y, conv, state })
+    }
+}
 
 /// `normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)`: L2-normalize q and k and fold the
 /// readout scale into q (rms_norm adds eps to the mean square, so eps is scaled to match).

@@ -6,7 +6,7 @@ use mlx::{compiled, ops, Array, Result};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::gated_delta::{gated_delta_update, normalize_qk};
+use super::gated_delta::Recurrence;
 use super::layers::{attend, Activation, Embedding, GatedMlp, Linear, RmsNorm, Rope};
 use super::llama::{capture, Head};
 use super::{Forward, LanguageModel};
@@ -137,31 +137,17 @@ enum InputProjection {
 /// gated delta rule, a gated RMSNorm, and the output projection.
 struct GatedDeltaNet {
     proj: InputProjection,
-    conv_weight: Array,
-    dt_bias: Array,
-    a_log: Array,
+    recurrence: Recurrence,
     norm: RmsNorm,
     out_proj: Linear,
-    k_heads: i32,
-    v_heads: i32,
-    k_dim: i32,
-    v_dim: i32,
-    conv_kernel: i32,
 }
 
 impl GatedDeltaNet {
-    fn key_dim(&self) -> i32 {
-        self.k_heads * self.k_dim
-    }
-
-    fn conv_dim(&self) -> i32 {
-        2 * self.key_dim() + self.v_heads * self.v_dim
-    }
-
     /// The conv input rows, z, b and a for this step.
     fn project(&self, x: &Array) -> Result<(Array, Array, Array, Array)> {
         let (bsz, s) = (x.dim(0), x.dim(1));
-        let (nk, dn, nv, dv) = (self.k_heads, self.k_dim, self.v_heads, self.v_dim);
+        let r = &self.recurrence;
+        let (nk, dn, nv, dv) = (r.k_heads, r.k_dim, r.v_heads, r.v_dim);
         match &self.proj {
             InputProjection::Fused { qkvz, ba } => {
                 // fix_query_key_value_ordering
@@ -190,37 +176,7 @@ impl GatedDeltaNet {
     fn forward(&self, x: &Array, cache: &mut RecurrentCache) -> Result<Array> {
         let (bsz, s) = (x.dim(0), x.dim(1));
         let (mixed_qkv, z, b, a) = self.project(x)?;
-        let conv_state = match &cache.conv {
-            Some(c) => c.clone(),
-            None => Array::zeros(&[bsz, self.conv_kernel - 1, self.conv_dim()], x.dtype())?,
-        };
-        let conv_input = ops::concatenate(&[&conv_state, &mixed_qkv], 1)?;
-        let n = conv_input.dim(1);
-        cache.conv = Some(
-            conv_input
-                .slice_axis(1, n - (self.conv_kernel - 1), n)?
-                .contiguous()?,
-        );
-        let conv = ops::conv1d(&conv_input, &self.conv_weight, 1, 0, 1, self.conv_dim())?;
-        let conv_out = compiled::silu(&conv)?;
-        let kd = self.key_dim();
-        let parts = ops::split_sections(&conv_out, &[kd, 2 * kd], -1)?;
-        let q = parts[0].reshape(&[bsz, s, self.k_heads, self.k_dim])?;
-        let k = parts[1].reshape(&[bsz, s, self.k_heads, self.k_dim])?;
-        let v = parts[2].reshape(&[bsz, s, self.v_heads, self.v_dim])?;
-        let (q, k) = normalize_qk(&q, &k, self.k_dim)?;
-        let (out, state) = gated_delta_update(
-            &q,
-            &k,
-            &v,
-            &a,
-            &b,
-            &self.a_log,
-            &self.dt_bias,
-            cache.state.as_ref(),
-        )?;
-        cache.state = Some(state);
-        cache.seen += s as usize;
+        let out = cache.advance(&self.recurrence, &mixed_qkv, &a, &b)?;
         // Qwen3NextRMSNormGated: precise_swiglu(out, z, rms_norm(out)).
         let normed = self.norm.forward(&out)?;
         let out = compiled::precise_swiglu(&out, &z, &normed)?;
@@ -339,19 +295,22 @@ impl Model {
                 };
                 Mixer::Linear(GatedDeltaNet {
                     proj,
-                    conv_weight: w.take_shaped(
-                        &format!("{p}.linear_attn.conv1d.weight"),
-                        &[conv_dim, s.conv_kernel, 1],
-                    )?,
-                    dt_bias: w.take_shaped(&format!("{p}.linear_attn.dt_bias"), &[s.v_heads])?,
-                    a_log: w.take_shaped(&format!("{p}.linear_attn.A_log"), &[s.v_heads])?,
+                    recurrence: Recurrence {
+                        conv_weight: w.take_shaped(
+                            &format!("{p}.linear_attn.conv1d.weight"),
+                            &[conv_dim, s.conv_kernel, 1],
+                        )?,
+                        a_log: w.take_shaped(&format!("{p}.linear_attn.A_log"), &[s.v_heads])?,
+                        dt_bias: w
+                            .take_shaped(&format!("{p}.linear_attn.dt_bias"), &[s.v_heads])?,
+                        k_heads: s.k_heads,
+                        v_heads: s.v_heads,
+                        k_dim: s.k_dim,
+                        v_dim: s.v_dim,
+                        conv_kernel: s.conv_kernel,
+                    },
                     norm: RmsNorm::load(w, &format!("{p}.linear_attn.norm"), s.v_dim, eps)?,
                     out_proj: lin(w, "linear_attn.out_proj", value_dim, h, false)?,
-                    k_heads: s.k_heads,
-                    v_heads: s.v_heads,
-                    k_dim: s.k_dim,
-                    v_dim: s.v_dim,
-                    conv_kernel: s.conv_kernel,
                 })
             } else {
                 let (qd, kvd) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);

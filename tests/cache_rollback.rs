@@ -1,0 +1,309 @@
+//! Every cache kind against its reference model (verity_harness::cache_model): random
+//! interleavings of appends, trims and speculative rounds, comparing what attention can see (or
+//! the recurrent state) after every step. Keys written for token id t are all t, so the visible
+//! keys spell out which tokens the cache holds, in order.
+
+use mlx::{random, Array, Dtype};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+use verity::cache::{
+    rollback_plan, KvCache, LayerCache, QuantizedKvCache, RecurrentCache, Rollback, RotatingKvCache,
+};
+use verity::model::gated_delta::Recurrence;
+use verity_harness::cache_model::{ops, rotating_kind, Kind, Op, Plan, RefCache};
+use verity_harness::proptest_cases;
+
+const HEAD_DIM: i32 = 32;
+
+fn real_cache(kind: Kind) -> LayerCache {
+    match kind {
+        Kind::Kv => LayerCache::Kv(KvCache::default()),
+        Kind::QuantizedKv => LayerCache::QuantizedKv(QuantizedKvCache::new(32, 8)),
+        Kind::Rotating { max_size, keep } => {
+            LayerCache::Rotating(RotatingKvCache::new(max_size, keep))
+        }
+        Kind::Recurrent => LayerCache::Recurrent(RecurrentCache::default()),
+    }
+}
+
+/// A small gated-DeltaNet recurrence with fixed random parameters.
+fn recurrence() -> Recurrence {
+    let key = |s| random::key(s).unwrap();
+    let (k_heads, v_heads, k_dim, v_dim, kernel) = (1, 2, 32, 16, 4);
+    let conv_dim = 2 * k_heads * k_dim + v_heads * v_dim;
+    let u = random::uniform(&[v_heads], Dtype::Float32, &key(2)).unwrap();
+    Recurrence {
+        conv_weight: random::normal(&[conv_dim, kernel, 1], Dtype::Float32, &key(1)).unwrap(),
+        a_log: u
+            .multiply_scalar(15.0)
+            .unwrap()
+            .add_scalar(1.0)
+            .unwrap()
+            .log()
+            .unwrap(),
+        dt_bias: Array::full(&[v_heads], &Array::from_f32(1.0), Dtype::Float32).unwrap(),
+        k_heads,
+        v_heads,
+        k_dim,
+        v_dim,
+        conv_kernel: kernel,
+    }
+}
+
+/// The recurrence's inputs for the given token ids: rows drawn from a key per id, so a token's
+/// inputs are the same whenever it is fed.
+fn recurrent_inputs(rec: &Recurrence, ids: &[u32]) -> (Array, Array, Array) {
+    let conv_dim = 2 * rec.k_heads * rec.k_dim + rec.v_heads * rec.v_dim;
+    let rows = |width: i32, salt: u64| {
+        let parts: Vec<Array> = ids
+            .iter()
+            .map(|&t| {
+                random::normal(
+                    &[1, 1, width],
+                    Dtype::Float32,
+                    &random::key(t as u64 * 3 + salt).unwrap(),
+                )
+                .unwrap()
+            })
+            .collect();
+        mlx::ops::concatenate(&parts.iter().collect::<Vec<_>>(), 1).unwrap()
+    };
+    (
+        rows(conv_dim, 0),
+        rows(rec.v_heads, 1),
+        rows(rec.v_heads, 2),
+    )
+}
+
+/// Feeds tokens `ids` to the real cache in one call.
+fn feed(cache: &mut LayerCache, rec: &Recurrence, ids: &[u32]) {
+    match cache {
+        LayerCache::Recurrent(c) => {
+            let (qkv, a, b) = recurrent_inputs(rec, ids);
+            c.advance(rec, &qkv, &a, &b).unwrap();
+        }
+        c => {
+            let rows: Vec<f32> = ids
+                .iter()
+                .flat_map(|&t| std::iter::repeat_n(t as f32, HEAD_DIM as usize))
+                .collect();
+            let shape = [1, 1, ids.len() as i32, HEAD_DIM];
+            let keys = Array::from_slice(&rows, &shape).unwrap();
+            c.update_and_fetch(&keys, &keys.negative().unwrap())
+                .unwrap();
+        }
+    }
+}
+
+/// Checks the real cache against the reference: visible ids (keys t, values -t) and offset, or
+/// for a recurrent cache, conv and state bits equal to a fresh cache fed the same tokens.
+fn check(real: &LayerCache, reference: &RefCache, rec: &Recurrence) -> Result<(), TestCaseError> {
+    prop_assert_eq!(real.offset(), reference.offset, "offset");
+    if let LayerCache::Recurrent(c) = real {
+        let mut fresh = RecurrentCache::default();
+        if !reference.visible().is_empty() {
+            let (qkv, a, b) = recurrent_inputs(rec, reference.visible());
+            fresh.advance(rec, &qkv, &a, &b).unwrap();
+        }
+        let bits = |x: &Option<Array>| x.as_ref().map(|a| a.to_bytes().unwrap());
+        prop_assert!(
+            bits(&c.conv) == bits(&fresh.conv),
+            "conv state differs from a fresh replay"
+        );
+        prop_assert!(
+            bits(&c.state) == bits(&fresh.state),
+            "recurrent state differs from a fresh replay"
+        );
+        return Ok(());
+    }
+    let (ids, negated) = match real.visible().unwrap() {
+        Some((k, v)) => {
+            let column = |a: &Array| -> Vec<f32> {
+                let flat = a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+                flat.chunks(HEAD_DIM as usize).map(|row| row[0]).collect()
+            };
+            (column(&k), column(&v))
+        }
+        None => (vec![], vec![]),
+    };
+    let want: Vec<f32> = reference.visible().iter().map(|&t| t as f32).collect();
+    prop_assert_eq!(&ids, &want, "visible keys");
+    prop_assert_eq!(
+        negated,
+        want.iter().map(|t| -t).collect::<Vec<_>>(),
+        "visible values"
+    );
+    Ok(())
+}
+
+/// Applies `ops` to a real cache of `kind` and to the reference, checking after every step.
+fn run_ops(kind: Kind, ops: &[Op]) -> Result<(), TestCaseError> {
+    let rec = recurrence();
+    let mut real = real_cache(kind);
+    let mut reference = RefCache::new(kind);
+    for op in ops {
+        match op {
+            Op::Append(k) => {
+                let ids = reference.append(*k);
+                feed(&mut real, &rec, &ids);
+            }
+            Op::Trim(n) => {
+                prop_assert_eq!(real.trim(*n).unwrap(), reference.trim(*n));
+            }
+            Op::Round { chunks, reject } => {
+                let total: usize = chunks.iter().sum();
+                let plan = match rollback_plan(std::slice::from_ref(&real), total) {
+                    Rollback::Trim => Plan::Trim,
+                    Rollback::SnapshotReplay => Plan::SnapshotReplay,
+                    Rollback::Refuse(_) => Plan::Refuse,
+                };
+                prop_assert_eq!(
+                    &plan,
+                    &reference.plan(total),
+                    "rollback plan for a round of {}",
+                    total
+                );
+                if plan == Plan::Refuse {
+                    continue;
+                }
+                let ids = reference.next_ids(total);
+                real.begin_round();
+                let mut at = 0;
+                for c in chunks {
+                    feed(&mut real, &rec, &ids[at..at + c]);
+                    at += c;
+                }
+                prop_assert_eq!(real.end_round(*reject).unwrap(), *reject);
+                reference.round(chunks, *reject);
+            }
+        }
+        check(&real, &reference, &rec)?;
+    }
+    Ok(())
+}
+
+fn fuzz(kind: impl Strategy<Value = Kind>, default_cases: u32, max_ops: usize) {
+    mlx::jit::isolate_per_test_slot();
+    // Failing cases are saved to tests/cache_rollback.proptest-regressions and replayed first.
+    let config = Config {
+        cases: proptest_cases(default_cases, 10_000),
+        source_file: Some(file!()),
+        ..Config::default()
+    };
+    let mut runner = TestRunner::new(config);
+    let strategy = kind.prop_flat_map(move |k| (Just(k), ops(k, max_ops)));
+    runner
+        .run(&strategy, |(kind, ops)| run_ops(kind, &ops))
+        .unwrap();
+}
+
+#[test]
+fn kv_cache_matches_its_reference() {
+    fuzz(Just(Kind::Kv), 200, 24);
+}
+
+#[test]
+fn quantized_kv_cache_matches_its_reference() {
+    fuzz(Just(Kind::QuantizedKv), 200, 24);
+}
+
+#[test]
+fn rotating_cache_matches_its_reference() {
+    fuzz(rotating_kind(), 200, 24);
+}
+
+#[test]
+fn recurrent_cache_matches_its_reference() {
+    // Each check replays the whole history through a fresh cache, so sequences are shorter.
+    fuzz(Just(Kind::Recurrent), 60, 12);
+}
+
+// Named regressions: the upstream failure shapes of prior-art.md section 3.1.
+
+#[test]
+fn multi_token_update_at_the_rotating_boundary() {
+    let kind = Kind::Rotating {
+        max_size: 8,
+        keep: 0,
+    };
+    run_ops(
+        kind,
+        &[Op::Append(6), Op::Append(3), Op::Append(1), Op::Append(2)],
+    )
+    .unwrap();
+    run_ops(
+        kind,
+        &[
+            Op::Append(5),
+            Op::Round {
+                chunks: vec![3],
+                reject: 2,
+            },
+            Op::Append(1),
+        ],
+    )
+    .unwrap();
+}
+
+#[test]
+fn a_round_that_would_wrap_the_window_is_refused_before_it_starts() {
+    let kind = Kind::Rotating {
+        max_size: 4,
+        keep: 1,
+    };
+    run_ops(
+        kind,
+        &[
+            Op::Append(6),
+            Op::Round {
+                chunks: vec![1],
+                reject: 1,
+            },
+            Op::Append(1),
+        ],
+    )
+    .unwrap();
+    let mut real = real_cache(kind);
+    let rec = recurrence();
+    feed(&mut real, &rec, &[0, 1, 2]);
+    assert!(matches!(real.rollback_plan(2), Rollback::Refuse(_)));
+    // Asked to take back a round that wrapped anyway, the cache fails instead of trimming nothing.
+    real.begin_round();
+    feed(&mut real, &rec, &[3, 4]);
+    assert!(real.end_round(1).is_err());
+}
+
+#[test]
+fn quantized_trim_clamps_to_the_length() {
+    run_ops(
+        Kind::QuantizedKv,
+        &[
+            Op::Append(3),
+            Op::Trim(10),
+            Op::Append(2),
+            Op::Trim(1),
+            Op::Append(1),
+        ],
+    )
+    .unwrap();
+}
+
+#[test]
+fn rollback_after_a_recurrent_layer_replays_the_kept_tokens() {
+    run_ops(
+        Kind::Recurrent,
+        &[
+            Op::Append(3),
+            Op::Round {
+                chunks: vec![2, 2],
+                reject: 3,
+            },
+            Op::Append(1),
+            Op::Round {
+                chunks: vec![3],
+                reject: 0,
+            },
+        ],
+    )
+    .unwrap();
+}
