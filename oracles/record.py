@@ -5,13 +5,12 @@ through mlx_lm.stream_generate exactly as `mlx_lm.generate` would (chat template
 sampler and processor construction, seeding), and writes golden/traces/<id>.json. Traces it did
 not write this run are deleted, so the folder always equals the manifest.
 
-    oracles/.venv/bin/python oracles/record.py [--only SUBSTRING] [--check] [--device gpu]
+    oracles/.venv/bin/python oracles/record.py [--only SUBSTRING] [--device gpu]
 
 --device gpu (an M-series Mac with the mlx-metal wheel) records the Metal set into
 golden/traces-gpu; the default CPU set, golden/traces, is the committed one.
 
---check records into memory and compares with the committed files instead of writing: exit 1
-if any trace would change (recording is deterministic, so this is how CI-side drift shows).
+Recording is deterministic: rerunning leaves `git status` clean.
 """
 
 import argparse
@@ -28,6 +27,8 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 from mlx_lm import load, stream_generate
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from tqdm import tqdm
 
@@ -43,6 +44,7 @@ PROCESSOR_KEYS = {
 GENERATION_KEYS = {
     "max_tokens", "seed", "prefill_step_size", "max_kv_size", "kv_bits", "kv_group_size",
     "quantized_kv_start", "draft", "num_draft_tokens", "tier", "logprob_tolerance", "reason",
+    "prompt_cache_prefix",
 }
 DEFAULTS = {
     "temp": 0.0, "top_p": 0.0, "min_p": 0.0, "min_tokens_to_keep": 1, "top_k": 0,
@@ -53,6 +55,7 @@ DEFAULTS = {
     "max_tokens": 48, "seed": None, "prefill_step_size": 2048, "max_kv_size": None,
     "kv_bits": None, "kv_group_size": 64, "quantized_kv_start": 5000, "draft": None,
     "num_draft_tokens": 3, "tier": "A", "logprob_tolerance": None, "reason": None,
+    "prompt_cache_prefix": None,
 }
 
 
@@ -118,6 +121,25 @@ def prompt_tokens(tokenizer, prompt):
     return None, tokenizer.encode(text, add_special_tokens=True)
 
 
+def cache_prefix(case, model, tokens, p):
+    """mlx_lm.cache_prompt on the first `prompt_cache_prefix` tokens: process them with
+    generate_step(max_tokens=0) and save the cache file under golden/prompt-cache/. Returns the
+    trace's prompt_cache entry and the rest of the prompt, which generation then continues."""
+    n = p["prompt_cache_prefix"]
+    if not 0 < n < len(tokens):
+        raise ManifestError(f"{case['id']}: prompt_cache_prefix must leave tokens on both sides")
+    prefix, rest = tokens[:n], tokens[n:]
+    cache = make_prompt_cache(model, p["max_kv_size"])
+    for _ in generate_step(mx.array(prefix), model, max_tokens=0, prompt_cache=cache,
+                           prefill_step_size=p["prefill_step_size"], kv_bits=p["kv_bits"],
+                           kv_group_size=p["kv_group_size"], quantized_kv_start=p["quantized_kv_start"]):
+        pass
+    rel = Path("golden/prompt-cache") / (case["id"].replace("/", "__") + ".safetensors")
+    (ROOT / rel).parent.mkdir(parents=True, exist_ok=True)
+    save_prompt_cache(str(ROOT / rel), cache, {"model": case["model"]})
+    return {"file": str(rel), "tokens": [int(t) for t in prefix]}, rest
+
+
 def top_entries(logprobs):
     """The TOP_K best (id, logprob): logprob descending, then id ascending."""
     lp = np.array(logprobs.astype(mx.float32))
@@ -150,6 +172,10 @@ def record_case(case, models):
                  "num_draft_tokens": p["num_draft_tokens"]}
         kwargs["draft_model"] = models.get(p["draft"])[0]
         kwargs["num_draft_tokens"] = p["num_draft_tokens"]
+    prompt_cache = None
+    if p["prompt_cache_prefix"] is not None:
+        prompt_cache, tokens = cache_prefix(case, model, tokens, p)
+        kwargs["prompt_cache"] = load_prompt_cache(str(ROOT / prompt_cache["file"]))
     if p["seed"] is not None:
         mx.random.seed(p["seed"])
     steps, finish, count, generated = [], None, 0, []
@@ -166,6 +192,7 @@ def record_case(case, models):
                    "mlx_version": mx.__version__, "device": str(mx.default_device().type).split(".")[-1]},
         "model": f"golden/models/{case['model']}",
         "draft": draft,
+        "prompt_cache": prompt_cache,
         "prompt": {"tokens": [int(t) for t in tokens], "text": case["prompt"]["text"],
                    "chat": bool(case["prompt"].get("chat", False)), "rendered": rendered},
         "params": {
@@ -204,29 +231,25 @@ def dumps(trace):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="record only cases whose id contains this")
-    ap.add_argument("--check", action="store_true", help="compare with committed traces, write nothing")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="device to record on")
     args = ap.parse_args()
     mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
     manifest = tomllib.loads((GOLDEN / "MANIFEST.toml").read_text())
     cases = [c for c in expand(manifest) if not args.only or args.only in c["id"]]
     out_dir = GOLDEN / ("traces" if args.device == "cpu" else f"traces-{args.device}")
-    models, written, changed = Models(), set(), []
+    models, written = Models(), set()
     for case in tqdm(cases, desc="recording traces", unit="trace"):
+        trace = record_case(case, models)
         path = out_dir / f"{case['id']}.json"
-        text = dumps(record_case(case, models))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dumps(trace))
         written.add(path)
-        if args.check:
-            if not path.is_file() or path.read_text() != text:
-                changed.append(case["id"])
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-    stale = [] if args.only else [p for p in out_dir.rglob("*.json") if p not in written]
-    if args.check:
-        problems = changed + [f"stale {p.relative_to(out_dir)}" for p in stale]
-        print("\n".join(problems) if problems else f"{len(cases)} traces unchanged")
-        sys.exit(1 if problems else 0)
+        if trace["prompt_cache"]:
+            written.add(ROOT / trace["prompt_cache"]["file"])
+    stale = []
+    if not args.only:
+        files = list(out_dir.rglob("*.json")) + list((GOLDEN / "prompt-cache").glob("*.safetensors"))
+        stale = [p for p in files if p not in written]
     for p in stale:
         p.unlink()
     print(f"recorded {len(cases)} traces into {out_dir.relative_to(ROOT)}, removed {len(stale)} stale")

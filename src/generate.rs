@@ -63,10 +63,86 @@ pub struct Generation<'m> {
     done: bool,
 }
 
+/// Feeds `tokens` to the model in chunks of `prefill_step_size`, evaluating the caches after
+/// each chunk, and converting them to quantized KV caches when due (generate_step's prefill).
+/// `on_chunk` sees each chunk (the processors' history collects them).
+pub fn prefill(
+    model: &dyn LanguageModel,
+    caches: &mut [LayerCache],
+    tokens: &Array,
+    params: &GenerateParams,
+    mut on_chunk: impl FnMut(&Array) -> mlx::Result<()>,
+) -> mlx::Result<()> {
+    let mut rest = tokens.clone();
+    while rest.dim(0) > 0 {
+        let n = (params.prefill_step_size as i32).min(rest.dim(0));
+        let chunk = rest.slice_axis(0, 0, n)?;
+        model.forward(&chunk.expand_dims(&[0])?, caches, &[])?;
+        if let Some(q) = &params.kv_quantization {
+            caches.iter_mut().try_for_each(|c| c.maybe_quantize(q))?;
+        }
+        mlx::eval(caches.iter().flat_map(|c| c.state()))?;
+        on_chunk(&chunk)?;
+        rest = rest.slice_axis(0, n, rest.dim(0))?;
+        mlx::memory::clear_cache();
+    }
+    Ok(())
+}
+
+/// mlx_lm.cache_prompt: fresh caches holding all of `tokens`, processed as generate_step with
+/// max_tokens=0 processes a prompt (chunked prefill, then the last token alone, then the
+/// quantized-KV conversion when due).
+pub fn cache_prompt(
+    model: &dyn LanguageModel,
+    tokens: &[u32],
+    params: &GenerateParams,
+) -> Result<Vec<LayerCache>, GenerateError> {
+    if tokens.is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    let mut caches = model.make_cache(params.max_kv_size);
+    let ids = token_array(tokens)?;
+    let n = ids.dim(0);
+    prefill(
+        model,
+        &mut caches,
+        &ids.slice_axis(0, 0, n - 1)?,
+        params,
+        |_| Ok(()),
+    )?;
+    model.forward(
+        &ids.slice_axis(0, n - 1, n)?.expand_dims(&[0])?,
+        &mut caches,
+        &[],
+    )?;
+    if let Some(q) = &params.kv_quantization {
+        caches.iter_mut().try_for_each(|c| c.maybe_quantize(q))?;
+    }
+    mlx::eval(caches.iter().flat_map(|c| c.state()))?;
+    Ok(caches)
+}
+
+/// Token ids as the int32 array mlx-lm feeds (mx.array of Python ints).
+pub fn token_array(tokens: &[u32]) -> mlx::Result<Array> {
+    let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+    Array::from_slice(&ids, &[ids.len() as i32])
+}
+
 impl<'m> Generation<'m> {
-    /// Prefills the prompt and enqueues the first token.
+    /// Prefills the prompt into fresh caches and enqueues the first token.
     pub fn new(
         model: &'m dyn LanguageModel,
+        prompt: &[u32],
+        params: &GenerateParams,
+    ) -> Result<Generation<'m>, GenerateError> {
+        Self::with_caches(model, model.make_cache(params.max_kv_size), prompt, params)
+    }
+
+    /// Continues from `caches` that already hold a prefix (a prompt cache): `prompt` is the
+    /// rest. As in mlx-lm, the processors' history starts with this rest, not the prefix.
+    pub fn with_caches(
+        model: &'m dyn LanguageModel,
+        caches: Vec<LayerCache>,
         prompt: &[u32],
         params: &GenerateParams,
     ) -> Result<Generation<'m>, GenerateError> {
@@ -86,7 +162,7 @@ impl<'m> Generation<'m> {
         let processors = LogitsProcessors::new(&params.processors)?;
         let mut g = Generation {
             model,
-            caches: model.make_cache(params.max_kv_size),
+            caches,
             step_sampler: StepSampler::new(sampler, processors, params.seed)?,
             kv_quantization: params.kv_quantization,
             pending: None,
@@ -95,20 +171,14 @@ impl<'m> Generation<'m> {
             eos: params.eos_token_ids.clone(),
             done: false,
         };
-        // mlx-lm feeds the prompt as int32 (mx.array of Python ints).
-        let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
-        let mut rest = Array::from_slice(&ids, &[ids.len() as i32])?;
-        while rest.dim(0) > 1 {
-            let n = (params.prefill_step_size as i32).min(rest.dim(0) - 1);
-            let chunk = rest.slice_axis(0, 0, n)?;
-            g.model
-                .forward(&chunk.expand_dims(&[0])?, &mut g.caches, &[])?;
-            g.maybe_quantize()?;
-            mlx::eval(g.caches.iter().flat_map(|c| c.state()))?;
-            g.step_sampler.extend_history(&chunk)?;
-            rest = rest.slice_axis(0, n, rest.dim(0))?;
-            mlx::memory::clear_cache();
-        }
+        let prompt = token_array(prompt)?;
+        let n = prompt.dim(0);
+        let head = prompt.slice_axis(0, 0, n - 1)?;
+        let step_sampler = &mut g.step_sampler;
+        prefill(model, &mut g.caches, &head, params, |chunk| {
+            step_sampler.extend_history(chunk)
+        })?;
+        let rest = prompt.slice_axis(0, n - 1, n)?;
         let first = g.step(&rest)?;
         mlx::async_eval([&first.0, &first.1])?;
         g.pending = Some(first);

@@ -9,7 +9,7 @@ use mlx::Array;
 use verity_harness::trace::{Draft, Step, Trace};
 use verity_harness::Generation as Run;
 
-use crate::cache::KvQuantization;
+use crate::cache::{load_prompt_cache, KvQuantization, PromptFileError};
 use crate::generate::{GenerateError, GenerateParams, Generation};
 use crate::load::LoadError;
 use crate::model::{self, LoadedModel};
@@ -24,6 +24,8 @@ pub enum ReplayError {
     Load(#[from] LoadError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    PromptCache(#[from] PromptFileError),
     #[error("{0}: {1}")]
     Generate(String, GenerateError),
     #[error("{0}: {1}")]
@@ -135,8 +137,24 @@ pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<Loaded>), R
     let loaded = models.get(&trace.model)?;
     let params = params(trace, loaded.eos_token_ids.clone());
     let fail = |e: GenerateError| ReplayError::Generate(trace.id.clone(), e);
-    let generation = Generation::new(loaded.model.model.as_ref(), &trace.prompt.tokens, &params)
-        .map_err(fail)?;
+    let model = loaded.model.model.as_ref();
+    let generation = match &trace.prompt_cache {
+        Some(cached) => {
+            let (caches, _) = load_prompt_cache(&models.root.join(&cached.file))?;
+            if caches.len() != model.num_layers() {
+                let message = format!(
+                    "{} holds {} layers, the model has {}",
+                    cached.file,
+                    caches.len(),
+                    model.num_layers()
+                );
+                return Err(ReplayError::Unsupported(trace.id.clone(), message));
+            }
+            Generation::with_caches(model, caches, &trace.prompt.tokens, &params)
+        }
+        None => Generation::new(model, &trace.prompt.tokens, &params),
+    }
+    .map_err(fail)?;
     let mut steps = Vec::new();
     let mut finish = None;
     for token in generation {

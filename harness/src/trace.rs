@@ -26,6 +26,10 @@ pub struct Trace {
     #[serde(default)]
     pub draft: Option<Draft>,
     pub prompt: Prompt,
+    /// A prompt cache file holding a prefix the oracle processed before `prompt` (whose tokens
+    /// are then only the rest).
+    #[serde(default)]
+    pub prompt_cache: Option<PromptCacheRef>,
     pub params: Params,
     #[serde(default)]
     pub parity: Parity,
@@ -68,6 +72,14 @@ pub struct Prompt {
     /// For chat prompts: the rendered template the oracle tokenized.
     #[serde(default)]
     pub rendered: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PromptCacheRef {
+    /// Repository-relative safetensors file in mlx-lm's save_prompt_cache format.
+    pub file: String,
+    /// The prefix tokens the cache holds.
+    pub tokens: Vec<u32>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

@@ -4,7 +4,7 @@ use mlx::{ops, Array, Result};
 
 use super::{QuantizedKvCache, STEP};
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct KvCache {
     pub(crate) keys: Option<Array>,
     pub(crate) values: Option<Array>,

@@ -3,6 +3,7 @@
 
 mod kv;
 mod mask;
+mod prompt_file;
 mod quantized;
 mod recurrent;
 mod rollback;
@@ -10,6 +11,7 @@ mod rotating;
 
 pub use kv::KvCache;
 pub use mask::{create_causal_mask, Mask};
+pub use prompt_file::{load_prompt_cache, save_prompt_cache, PromptFileError};
 pub use quantized::QuantizedKvCache;
 pub use recurrent::RecurrentCache;
 pub use rollback::{begin_round, end_round, rollback_plan, Rollback};
@@ -20,7 +22,8 @@ use mlx::{Array, Result};
 /// Allocation granularity of the growable caches (mlx-lm's `step`).
 pub(crate) const STEP: i32 = 256;
 
-/// One layer's cache.
+/// One layer's cache. Cloning is cheap: arrays share their (immutable) buffers.
+#[derive(Clone)]
 pub enum LayerCache {
     Kv(KvCache),
     Rotating(RotatingKvCache),

@@ -6,6 +6,7 @@ use mlx::{ops, Array, Dtype, Result};
 use super::kv::{seq, write_seq};
 use super::{KeysValues, STEP};
 
+#[derive(Clone)]
 pub struct QuantizedKvCache {
     pub(crate) keys: Option<[Array; 3]>,
     pub(crate) values: Option<[Array; 3]>,

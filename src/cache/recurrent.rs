@@ -9,6 +9,7 @@ use mlx::{ops, Array, Result};
 use crate::model::gated_delta::Recurrence;
 
 /// State before a round, and the inputs fed during it.
+#[derive(Clone)]
 struct Round {
     conv: Option<Array>,
     state: Option<Array>,
@@ -18,7 +19,7 @@ struct Round {
     inputs: Vec<(Array, Array, Array)>,
 }
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct RecurrentCache {
     pub conv: Option<Array>,
     pub state: Option<Array>,
@@ -28,6 +29,16 @@ pub struct RecurrentCache {
 }
 
 impl RecurrentCache {
+    /// A cache holding a saved state (a prompt cache file). The file does not record how many
+    /// tokens the state absorbed; only attention layers' offsets matter for decoding.
+    pub fn from_state(conv: Option<Array>, state: Option<Array>) -> RecurrentCache {
+        RecurrentCache {
+            conv,
+            state,
+            ..RecurrentCache::default()
+        }
+    }
+
     pub fn state(&self) -> Vec<&Array> {
         self.conv.iter().chain(self.state.iter()).collect()
     }

@@ -8,6 +8,7 @@ use super::kv::{seq, write_seq};
 use super::mask::create_causal_mask;
 use super::{Mask, STEP};
 
+#[derive(Clone)]
 pub struct RotatingKvCache {
     pub(crate) keys: Option<Array>,
     pub(crate) values: Option<Array>,

@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::json;
-use verity::cache::KvQuantization;
+use verity::cache::{load_prompt_cache, KvQuantization};
 use verity::generate::{GenerateParams, Generation};
 use verity::replay::Loaded;
 use verity_harness::trace::{FinishReason, ProcessorParams, SamplerParams};
@@ -63,6 +63,17 @@ pub struct GenerateArgs {
     frequency_penalty: Option<f64>,
     #[arg(long, default_value_t = 20)]
     frequency_context_size: usize,
+    #[command(flatten)]
+    cache: CacheArgs,
+    /// Continue from a prompt cache file (mlx-lm's format, e.g. from `verity cache-prompt`):
+    /// the prompt then only adds the new user turn.
+    #[arg(long)]
+    prompt_cache_file: Option<PathBuf>,
+}
+
+/// How the prompt is processed into the KV cache (shared by generate and cache-prompt).
+#[derive(Args)]
+pub struct CacheArgs {
     /// Rotating KV cache of this many tokens (models without their own cache layout).
     #[arg(long)]
     max_kv_size: Option<usize>,
@@ -75,6 +86,51 @@ pub struct GenerateArgs {
     quantized_kv_start: usize,
     #[arg(long, default_value_t = 2048)]
     prefill_step_size: usize,
+}
+
+impl CacheArgs {
+    pub fn kv_quantization(&self) -> anyhow::Result<Option<KvQuantization>> {
+        match self.kv_bits {
+            None => Ok(None),
+            Some(bits @ (4 | 8)) => Ok(Some(KvQuantization {
+                bits,
+                group_size: self.kv_group_size,
+                start: self.quantized_kv_start,
+            })),
+            Some(_) => bail!("--kv-bits must be 4 or 8"),
+        }
+    }
+
+    /// Generation parameters for processing a prompt only (greedy, no processors).
+    pub fn prompt_params(&self) -> anyhow::Result<GenerateParams> {
+        Ok(GenerateParams {
+            max_tokens: 1,
+            sampler: SamplerParams {
+                temp: 0.0,
+                top_p: 0.0,
+                min_p: 0.0,
+                min_tokens_to_keep: 1,
+                top_k: 0,
+                xtc_probability: 0.0,
+                xtc_threshold: 0.1,
+                xtc_special_tokens: Vec::new(),
+            },
+            processors: ProcessorParams {
+                logit_bias: None,
+                repetition_penalty: None,
+                repetition_context_size: 20,
+                presence_penalty: None,
+                presence_context_size: 20,
+                frequency_penalty: None,
+                frequency_context_size: 20,
+            },
+            seed: None,
+            prefill_step_size: self.prefill_step_size,
+            max_kv_size: self.max_kv_size,
+            kv_quantization: self.kv_quantization()?,
+            eos_token_ids: Vec::new(),
+        })
+    }
 }
 
 fn parse_bias(s: &str) -> Result<(u32, f64), String> {
@@ -96,21 +152,30 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
     }
     let tok = &loaded.tokenizer;
     let use_chat = !a.ignore_chat_template && tok.has_chat_template();
+    let using_cache = a.prompt_cache_file.is_some();
     let prompt = if use_chat {
         let mut messages = Vec::new();
-        if let Some(system) = &a.system_prompt {
+        if let Some(system) = a.system_prompt.as_ref().filter(|_| !using_cache) {
             messages.push(json!({"role": "system", "content": system}));
         }
         messages.push(json!({"role": "user", "content": text}));
-        let rendered = tok.apply_chat_template(&messages, true, &serde_json::Map::new())?;
+        let no_extra = serde_json::Map::new();
+        let mut rendered = tok.apply_chat_template(&messages, true, &no_extra)?;
+        if using_cache {
+            // As mlx_lm.generate: the cached prefix holds the conversation so far, so keep only
+            // what the template adds from this user turn on.
+            messages.last_mut().expect("a user message")["content"] = json!("<query>");
+            let marker = tok.apply_chat_template(&messages, true, &no_extra)?;
+            let start = marker
+                .find("<query>")
+                .expect("the template renders the message");
+            rendered = rendered[start..].to_string();
+        }
         tok.encode(&rendered, false)?
     } else {
         tok.encode(&text, true)?
     };
-    if a.kv_bits.is_some_and(|b| b != 4 && b != 8) {
-        bail!("--kv-bits must be 4 or 8");
-    }
-    if a.max_kv_size.is_some() && loaded.model.model.ignores_max_kv_size() {
+    if a.cache.max_kv_size.is_some() && loaded.model.model.ignores_max_kv_size() {
         eprintln!(
             "note: this model builds its own caches; --max-kv-size is ignored (as in mlx-lm)"
         );
@@ -152,19 +217,30 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
             frequency_context_size: a.frequency_context_size,
         },
         seed,
-        prefill_step_size: a.prefill_step_size,
-        max_kv_size: a.max_kv_size,
-        kv_quantization: a.kv_bits.map(|bits| KvQuantization {
-            bits,
-            group_size: a.kv_group_size,
-            start: a.quantized_kv_start,
-        }),
+        prefill_step_size: a.cache.prefill_step_size,
+        max_kv_size: a.cache.max_kv_size,
+        kv_quantization: a.cache.kv_quantization()?,
         eos_token_ids: loaded.eos_token_ids.clone(),
     };
 
     mlx::memory::reset_peak();
     let start = Instant::now();
-    let generation = Generation::new(loaded.model.model.as_ref(), &prompt, &params)?;
+    let model = loaded.model.model.as_ref();
+    let generation = match &a.prompt_cache_file {
+        Some(file) => {
+            let (caches, _) = load_prompt_cache(file)?;
+            if caches.len() != model.num_layers() {
+                bail!(
+                    "{}: {} cache layers, the model has {}",
+                    file.display(),
+                    caches.len(),
+                    model.num_layers()
+                );
+            }
+            Generation::with_caches(model, caches, &prompt, &params)?
+        }
+        None => Generation::new(model, &prompt, &params)?,
+    };
     let mut detok = tok.detokenizer();
     let mut stdout = std::io::stdout().lock();
     let (mut first_token_at, mut count, mut finish) = (None, 0usize, None);

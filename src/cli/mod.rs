@@ -1,6 +1,7 @@
 //! Command-line verbs. Errors reach `main` as anyhow errors and exit with code 2; `check` and
 //! `replay` exit 1 when a trace diverges.
 
+mod cache_prompt;
 mod check;
 mod generate;
 
@@ -37,6 +38,8 @@ enum Command {
     Replay(check::ReplayArgs),
     /// Generate text from a model folder, like mlx_lm.generate.
     Generate(Box<generate::GenerateArgs>),
+    /// Process a prompt once and save its caches (mlx-lm's prompt cache format).
+    CachePrompt(cache_prompt::CachePromptArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -50,6 +53,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Check(a) => check::check(a, device),
         Command::Replay(a) => check::replay(a, device),
         Command::Generate(a) => generate::generate(*a),
+        Command::CachePrompt(a) => cache_prompt::cache_prompt_cmd(a),
     }
 }
 
