@@ -6,4 +6,5 @@ pub mod load;
 pub mod model;
 pub mod replay;
 pub mod sample;
+pub mod spec;
 pub mod tokenizer;

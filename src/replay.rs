@@ -10,9 +10,10 @@ use verity_harness::trace::{Draft, Step, Trace};
 use verity_harness::Generation as Run;
 
 use crate::cache::{load_prompt_cache, KvQuantization, PromptFileError};
-use crate::generate::{GenerateError, GenerateParams, Generation};
+use crate::generate::{GenerateError, GenerateParams, GeneratedToken, Generation};
 use crate::load::LoadError;
 use crate::model::{self, LoadedModel};
+use crate::spec::{generate_speculative, Control, DraftModel};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// How many of the best entries a trace records per step.
@@ -124,48 +125,84 @@ pub fn params(trace: &Trace, eos_token_ids: Vec<u32>) -> GenerateParams {
 
 /// Replays one trace with the engine.
 pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<Loaded>), ReplayError> {
-    if let Some(draft) = &trace.draft {
-        let kind = match draft {
-            Draft::Model { .. } => "draft-model",
-            Draft::Mtp { .. } => "mtp",
-        };
-        return Err(ReplayError::Unsupported(
-            trace.id.clone(),
-            format!("{kind} speculative decoding is not implemented yet"),
-        ));
-    }
     let loaded = models.get(&trace.model)?;
     let params = params(trace, loaded.eos_token_ids.clone());
     let fail = |e: GenerateError| ReplayError::Generate(trace.id.clone(), e);
     let model = loaded.model.model.as_ref();
-    let generation = match &trace.prompt_cache {
-        Some(cached) => {
-            let (caches, _) = load_prompt_cache(&models.root.join(&cached.file))?;
-            if caches.len() != model.num_layers() {
-                let message = format!(
-                    "{} holds {} layers, the model has {}",
-                    cached.file,
-                    caches.len(),
-                    model.num_layers()
-                );
-                return Err(ReplayError::Unsupported(trace.id.clone(), message));
-            }
-            Generation::with_caches(model, caches, &trace.prompt.tokens, &params)
-        }
-        None => Generation::new(model, &trace.prompt.tokens, &params),
-    }
-    .map_err(fail)?;
     let mut steps = Vec::new();
     let mut finish = None;
-    for token in generation {
-        let token = token.map_err(fail)?;
-        steps.push(
-            step_record(token.token, &token.logprobs, token.from_draft)
-                .map_err(|e| fail(e.into()))?,
-        );
+    let mut record = |token: &GeneratedToken| -> Result<(), GenerateError> {
+        steps.push(step_record(token.token, &token.logprobs, token.from_draft)?);
         finish = token.finish;
+        Ok(())
+    };
+    match (&trace.draft, &trace.prompt_cache) {
+        (
+            Some(Draft::Model {
+                model: draft,
+                num_draft_tokens,
+            }),
+            None,
+        ) => {
+            let draft = models.get(draft)?;
+            let mut source = DraftModel::new(draft.model.model.as_ref());
+            let mut failed = None;
+            let mut on_token = |t: &GeneratedToken| match record(t) {
+                Ok(()) => Control::Continue,
+                Err(e) => {
+                    failed = Some(e);
+                    Control::Stop
+                }
+            };
+            generate_speculative(
+                model,
+                &mut source,
+                &trace.prompt.tokens,
+                &params,
+                *num_draft_tokens,
+                &mut on_token,
+            )
+            .map_err(fail)?;
+            if let Some(e) = failed {
+                return Err(fail(e));
+            }
+        }
+        (None, cached) => {
+            let generation = match cached {
+                Some(cached) => {
+                    let (caches, _) = load_prompt_cache(&models.root.join(&cached.file))?;
+                    if caches.len() != model.num_layers() {
+                        let message = format!(
+                            "{} holds {} layers, the model has {}",
+                            cached.file,
+                            caches.len(),
+                            model.num_layers()
+                        );
+                        return Err(ReplayError::Unsupported(trace.id.clone(), message));
+                    }
+                    Generation::with_caches(model, caches, &trace.prompt.tokens, &params)
+                }
+                None => Generation::new(model, &trace.prompt.tokens, &params),
+            }
+            .map_err(fail)?;
+            for token in generation {
+                record(&token.map_err(fail)?).map_err(fail)?;
+            }
+        }
+        (Some(draft), _) => {
+            let what = match draft {
+                Draft::Model { .. } => "draft-model speculation from a prompt cache",
+                Draft::Mtp { .. } => "MTP speculative decoding",
+            };
+            return Err(ReplayError::Unsupported(
+                trace.id.clone(),
+                format!("{what} is not implemented yet"),
+            ));
+        }
     }
-    let finish_reason = finish.expect("a generation ends with a finish reason");
+    let finish_reason = finish.ok_or_else(|| {
+        ReplayError::Unsupported(trace.id.clone(), "no token was generated".into())
+    })?;
     Ok((
         Run {
             steps,

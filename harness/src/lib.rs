@@ -7,6 +7,7 @@
 pub mod cache_model;
 pub mod compare;
 pub mod report;
+pub mod stats;
 pub mod trace;
 
 pub use compare::{compare, Divergence, DivergenceKind, Generation, Verdict};

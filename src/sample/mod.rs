@@ -49,6 +49,29 @@ impl StepSampler {
         Ok(())
     }
 
+    /// Whether any logits processor is active (they then need a history per position).
+    pub fn has_processors(&self) -> bool {
+        !self.processors.is_empty()
+    }
+
+    /// Applies the processors as if `extra` had been fed after the history (a speculative
+    /// position's own prefix), without recording it.
+    pub fn process_after(&self, extra: &[u32], logits: &Array) -> Result<Array> {
+        if self.processors.is_empty() {
+            return Ok(logits.clone());
+        }
+        let ids: Vec<i32> = extra.iter().map(|&t| t as i32).collect();
+        let extra = Array::from_slice(&ids, &[ids.len() as i32])?;
+        let history = match &self.history {
+            Some(h) => mlx::ops::concatenate(&[h, &extra], 0)?,
+            None => extra,
+        };
+        if history.size() == 0 {
+            return Ok(logits.clone());
+        }
+        self.processors.apply(&history, logits)
+    }
+
     /// Applies the processors to (1, V) logits (no-op before any history).
     pub fn process(&self, logits: &Array) -> Result<Array> {
         match &self.history {

@@ -1,0 +1,103 @@
+//! A smaller model as the draft source, with mlx-lm's draft bookkeeping: the draft model is
+//! prefilled with the prompt minus its last token, drafts with the request's sampler, and after
+//! a round keeps what it fed up to the accepted drafts; when every draft was accepted, the last
+//! one (sampled but never fed) is fed next round together with the target's bonus token.
+
+use mlx::Array;
+
+use super::{DraftContext, DraftSource};
+use crate::cache::{begin_round, end_round, rollback_plan, LayerCache, Rollback};
+use crate::generate::{prefill, token_array};
+use crate::model::LanguageModel;
+
+pub struct DraftModel<'m> {
+    model: &'m dyn LanguageModel,
+    caches: Vec<LayerCache>,
+    /// Tokens the draft model has not been fed yet.
+    pending: Vec<u32>,
+    /// This round's drafts and how many tokens were fed to the draft model for them.
+    round: Option<(Vec<u32>, usize)>,
+}
+
+impl<'m> DraftModel<'m> {
+    pub fn new(model: &'m dyn LanguageModel) -> DraftModel<'m> {
+        DraftModel {
+            model,
+            caches: model.make_cache(None),
+            pending: Vec::new(),
+            round: None,
+        }
+    }
+
+    /// The model's next-token logits (1, V) after feeding `tokens`.
+    fn step(&mut self, tokens: &[u32], ctx: &DraftContext<'_>) -> mlx::Result<Array> {
+        let out = self.model.forward(
+            &token_array(tokens)?.expand_dims(&[0])?,
+            &mut self.caches,
+            &[],
+        )?;
+        if let Some(q) = &ctx.params.kv_quantization {
+            self.caches
+                .iter_mut()
+                .try_for_each(|c| c.maybe_quantize(q))?;
+        }
+        let l = out.logits.dim(1);
+        out.logits.slice_axis(1, l - 1, l)?.squeeze(&[1])
+    }
+}
+
+impl DraftSource for DraftModel<'_> {
+    fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> mlx::Result<()> {
+        let (last, head) = prompt
+            .split_last()
+            .ok_or_else(|| mlx::Error::Invalid("empty prompt".into()))?;
+        prefill(
+            self.model,
+            &mut self.caches,
+            &token_array(head)?,
+            ctx.params,
+            |_| Ok(()),
+        )?;
+        self.pending = vec![*last];
+        Ok(())
+    }
+
+    fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> mlx::Result<Vec<u32>> {
+        let fed = self.pending.len() + n.saturating_sub(1);
+        if n == 0 || matches!(rollback_plan(&self.caches, fed), Rollback::Refuse(_)) {
+            return Ok(Vec::new());
+        }
+        begin_round(&mut self.caches);
+        let mut input = std::mem::take(&mut self.pending);
+        let mut drafts = Vec::with_capacity(n);
+        for _ in 0..n {
+            let logits = self.step(&input, ctx)?;
+            let token = ctx.sample(&logits, &drafts)?;
+            let token = token.astype(mlx::Dtype::Uint32)?.item::<u32>()?;
+            drafts.push(token);
+            input = vec![token];
+        }
+        self.round = Some((drafts.clone(), fed));
+        Ok(drafts)
+    }
+
+    fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> mlx::Result<()> {
+        let Some((drafts, fed)) = self.round.take() else {
+            // Nothing drafted this round: the target's token joins what is still to be fed.
+            self.pending.extend(next);
+            return Ok(());
+        };
+        debug_assert_eq!(drafts.len(), drafted);
+        // Fed: the pending tokens and drafts 1..n-1. Keep the pending ones and the accepted drafts.
+        let kept_drafts = accepted.min(drafted - 1);
+        let pending_fed = fed - (drafted - 1);
+        end_round(&mut self.caches, fed - pending_fed - kept_drafts)?;
+        self.pending = if accepted == drafted {
+            vec![drafts[drafted - 1]]
+        } else {
+            Vec::new()
+        };
+        self.pending.extend(next);
+        Ok(())
+    }
+}

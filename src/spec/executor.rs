@@ -1,0 +1,214 @@
+//! The one verify/accept executor, with mlx-lm's speculative_generate_step semantics: the prompt
+//! minus its last token is prefilled (draft source first); each round drafts up to
+//! `min(num_draft_tokens, max_tokens - emitted)` tokens, verifies `[last, d1..dk]` in one target
+//! forward, accepts drafts while they equal the target's own sample at their position, then
+//! emits the target's token at the first mismatch (or a bonus after all k, unless max_tokens is
+//! reached), and takes the rejected tail back through the rollback contract.
+//!
+//! Verity departs from mlx-lm in two places, both so that speculation never changes output:
+//! logits processors see the same history as in plain decoding (mlx-lm hides the prompt from
+//! them when speculating), and a round the target caches could not take back is refused before
+//! it starts and decoded without drafts (mlx-lm trims nothing and goes on, #1914).
+
+use mlx::{Array, Dtype};
+use verity_harness::stats::SpecStats;
+use verity_harness::trace::FinishReason;
+
+use super::{DraftContext, DraftSource};
+use crate::cache::{begin_round, end_round, rollback_plan, KvQuantization, LayerCache, Rollback};
+use crate::generate::{prefill, token_array, GenerateError, GenerateParams, GeneratedToken};
+use crate::model::LanguageModel;
+use crate::sample::{LogitsProcessors, Sampler, StepSampler};
+
+/// What the token callback tells the executor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Control {
+    Continue,
+    /// Stop now (a stop sequence matched, the client went away): nothing more is emitted.
+    Stop,
+}
+
+struct Executor<'a> {
+    model: &'a dyn LanguageModel,
+    caches: Vec<LayerCache>,
+    sampler: StepSampler,
+    params: &'a GenerateParams,
+    stats: SpecStats,
+}
+
+impl Executor<'_> {
+    fn maybe_quantize(&mut self, q: Option<&KvQuantization>) -> mlx::Result<()> {
+        match q {
+            Some(q) => self.caches.iter_mut().try_for_each(|c| c.maybe_quantize(q)),
+            None => Ok(()),
+        }
+    }
+
+    /// One target forward over `input` (the last emitted token and the drafts); returns the
+    /// target's token and logprobs (V,) at every position. Without processors the positions are
+    /// sampled in one (k+1, V) call, as mlx-lm does; with them each position is processed with
+    /// the history it would have in plain decoding.
+    fn verify(&mut self, input: &[u32]) -> mlx::Result<(Vec<u32>, Vec<Array>)> {
+        let out = self.model.forward(
+            &token_array(input)?.expand_dims(&[0])?,
+            &mut self.caches,
+            &[],
+        )?;
+        self.maybe_quantize(self.params.kv_quantization.as_ref())?;
+        let logits = out.logits.squeeze(&[0])?;
+        let positions = input.len() as i32;
+        let (tokens, logprobs) = if self.sampler.has_processors() {
+            let (mut tokens, mut rows) = (Vec::new(), Vec::new());
+            for i in 0..positions {
+                let row = logits.slice_axis(0, i, i + 1)?;
+                let mut fed = input[..1].to_vec();
+                fed.extend(&tokens);
+                let processed = self.sampler.process_after(&fed, &row)?;
+                let lp = processed.subtract(&processed.logsumexp(&[-1], true)?)?;
+                let t = self
+                    .sampler
+                    .sample(&lp)?
+                    .astype(Dtype::Uint32)?
+                    .item::<u32>()?;
+                tokens.push(t);
+                rows.push(lp.squeeze(&[0])?);
+            }
+            (tokens, rows)
+        } else {
+            let lp = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+            let sampled = self.sampler.sample(&lp)?.astype(Dtype::Uint32)?;
+            mlx::eval([&sampled, &lp])?;
+            let rows =
+                (0..positions).map(|i| lp.slice_axis(0, i, i + 1).and_then(|r| r.squeeze(&[0])));
+            (
+                sampled.to_vec::<u32>()?,
+                rows.collect::<mlx::Result<Vec<_>>>()?,
+            )
+        };
+        Ok((tokens, logprobs))
+    }
+}
+
+/// Generates speculatively, calling `on_token` with every emitted token in order (the last one
+/// carries the finish reason). Returns the request's statistics.
+pub fn generate_speculative(
+    model: &dyn LanguageModel,
+    source: &mut dyn DraftSource,
+    prompt: &[u32],
+    params: &GenerateParams,
+    num_draft_tokens: usize,
+    on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
+) -> Result<SpecStats, GenerateError> {
+    let (&last, head) = prompt.split_last().ok_or(GenerateError::EmptyPrompt)?;
+    if params.max_tokens == 0 {
+        return Err(GenerateError::ZeroMaxTokens);
+    }
+    if params.prefill_step_size == 0 {
+        return Err(GenerateError::ZeroPrefillStep);
+    }
+    if params.sampler.temp > 0.0 && params.seed.is_none() {
+        return Err(GenerateError::Unseeded(params.sampler.temp));
+    }
+    let sampler = StepSampler::new(
+        Sampler::new(params.sampler.clone())?,
+        LogitsProcessors::new(&params.processors)?,
+        params.seed,
+    )?;
+    // mlx-lm's speculative path builds the target's own caches, ignoring max_kv_size.
+    let mut ex = Executor {
+        model,
+        caches: model.make_cache(None),
+        sampler,
+        params,
+        stats: SpecStats::default(),
+    };
+    source.prefill(
+        prompt,
+        &mut DraftContext {
+            sampler: &mut ex.sampler,
+            params,
+            last,
+        },
+    )?;
+    let head = token_array(head)?;
+    let sampler = &mut ex.sampler;
+    prefill(model, &mut ex.caches, &head, params, |chunk| {
+        sampler.extend_history(chunk)
+    })?;
+
+    let mut y = last;
+    let mut emitted = 0usize;
+    loop {
+        let want = num_draft_tokens.min(params.max_tokens - emitted);
+        let refused = matches!(rollback_plan(&ex.caches, want + 1), Rollback::Refuse(_));
+        let drafts = if refused || want == 0 {
+            Vec::new()
+        } else {
+            let mut ctx = DraftContext {
+                sampler: &mut ex.sampler,
+                params,
+                last: y,
+            };
+            let mut drafts = source.draft(want, &mut ctx)?;
+            drafts.truncate(want);
+            drafts
+        };
+        if refused {
+            ex.stats.refused_rounds += 1;
+        }
+        let k = drafts.len();
+        let mut input = vec![y];
+        input.extend(&drafts);
+        begin_round(&mut ex.caches);
+        let (tokens, logprobs) = ex.verify(&input)?;
+        let accepted = drafts
+            .iter()
+            .zip(&tokens)
+            .take_while(|(d, t)| d == t)
+            .count();
+        ex.stats.record_round(k, accepted);
+
+        // Emit the accepted drafts, then the target's own token, one at a time.
+        let mut emit_count = 0;
+        let mut stop = false;
+        for (i, (&token, lp)) in tokens.iter().zip(&logprobs).enumerate().take(accepted + 1) {
+            if emitted == params.max_tokens {
+                break;
+            }
+            emitted += 1;
+            emit_count = i + 1;
+            let finish = if params.eos_token_ids.contains(&token) {
+                Some(FinishReason::Stop)
+            } else if emitted == params.max_tokens {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            let step = GeneratedToken {
+                token,
+                logprobs: lp.clone(),
+                from_draft: i < accepted,
+                finish,
+            };
+            ex.stats.generated += 1;
+            // Feed the token to the processors' history as plain decoding would.
+            ex.sampler.extend_history(&token_array(&[input[i]])?)?;
+            if on_token(&step) == Control::Stop || finish.is_some() {
+                stop = true;
+                break;
+            }
+        }
+        // The target fed y and the k drafts; it keeps y and the accepted ones.
+        end_round(&mut ex.caches, k - accepted)?;
+        let next = (emit_count == accepted + 1).then(|| tokens[accepted]);
+        source.commit(k, accepted.min(emit_count), next)?;
+        if stop {
+            return Ok(ex.stats);
+        }
+        y = tokens[accepted];
+        if emit_count <= accepted {
+            // max_tokens was reached inside the accepted drafts: no bonus token (as mlx-lm).
+            return Ok(ex.stats);
+        }
+    }
+}

@@ -1,0 +1,51 @@
+//! Speculative decoding: ONE verify/accept executor ([`executor`]) fed by draft sources through
+//! the [`DraftSource`] seam. The executor never names a model family or a cache type; it asks
+//! the rollback contract (crate::cache::Rollback) before every round.
+
+pub mod draft_model;
+pub mod executor;
+pub mod ngram;
+
+use mlx::Array;
+
+use crate::generate::GenerateParams;
+use crate::sample::StepSampler;
+
+pub use draft_model::DraftModel;
+pub use executor::{generate_speculative, Control};
+pub use ngram::NgramLookup;
+
+/// What a draft source may use while drafting: the request's sampler (its random key sequence
+/// is shared with the target, in mlx-lm's order) and generation parameters.
+pub struct DraftContext<'a> {
+    pub(crate) sampler: &'a mut StepSampler,
+    pub params: &'a GenerateParams,
+    /// The last emitted token, which the drafts continue.
+    pub(crate) last: u32,
+}
+
+impl DraftContext<'_> {
+    /// Samples one token from a draft model's (1, V) logits as the target would sample after
+    /// the last emitted token and `drafted`: processors, logprobs, sampler.
+    pub fn sample(&mut self, logits: &Array, drafted: &[u32]) -> mlx::Result<Array> {
+        let mut fed = vec![self.last];
+        fed.extend(drafted);
+        let logits = self.sampler.process_after(&fed, logits)?;
+        let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+        self.sampler.sample(&logprobs)
+    }
+}
+
+/// A source of draft tokens, one per request.
+pub trait DraftSource {
+    /// Called once with the whole prompt before the first round.
+    fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> mlx::Result<()>;
+
+    /// Proposes up to `n` tokens to follow the committed sequence. The returned length is
+    /// authoritative: fewer (or none) is fine.
+    fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> mlx::Result<Vec<u32>>;
+
+    /// The round's outcome: of the `drafted` proposals the first `accepted` were emitted,
+    /// followed by the target's own token `next` (None when the request ended first).
+    fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> mlx::Result<()>;
+}

@@ -1,0 +1,79 @@
+//! Prompt lookup (n-gram) drafting: find the latest earlier occurrence of the sequence's last
+//! n tokens, longest n first, and propose the tokens that followed it. No model, no cache: it
+//! works with every target, and costs nothing when it finds nothing.
+
+use super::{DraftContext, DraftSource};
+
+pub struct NgramLookup {
+    min_n: usize,
+    max_n: usize,
+    /// The prompt and every emitted token.
+    history: Vec<u32>,
+    drafts: Vec<u32>,
+}
+
+impl NgramLookup {
+    /// Matches n-grams of `min_n..=max_n` tokens (longest first).
+    pub fn new(min_n: usize, max_n: usize) -> NgramLookup {
+        let min_n = min_n.max(1);
+        NgramLookup {
+            min_n,
+            max_n: max_n.max(min_n),
+            history: Vec::new(),
+            drafts: Vec::new(),
+        }
+    }
+
+    /// The continuation of the latest earlier match of the last `size` tokens, up to `n` long.
+    fn lookup(&self, size: usize, n: usize) -> Option<&[u32]> {
+        let h = &self.history;
+        if h.len() <= size {
+            return None;
+        }
+        let pattern = &h[h.len() - size..];
+        (0..h.len() - size)
+            .rev()
+            .find(|&start| &h[start..start + size] == pattern)
+            .map(|start| {
+                let from = start + size;
+                &h[from..(from + n).min(h.len())]
+            })
+    }
+}
+
+impl DraftSource for NgramLookup {
+    fn prefill(&mut self, prompt: &[u32], _ctx: &mut DraftContext<'_>) -> mlx::Result<()> {
+        self.history = prompt.to_vec();
+        Ok(())
+    }
+
+    fn draft(&mut self, n: usize, _ctx: &mut DraftContext<'_>) -> mlx::Result<Vec<u32>> {
+        self.drafts = (self.min_n..=self.max_n)
+            .rev()
+            .find_map(|size| self.lookup(size, n).filter(|c| !c.is_empty()))
+            .map(<[u32]>::to_vec)
+            .unwrap_or_default();
+        Ok(self.drafts.clone())
+    }
+
+    fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> mlx::Result<()> {
+        debug_assert_eq!(drafted, self.drafts.len());
+        self.history.extend(&self.drafts[..accepted]);
+        self.history.extend(next);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longest_latest_match_wins_and_is_cut_to_n() {
+        let mut s = NgramLookup::new(1, 3);
+        s.history = vec![1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3];
+        // "2 3" last seen before at 5..7, followed by 7 8 5.
+        assert_eq!(s.lookup(2, 2), Some(&[7, 8][..]));
+        assert_eq!(s.lookup(3, 4), None);
+    }
+}
