@@ -1,0 +1,136 @@
+"""Confirms every entry of golden/known-oracle-bugs.toml: each reproducer returns True while the
+oracle still misbehaves. Exit 0 when all still do, 1 when one no longer does (retire the entry),
+2 when a reproducer cannot run.
+
+    oracles/.venv/bin/python oracles/known_bugs.py [ID...]
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import mlx.core as mx
+from mlx_lm import load, stream_generate
+from mlx_lm.sample_utils import make_logits_processors
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "golden" / "models"
+CODE = 'import os\n\n\ndef read_config(path):\n    """Return the parsed configuration'
+
+
+def tokens(target, draft=None, prompt=CODE, max_tokens=48, **kwargs):
+    model, tok = load(str(MODELS / target))
+    if draft is not None:
+        kwargs["draft_model"] = load(str(MODELS / draft))[0]
+    return [r.token for r in stream_generate(model, tok, tok.encode(prompt), max_tokens=max_tokens, **kwargs)]
+
+
+def rotating_cache_speculation():
+    """gemma3 (window 16) greedy: speculative output differs from plain past the window."""
+    return tokens("gemma3") != tokens("gemma3", "llama-draft", num_draft_tokens=3)
+
+
+def hybrid_speculation_refused():
+    """qwen3_next with a draft model raises instead of speculating."""
+    try:
+        tokens("qwen3_next", "llama-draft", num_draft_tokens=3)
+    except ValueError as e:
+        return "trimmable" in str(e)
+    return False
+
+
+def speculative_processors_hide_the_prompt():
+    """Greedy with a repetition penalty: speculative output differs from plain."""
+    procs = make_logits_processors(repetition_penalty=1.3)
+    plain = tokens("qwen3-target", logits_processors=procs)
+    spec = tokens("qwen3-target", "qwen3-draft", logits_processors=procs, num_draft_tokens=3)
+    return plain != spec
+
+
+class Server:
+    """mlx_lm.server on a free 127.0.0.1 port, stopped on exit."""
+
+    def __init__(self, *args):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.cache = tempfile.mkdtemp()
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=self.cache)
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def __enter__(self):
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1)
+                return self
+            except OSError:
+                time.sleep(0.25)
+        raise RuntimeError("mlx_lm.server did not come up")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+    def post(self, path, body):
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        return json.load(urllib.request.urlopen(req, timeout=60))
+
+
+def server_draft_with_prompt_cache():
+    """Identical greedy chat requests with a draft model: once the prompt cache is reused the
+    answer changes (it starts with a stray "<|im_start|>assistant")."""
+    args = ["--model", str(MODELS / "qwen3-target"), "--draft-model", str(MODELS / "qwen3-draft"),
+            "--num-draft-tokens", "3"]
+    with Server(*args) as server:
+        body = {"messages": [{"role": "user", "content": "What does the function os.path.join do?"}],
+                "max_tokens": 40, "temperature": 0.0}
+        texts = [server.post("/v1/chat/completions", body)["choices"][0]["message"]["content"] for _ in range(3)]
+    return len(set(texts)) > 1
+
+
+def server_top_logprobs_unsorted():
+    """top_logprobs are not sorted by logprob, or the reported token is not the sampled one."""
+    with Server("--model", str(MODELS / "qwen3-target")) as server:
+        body = {"messages": [{"role": "user", "content": "What does the function os.path.join do?"}],
+                "max_tokens": 24, "temperature": 0.0, "logprobs": True, "top_logprobs": 5}
+        content = server.post("/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
+    for entry in content:
+        tops = [t["logprob"] for t in entry["top_logprobs"]]
+        if tops != sorted(tops, reverse=True) or entry["logprob"] != max(tops):
+            return True
+    return False
+
+
+def main():
+    mx.set_default_device(mx.cpu)
+    bugs = tomllib.loads((ROOT / "golden" / "known-oracle-bugs.toml").read_text())["bug"]
+    wanted = set(sys.argv[1:])
+    status = 0
+    for bug in bugs:
+        if wanted and bug["id"] not in wanted:
+            continue
+        try:
+            still = globals()[bug["reproducer"]]()
+        except Exception as e:  # a reproducer that cannot run is an error, not a retirement
+            print(f"ERROR   {bug['id']}: {type(e).__name__}: {e}")
+            status = max(status, 2)
+            continue
+        print(f"{'still  ' if still else 'FIXED  '} {bug['id']}")
+        if not still:
+            status = max(status, 1)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
