@@ -25,6 +25,39 @@ pub struct GenerateParams {
     pub eos_token_ids: Vec<u32>,
 }
 
+impl GenerateParams {
+    /// Greedy, no processors, mlx-lm's defaults otherwise.
+    pub fn greedy(max_tokens: usize, eos_token_ids: Vec<u32>) -> GenerateParams {
+        GenerateParams {
+            max_tokens,
+            sampler: SamplerParams {
+                temp: 0.0,
+                top_p: 0.0,
+                min_p: 0.0,
+                min_tokens_to_keep: 1,
+                top_k: 0,
+                xtc_probability: 0.0,
+                xtc_threshold: 0.1,
+                xtc_special_tokens: Vec::new(),
+            },
+            processors: ProcessorParams {
+                logit_bias: None,
+                repetition_penalty: None,
+                repetition_context_size: 20,
+                presence_penalty: None,
+                presence_context_size: 20,
+                frequency_penalty: None,
+                frequency_context_size: 20,
+            },
+            seed: None,
+            prefill_step_size: 2048,
+            max_kv_size: None,
+            kv_quantization: None,
+            eos_token_ids,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GenerateError {
     #[error("the prompt is empty")]

@@ -1,5 +1,6 @@
 //! verity: an LLM inference engine on MLX that generates exactly what mlx-lm generates.
 
+pub mod accept;
 pub mod cache;
 pub mod generate;
 pub mod load;

@@ -4,6 +4,7 @@
 //! It does not depend on the engine (the engine's CLI and tests depend on it), so it builds fast
 //! and can judge traces produced by any engine.
 
+pub mod accept;
 pub mod cache_model;
 pub mod compare;
 pub mod report;

@@ -20,6 +20,10 @@ pub struct SpecStats {
     pub target_calls: usize,
     /// Tokens emitted.
     pub generated: usize,
+    /// Emitted tokens that were accepted drafts (mlx-lm's `from_draft`); fewer than `accepted`
+    /// when a request ends inside a round.
+    #[serde(default)]
+    pub from_draft: usize,
     /// Rounds the target caches could not take back (decoded without drafts instead).
     pub refused_rounds: usize,
     /// Rounds that rejected part of their drafts and so rolled the caches back.
@@ -66,6 +70,7 @@ impl SpecStats {
         self.accepted += other.accepted;
         self.target_calls += other.target_calls;
         self.generated += other.generated;
+        self.from_draft += other.from_draft;
         self.refused_rounds += other.refused_rounds;
         self.partial_rollbacks += other.partial_rollbacks;
     }
@@ -78,6 +83,12 @@ impl SpecStats {
     /// accepted / rounds.
     pub fn mean_accepted_len(&self) -> f64 {
         ratio(self.accepted, self.rounds)
+    }
+
+    /// from_draft / generated: the share of emitted tokens that came from the draft (the
+    /// fraction mlx-lm reports through `from_draft`).
+    pub fn from_draft_fraction(&self) -> f64 {
+        ratio(self.from_draft, self.generated)
     }
 
     /// generated / target_calls.

@@ -104,31 +104,10 @@ impl CacheArgs {
     /// Generation parameters for processing a prompt only (greedy, no processors).
     pub fn prompt_params(&self) -> anyhow::Result<GenerateParams> {
         Ok(GenerateParams {
-            max_tokens: 1,
-            sampler: SamplerParams {
-                temp: 0.0,
-                top_p: 0.0,
-                min_p: 0.0,
-                min_tokens_to_keep: 1,
-                top_k: 0,
-                xtc_probability: 0.0,
-                xtc_threshold: 0.1,
-                xtc_special_tokens: Vec::new(),
-            },
-            processors: ProcessorParams {
-                logit_bias: None,
-                repetition_penalty: None,
-                repetition_context_size: 20,
-                presence_penalty: None,
-                presence_context_size: 20,
-                frequency_penalty: None,
-                frequency_context_size: 20,
-            },
-            seed: None,
             prefill_step_size: self.prefill_step_size,
             max_kv_size: self.max_kv_size,
             kv_quantization: self.kv_quantization()?,
-            eos_token_ids: Vec::new(),
+            ..GenerateParams::greedy(1, Vec::new())
         })
     }
 }

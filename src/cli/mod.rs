@@ -1,6 +1,8 @@
 //! Command-line verbs. Errors reach `main` as anyhow errors and exit with code 2; `check` and
 //! `replay` exit 1 when a trace diverges.
 
+mod accept;
+mod bisect;
 mod cache_prompt;
 mod check;
 mod generate;
@@ -40,6 +42,10 @@ enum Command {
     Generate(Box<generate::GenerateArgs>),
     /// Process a prompt once and save its caches (mlx-lm's prompt cache format).
     CachePrompt(cache_prompt::CachePromptArgs),
+    /// Run the acceptance suites and compare with their baselines (exit 0 / 1 / 125).
+    Accept(accept::AcceptArgs),
+    /// Find the commit that lowered acceptance, with git bisect run.
+    Bisect(bisect::BisectArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -54,6 +60,8 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Replay(a) => check::replay(a, device),
         Command::Generate(a) => generate::generate(*a),
         Command::CachePrompt(a) => cache_prompt::cache_prompt_cmd(a),
+        Command::Accept(a) => accept::accept(a),
+        Command::Bisect(a) => bisect::bisect(a),
     }
 }
 

@@ -191,6 +191,7 @@ pub fn generate_speculative(
                 finish,
             };
             ex.stats.generated += 1;
+            ex.stats.from_draft += usize::from(step.from_draft);
             // Feed the token to the processors' history as plain decoding would.
             ex.sampler.extend_history(&token_array(&[input[i]])?)?;
             if on_token(&step) == Control::Stop || finish.is_some() {

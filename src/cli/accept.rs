@@ -1,0 +1,142 @@
+//! `verity accept`: run the acceptance suites, print a per-position table, compare with the
+//! committed baselines. Exit 0 good, 1 regressed, 125 cannot run — `git bisect run`'s codes.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::Args;
+use verity::accept::run_suite;
+use verity::replay::Models;
+use verity_harness::accept::{Baseline, Suite};
+use verity_harness::stats::{regressions, SpecStats, Tolerance};
+
+#[derive(Args)]
+pub struct AcceptArgs {
+    /// Suite files [default: <root>/golden/accept/*.toml].
+    #[arg(long = "suite")]
+    suites: Vec<PathBuf>,
+    /// Baseline to compare with [default: each suite's <name>.baseline.json]; one suite only.
+    #[arg(long)]
+    baseline: Option<PathBuf>,
+    /// Write the baselines (at --baseline, or next to each suite) instead of comparing.
+    #[arg(long)]
+    write_baseline: bool,
+    /// Repository root that suite paths are relative to [default: current directory].
+    #[arg(long)]
+    root: Option<PathBuf>,
+}
+
+/// The exit code git bisect reads as "skip this commit".
+const CANNOT_RUN: u8 = 125;
+
+pub fn accept(a: AcceptArgs) -> anyhow::Result<ExitCode> {
+    match run(a) {
+        Ok(regressed) => Ok(ExitCode::from(u8::from(regressed))),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            Ok(ExitCode::from(CANNOT_RUN))
+        }
+    }
+}
+
+fn run(a: AcceptArgs) -> anyhow::Result<bool> {
+    let root = super::root_or_cwd(a.root)?;
+    let mut suites = a.suites;
+    if suites.is_empty() {
+        let dir = root.join("golden/accept");
+        let entries =
+            std::fs::read_dir(&dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+        suites = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+            .collect();
+        suites.sort();
+    }
+    anyhow::ensure!(!suites.is_empty(), "no acceptance suites");
+    anyhow::ensure!(
+        a.baseline.is_none() || suites.len() == 1,
+        "--baseline needs exactly one --suite"
+    );
+    let mut models = Models::new(&root);
+    let mut regressed = false;
+    for path in &suites {
+        let suite = Suite::load(path)?;
+        let stats = run_suite(&suite, &mut models)?;
+        print!("{}", table(path, &suite, &stats));
+        let baseline_path = a
+            .baseline
+            .clone()
+            .unwrap_or_else(|| Suite::baseline_path(path));
+        if a.write_baseline {
+            Baseline::new(stats).save(&baseline_path)?;
+            println!("wrote {}\n", baseline_path.display());
+            continue;
+        }
+        let baseline = Baseline::load(&baseline_path)?;
+        let mut problems = Vec::new();
+        for (k, base) in &baseline.stats {
+            match stats.get(k) {
+                Some(now) => problems.extend(
+                    regressions(base, now, &Tolerance::default())
+                        .into_iter()
+                        .map(|m| format!("k={k}: {m}")),
+                ),
+                None => problems.push(format!("k={k}: in the baseline but not in the suite")),
+            }
+        }
+        if problems.is_empty() {
+            println!("within tolerance of {}\n", baseline_path.display());
+        } else {
+            regressed = true;
+            println!(
+                "REGRESSED against {}:\n  {}\n",
+                baseline_path.display(),
+                problems.join("\n  ")
+            );
+        }
+    }
+    Ok(regressed)
+}
+
+/// The per-k table, with per-position acceptance and mlx-lm's from_draft fraction.
+fn table(path: &Path, suite: &Suite, stats: &BTreeMap<usize, SpecStats>) -> String {
+    let mut out = String::new();
+    let name = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "suite {name}: {} with {:?}, {} prompts x {} tokens, greedy",
+        suite.target,
+        suite.source,
+        suite.prompts.len(),
+        suite.max_tokens
+    );
+    let _ = writeln!(out, "  k  rounds  drafted  accepted  accept  mean-len  tok/fwd  from_draft  mlx-lm  by position");
+    for (k, s) in stats {
+        let from_draft = s.from_draft_fraction();
+        let oracle = suite
+            .oracle
+            .as_ref()
+            .and_then(|o| o.from_draft.get(&k.to_string()))
+            .map_or("-".to_string(), |v| format!("{v:.4}"));
+        let by_pos: Vec<String> = (0..s.drafted_by_pos.len())
+            .map(|i| format!("{:.2}", s.acceptance_at(i)))
+            .collect();
+        let _ = writeln!(
+            out,
+            "{k:>3}  {:>6}  {:>7}  {:>8}  {:>6.4}  {:>8.3}  {:>7.3}  {from_draft:>10.4}  {oracle:>6}  {}",
+            s.rounds,
+            s.drafted,
+            s.accepted,
+            s.acceptance_rate(),
+            s.mean_accepted_len(),
+            s.tokens_per_forward(),
+            by_pos.join(" ")
+        );
+    }
+    out
+}
