@@ -27,6 +27,10 @@ pub struct BisectArgs {
     /// keeps rebuilds incremental.
     #[arg(long)]
     target_dir: Option<PathBuf>,
+    /// Compare with this baseline instead of measuring one at --good (e.g. the suite's
+    /// committed baseline, when --good is the commit that wrote it).
+    #[arg(long)]
+    baseline: Option<PathBuf>,
 }
 
 fn git(dir: &Path, args: &[&str]) -> anyhow::Result<String> {
@@ -82,7 +86,10 @@ pub fn bisect(a: BisectArgs) -> anyhow::Result<ExitCode> {
     let scratch = std::env::temp_dir().join(format!("verity-bisect-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch)?;
-    let baseline = scratch.join("baseline.json");
+    let baseline = match &a.baseline {
+        Some(b) => b.canonicalize().with_context(|| format!("{}", b.display()))?,
+        None => scratch.join("baseline.json"),
+    };
     let worktree = Worktree {
         repo: repo.clone(),
         dir: scratch.join("worktree"),
@@ -113,10 +120,12 @@ pub fn bisect(a: BisectArgs) -> anyhow::Result<ExitCode> {
     std::fs::write(&step, script)?;
     let run_step = |extra: &[&str]| Command::new("bash").arg(&step).args(extra).status();
 
-    eprintln!("measuring the baseline at {}", &good[..12]);
-    let status = run_step(&["--write-baseline"]).context("running the baseline probe")?;
-    if !status.success() {
-        bail!("the good commit {good} cannot build or run the acceptance suite ({status})");
+    if a.baseline.is_none() {
+        eprintln!("measuring the baseline at {}", &good[..12]);
+        let status = run_step(&["--write-baseline"]).context("running the baseline probe")?;
+        if !status.success() {
+            bail!("the good commit {good} cannot build or run the acceptance suite ({status})");
+        }
     }
     git(&worktree.dir, &["bisect", "start", &bad, &good])?;
     eprintln!("bisecting {}..{}", &good[..12], &bad[..12]);
