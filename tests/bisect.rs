@@ -6,8 +6,17 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git").arg("-C").arg(dir).args(args).output().unwrap();
-    assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
@@ -28,8 +37,17 @@ fn bisect_names_the_commit_that_lowered_acceptance() {
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch).unwrap();
     let repo = scratch.join("repo");
-    let out = Command::new("git").args(["clone", "-q"]).arg(&root).arg(&repo).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("git")
+        .args(["clone", "-q"])
+        .arg(&root)
+        .arg(&repo)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     git(&repo, &["config", "user.email", "demo@verity.invalid"]);
     git(&repo, &["config", "user.name", "bisect demo"]);
     let good = git(&repo, &["rev-parse", "HEAD"]);
@@ -39,16 +57,27 @@ fn bisect_names_the_commit_that_lowered_acceptance() {
     let rewind = repo.join("src/spec/draft_model.rs");
     let source = std::fs::read_to_string(&rewind).unwrap();
     let correct = "let kept_drafts = accepted.min(drafted - 1);";
-    assert!(source.contains(correct), "the draft rewind moved; update this test");
-    std::fs::write(&rewind, source.replace(correct, "let kept_drafts = accepted.min(drafted - 1).saturating_sub(1);"))
-        .unwrap();
+    assert!(
+        source.contains(correct),
+        "the draft rewind moved; update this test"
+    );
+    std::fs::write(
+        &rewind,
+        source.replace(
+            correct,
+            "let kept_drafts = accepted.min(drafted - 1).saturating_sub(1);",
+        ),
+    )
+    .unwrap();
     let culprit = commit(&repo, "spec: trim the draft cache differently");
     append(&repo.join("README.md"), "Another harmless change.");
     let bad = commit(&repo, "docs: another harmless change");
 
     let suite = "golden/accept/noisy-draft.toml";
     let out = Command::new(env!("CARGO_BIN_EXE_verity"))
-        .args(["bisect", "--good", &good, "--bad", &bad, "--suite", suite, "--repo"])
+        .args([
+            "bisect", "--good", &good, "--bad", &bad, "--suite", suite, "--repo",
+        ])
         .arg(&repo)
         .arg("--baseline")
         .arg(repo.join("golden/accept/noisy-draft.baseline.json"))
@@ -57,9 +86,15 @@ fn bisect_names_the_commit_that_lowered_acceptance() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(
-        stdout.contains(&format!("first bad commit: {culprit} spec: trim the draft cache differently")),
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(&format!(
+            "first bad commit: {culprit} spec: trim the draft cache differently"
+        )),
         "{stdout}"
     );
     std::fs::remove_dir_all(&scratch).unwrap();

@@ -87,7 +87,9 @@ pub fn bisect(a: BisectArgs) -> anyhow::Result<ExitCode> {
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch)?;
     let baseline = match &a.baseline {
-        Some(b) => b.canonicalize().with_context(|| format!("{}", b.display()))?,
+        Some(b) => b
+            .canonicalize()
+            .with_context(|| format!("{}", b.display()))?,
         None => scratch.join("baseline.json"),
     };
     let worktree = Worktree {

@@ -11,8 +11,9 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::json;
 use verity::cache::{load_prompt_cache, KvQuantization};
-use verity::generate::{GenerateParams, Generation};
+use verity::generate::{GenerateParams, GeneratedToken, Generation};
 use verity::replay::Loaded;
+use verity::spec::{generate_speculative, Control, DraftModel, DraftSource, NgramLookup};
 use verity_harness::trace::{FinishReason, ProcessorParams, SamplerParams};
 
 #[derive(Args)]
@@ -69,6 +70,20 @@ pub struct GenerateArgs {
     /// the prompt then only adds the new user turn.
     #[arg(long)]
     prompt_cache_file: Option<PathBuf>,
+    /// Speculate with this draft model folder (same tokenizer as the model).
+    #[arg(long, conflicts_with = "draft_ngram")]
+    draft_model: Option<PathBuf>,
+    /// Speculate with prompt lookup (n-gram) drafts.
+    #[arg(long)]
+    draft_ngram: bool,
+    /// Drafts per round.
+    #[arg(long, default_value_t = 3)]
+    num_draft_tokens: usize,
+    /// Shortest and longest n-gram prompt lookup matches.
+    #[arg(long, default_value_t = 1)]
+    ngram_min: usize,
+    #[arg(long, default_value_t = 3)]
+    ngram_max: usize,
 }
 
 /// How the prompt is processed into the KV cache (shared by generate and cache-prompt).
@@ -205,36 +220,66 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
     mlx::memory::reset_peak();
     let start = Instant::now();
     let model = loaded.model.model.as_ref();
-    let generation = match &a.prompt_cache_file {
-        Some(file) => {
-            let (caches, _) = load_prompt_cache(file)?;
-            if caches.len() != model.num_layers() {
-                bail!(
-                    "{}: {} cache layers, the model has {}",
-                    file.display(),
-                    caches.len(),
-                    model.num_layers()
-                );
-            }
-            Generation::with_caches(model, caches, &prompt, &params)?
-        }
-        None => Generation::new(model, &prompt, &params)?,
-    };
     let mut detok = tok.detokenizer();
     let mut stdout = std::io::stdout().lock();
     let (mut first_token_at, mut count, mut finish) = (None, 0usize, None);
-    for step in generation {
-        let step = step?;
+    let mut printed: std::io::Result<()> = Ok(());
+    let mut emit = |step: &GeneratedToken| {
         first_token_at.get_or_insert_with(Instant::now);
         count += 1;
         finish = step.finish;
-        if step.finish == Some(FinishReason::Stop) {
-            break;
+        if step.finish != Some(FinishReason::Stop) {
+            detok.add_token(step.token);
+            printed = write!(stdout, "{}", detok.take_segment()).and_then(|_| stdout.flush());
         }
-        detok.add_token(step.token);
-        write!(stdout, "{}", detok.take_segment())?;
-        stdout.flush()?;
-    }
+        if printed.is_ok() {
+            Control::Continue
+        } else {
+            Control::Stop
+        }
+    };
+    let draft = a.draft_model.as_deref().map(Loaded::load).transpose()?;
+    let stats = if draft.is_some() || a.draft_ngram {
+        anyhow::ensure!(
+            a.prompt_cache_file.is_none(),
+            "speculative decoding from a prompt cache file is not supported"
+        );
+        let mut source: Box<dyn DraftSource> = match &draft {
+            Some(d) => Box::new(DraftModel::new(d.model.model.as_ref())),
+            None => Box::new(NgramLookup::new(a.ngram_min, a.ngram_max)),
+        };
+        Some(generate_speculative(
+            model,
+            source.as_mut(),
+            &prompt,
+            &params,
+            a.num_draft_tokens,
+            &mut emit,
+        )?)
+    } else {
+        let generation = match &a.prompt_cache_file {
+            Some(file) => {
+                let (caches, _) = load_prompt_cache(file)?;
+                if caches.len() != model.num_layers() {
+                    bail!(
+                        "{}: {} cache layers, the model has {}",
+                        file.display(),
+                        caches.len(),
+                        model.num_layers()
+                    );
+                }
+                Generation::with_caches(model, caches, &prompt, &params)?
+            }
+            None => Generation::new(model, &prompt, &params)?,
+        };
+        for step in generation {
+            if emit(&step?) == Control::Stop {
+                break;
+            }
+        }
+        None
+    };
+    printed?;
     writeln!(stdout, "{}", detok.finalize())?;
     let first = first_token_at.unwrap_or_else(Instant::now);
     let prompt_secs = (first - start).as_secs_f64();
@@ -249,6 +294,17 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
         "Generation: {count} tokens, {:.3} tokens-per-sec",
         count as f64 / gen_secs.max(1e-9)
     );
+    if let Some(s) = stats {
+        eprintln!(
+            "Speculation: {} rounds, {}/{} drafts accepted ({:.3}), {:.3} tokens per target forward, {} refused rounds",
+            s.rounds,
+            s.accepted,
+            s.drafted,
+            s.acceptance_rate(),
+            s.tokens_per_forward(),
+            s.refused_rounds
+        );
+    }
     eprintln!(
         "Finish: {}",
         finish.map_or("none".into(), |f| f.to_string())
