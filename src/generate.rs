@@ -8,6 +8,7 @@ use mlx::{Array, Dtype};
 use verity_harness::trace::{FinishReason, ProcessorParams, SamplerParams};
 
 use crate::cache::{KvQuantization, LayerCache};
+use crate::grammar::Constraint;
 use crate::model::LanguageModel;
 use crate::sample::{LogitsProcessors, Sampler, StepSampler};
 
@@ -179,6 +180,18 @@ impl<'m> Generation<'m> {
         prompt: &[u32],
         params: &GenerateParams,
     ) -> Result<Generation<'m>, GenerateError> {
+        Self::start(model, caches, prompt, params, None)
+    }
+
+    /// The general form: from `caches` (fresh or holding a prefix), optionally constrained to a
+    /// grammar from the first generated token on.
+    pub fn start(
+        model: &'m dyn LanguageModel,
+        caches: Vec<LayerCache>,
+        prompt: &[u32],
+        params: &GenerateParams,
+        constraint: Option<Constraint>,
+    ) -> Result<Generation<'m>, GenerateError> {
         if prompt.is_empty() {
             return Err(GenerateError::EmptyPrompt);
         }
@@ -196,7 +209,8 @@ impl<'m> Generation<'m> {
         let mut g = Generation {
             model,
             caches,
-            step_sampler: StepSampler::new(sampler, processors, params.seed)?,
+            step_sampler: StepSampler::new(sampler, processors, params.seed)?
+                .with_constraint(constraint),
             kv_quantization: params.kv_quantization,
             pending: None,
             n: 0,
@@ -247,25 +261,46 @@ impl<'m> Generation<'m> {
         Ok((sampled, logprobs.squeeze(&[0])?))
     }
 
+    /// "stop" for an EOS, "length" for the `n`-th token at max_tokens.
+    fn finish_for(&self, token: u32, n: usize) -> Option<FinishReason> {
+        if self.eos.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if n == self.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+
     fn next_token(&mut self) -> Result<GeneratedToken, GenerateError> {
         let (y, logprobs) = self.pending.take().expect("a pending step while not done");
-        // Enqueue step n+1 before returning token n, as generate_step does, even after the
-        // last token: the extra forward and random draw are part of mlx-lm's behaviour.
-        let next = self.step(&y)?;
-        mlx::async_eval([&next.0, &next.1])?;
-        self.pending = Some(next);
-        let token = y.astype(Dtype::Uint32)?.item::<u32>()?;
+        let read = |y: &Array| -> mlx::Result<u32> { y.astype(Dtype::Uint32)?.item::<u32>() };
+        // A grammar must see token n before it can mask step n+1, so a constrained generation
+        // reads the token first and takes no step after the last one.
+        let constrained = self.step_sampler.is_constrained();
+        let early = if constrained {
+            let token = read(&y)?;
+            self.step_sampler.accept(token)?;
+            Some(token)
+        } else {
+            None
+        };
+        if early.is_none_or(|t| self.finish_for(t, self.n + 1).is_none()) {
+            // Enqueue step n+1 before returning token n, as generate_step does, even after the
+            // last token: the extra forward and random draw are part of mlx-lm's behaviour.
+            let next = self.step(&y)?;
+            mlx::async_eval([&next.0, &next.1])?;
+            self.pending = Some(next);
+        }
+        let token = match early {
+            Some(t) => t,
+            None => read(&y)?,
+        };
         self.n += 1;
         if self.n.is_multiple_of(256) {
             mlx::memory::clear_cache();
         }
-        let finish = if self.eos.contains(&token) {
-            Some(FinishReason::Stop)
-        } else if self.n == self.max_tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
+        let finish = self.finish_for(token, self.n);
         self.done = finish.is_some();
         Ok(GeneratedToken {
             token,

@@ -3,6 +3,7 @@
 pub mod accept;
 pub mod cache;
 pub mod generate;
+pub mod grammar;
 pub mod load;
 pub mod model;
 pub mod replay;

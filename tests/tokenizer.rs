@@ -77,7 +77,15 @@ fn traces() -> Vec<Trace> {
                     .to_string(),
                 prompt_chat: t["prompt"]["chat"].as_bool().expect("prompt chat flag"),
                 prompt_rendered: t["prompt"]["rendered"].as_str().map(str::to_string),
-                prompt_tokens: ids(&t["prompt"]["tokens"]),
+                // A trace continuing from a prompt cache holds only the rest of its prompt.
+                prompt_tokens: t
+                    .get("prompt_cache")
+                    .filter(|c| !c.is_null())
+                    .map(|c| ids(&c["tokens"]))
+                    .unwrap_or_default()
+                    .into_iter()
+                    .chain(ids(&t["prompt"]["tokens"]))
+                    .collect(),
                 output_tokens,
             }
         })

@@ -12,8 +12,11 @@ use clap::Args;
 use serde_json::json;
 use verity::cache::{load_prompt_cache, KvQuantization};
 use verity::generate::{GenerateParams, GeneratedToken, Generation};
+use verity::grammar::{GrammarSpec, TokenEnv};
 use verity::replay::Loaded;
-use verity::spec::{generate_speculative, Control, DraftModel, DraftSource, NgramLookup};
+use verity::spec::{
+    generate_speculative_constrained, Control, DraftModel, DraftSource, NgramLookup,
+};
 use verity_harness::trace::{FinishReason, ProcessorParams, SamplerParams};
 
 #[derive(Args)]
@@ -70,6 +73,18 @@ pub struct GenerateArgs {
     /// the prompt then only adds the new user turn.
     #[arg(long)]
     prompt_cache_file: Option<PathBuf>,
+    /// Constrain the output to this JSON schema (compact JSON).
+    #[arg(long, group = "output_constraint")]
+    json_schema: Option<PathBuf>,
+    /// Constrain the output to this regular expression.
+    #[arg(long, group = "output_constraint")]
+    regex: Option<String>,
+    /// Constrain the output to this Lark grammar file.
+    #[arg(long, group = "output_constraint")]
+    grammar: Option<PathBuf>,
+    /// Constrain the output to one of these strings (repeatable).
+    #[arg(long, group = "output_constraint")]
+    choice: Vec<String>,
     /// Speculate with this draft model folder (same tokenizer as the model).
     #[arg(long, conflicts_with = "draft_ngram")]
     draft_model: Option<PathBuf>,
@@ -238,6 +253,24 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
             Control::Stop
         }
     };
+    let spec = match (&a.json_schema, &a.regex, &a.grammar) {
+        (Some(f), _, _) => Some(GrammarSpec::json_schema_file(f)?),
+        (_, Some(r), _) => Some(GrammarSpec::Regex(r.clone())),
+        (_, _, Some(f)) => Some(GrammarSpec::lark_file(f)?),
+        _ if !a.choice.is_empty() => Some(GrammarSpec::Choice(a.choice.clone())),
+        _ => None,
+    };
+    let constraint = match &spec {
+        Some(spec) => {
+            let eos = tok
+                .eos_token_id()
+                .or_else(|| loaded.eos_token_ids.first().copied())
+                .unwrap_or(0);
+            let env = TokenEnv::from_dir(&a.model, eos, model.vocab_size())?;
+            Some(env.constraint(spec, &loaded.eos_token_ids)?)
+        }
+        None => None,
+    };
     let draft = a.draft_model.as_deref().map(Loaded::load).transpose()?;
     let stats = if draft.is_some() || a.draft_ngram {
         anyhow::ensure!(
@@ -248,14 +281,18 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
             Some(d) => Box::new(DraftModel::new(d.model.model.as_ref())),
             None => Box::new(NgramLookup::new(a.ngram_min, a.ngram_max)),
         };
-        Some(generate_speculative(
-            model,
-            source.as_mut(),
-            &prompt,
-            &params,
-            a.num_draft_tokens,
-            &mut emit,
-        )?)
+        Some(
+            generate_speculative_constrained(
+                model,
+                source.as_mut(),
+                &prompt,
+                &params,
+                a.num_draft_tokens,
+                constraint,
+                &mut emit,
+            )?
+            .0,
+        )
     } else {
         let generation = match &a.prompt_cache_file {
             Some(file) => {
@@ -268,9 +305,12 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
                         model.num_layers()
                     );
                 }
-                Generation::with_caches(model, caches, &prompt, &params)?
+                Generation::start(model, caches, &prompt, &params, constraint)?
             }
-            None => Generation::new(model, &prompt, &params)?,
+            None => {
+                let caches = model.make_cache(params.max_kv_size);
+                Generation::start(model, caches, &prompt, &params, constraint)?
+            }
         };
         for step in generation {
             if emit(&step?) == Control::Stop {

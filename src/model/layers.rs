@@ -127,6 +127,15 @@ impl Embedding {
         })
     }
 
+    /// Rows in the table: the vocabulary size.
+    pub fn vocab(&self) -> usize {
+        match (&self.dense, &self.packed) {
+            (Some(w), _) => w.dim(0) as usize,
+            (None, Some(p)) => p.weight.dim(0) as usize,
+            (None, None) => 0,
+        }
+    }
+
     /// `weight[ids]` (dequantizing the gathered rows when packed).
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         if let Some(p) = &self.packed {

@@ -295,6 +295,10 @@ impl LanguageModel for Model {
             .collect()
     }
 
+    fn vocab_size(&self) -> usize {
+        self.embed_tokens.vocab()
+    }
+
     fn num_layers(&self) -> usize {
         self.layers.len()
     }

@@ -37,6 +37,9 @@ pub trait LanguageModel {
 
     fn num_layers(&self) -> usize;
 
+    /// The width of the logits.
+    fn vocab_size(&self) -> usize;
+
     /// Whether `make_cache` ignores `max_kv_size` (the model builds its own caches).
     fn ignores_max_kv_size(&self) -> bool;
 }

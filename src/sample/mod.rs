@@ -8,6 +8,12 @@ pub use processors::LogitsProcessors;
 pub use sampler::Sampler;
 
 use mlx::random::KeySequence;
+
+use crate::grammar::{Constraint, GrammarError};
+
+fn grammar_error(e: GrammarError) -> mlx::Error {
+    mlx::Error::Invalid(e.to_string())
+}
 use mlx::{Array, Result};
 
 /// processors -> logprobs -> sample, in the order mlx-lm's `_step` applies them. Holds the
@@ -17,6 +23,7 @@ pub struct StepSampler {
     pub processors: LogitsProcessors,
     keys: Option<KeySequence>,
     history: Option<Array>,
+    constraint: Option<Constraint>,
 }
 
 impl StepSampler {
@@ -33,7 +40,51 @@ impl StepSampler {
             processors,
             keys,
             history: None,
+            constraint: None,
         })
+    }
+
+    /// Constrains every step to `constraint`'s grammar (processors, then the mask).
+    pub fn with_constraint(mut self, constraint: Option<Constraint>) -> StepSampler {
+        self.constraint = constraint;
+        self
+    }
+
+    /// Hands the grammar state back (after a request).
+    pub fn take_constraint(&mut self) -> Option<Constraint> {
+        self.constraint.take()
+    }
+
+    pub fn is_constrained(&self) -> bool {
+        self.constraint.is_some()
+    }
+
+    /// Whether the grammar is complete (only EOS may follow).
+    pub fn grammar_stopped(&self) -> bool {
+        self.constraint.as_ref().is_some_and(Constraint::is_stopped)
+    }
+
+    /// Advances the grammar over an emitted token.
+    pub fn accept(&mut self, token: u32) -> Result<()> {
+        match &mut self.constraint {
+            Some(c) => c.consume(token).map_err(grammar_error),
+            None => Ok(()),
+        }
+    }
+
+    /// Takes the last `n` accepted tokens back out of the grammar.
+    pub fn rollback_grammar(&mut self, n: usize) -> Result<()> {
+        match &mut self.constraint {
+            Some(c) => c.rollback(n).map_err(grammar_error),
+            None => Ok(()),
+        }
+    }
+
+    fn masked(&mut self, logits: Array) -> Result<Array> {
+        match &mut self.constraint {
+            Some(c) => c.mask(&logits).map_err(grammar_error),
+            None => Ok(logits),
+        }
     }
 
     /// Appends tokens the model has just been fed to the processors' history (generate_step's
@@ -56,7 +107,17 @@ impl StepSampler {
 
     /// Applies the processors as if `extra` had been fed after the history (a speculative
     /// position's own prefix), without recording it.
-    pub fn process_after(&self, extra: &[u32], logits: &Array) -> Result<Array> {
+    pub fn process_after(&mut self, extra: &[u32], logits: &Array) -> Result<Array> {
+        let processed = self.processed_after(extra, logits)?;
+        self.masked(processed)
+    }
+
+    /// Like [`Self::process_after`] without the grammar mask: drafts run unconstrained.
+    pub fn process_draft(&self, extra: &[u32], logits: &Array) -> Result<Array> {
+        self.processed_after(extra, logits)
+    }
+
+    fn processed_after(&self, extra: &[u32], logits: &Array) -> Result<Array> {
         if self.processors.is_empty() {
             return Ok(logits.clone());
         }
@@ -72,12 +133,14 @@ impl StepSampler {
         self.processors.apply(&history, logits)
     }
 
-    /// Applies the processors to (1, V) logits (no-op before any history).
-    pub fn process(&self, logits: &Array) -> Result<Array> {
-        match &self.history {
-            Some(h) if !self.processors.is_empty() => self.processors.apply(h, logits),
-            _ => Ok(logits.clone()),
-        }
+    /// Applies the processors (no-op before any history), then the grammar mask, to (1, V)
+    /// logits.
+    pub fn process(&mut self, logits: &Array) -> Result<Array> {
+        let processed = match &self.history {
+            Some(h) if !self.processors.is_empty() => self.processors.apply(h, logits)?,
+            _ => logits.clone(),
+        };
+        self.masked(processed)
     }
 
     /// `logits - logsumexp(logits, keepdims=True)` over all axes, as generate_step writes it.

@@ -17,6 +17,7 @@ use verity_harness::trace::FinishReason;
 use super::{DraftContext, DraftSource};
 use crate::cache::{begin_round, end_round, rollback_plan, KvQuantization, LayerCache, Rollback};
 use crate::generate::{prefill, token_array, GenerateError, GenerateParams, GeneratedToken};
+use crate::grammar::Constraint;
 use crate::model::LanguageModel;
 use crate::sample::{LogitsProcessors, Sampler, StepSampler};
 
@@ -45,9 +46,11 @@ impl Executor<'_> {
     }
 
     /// One target forward over `input` (the last emitted token and the drafts); returns the
-    /// target's token and logprobs (V,) at every position. Without processors the positions are
-    /// sampled in one (k+1, V) call, as mlx-lm does; with them each position is processed with
-    /// the history it would have in plain decoding.
+    /// target's token and logprobs (V,) at each position it examined. Without processors or a
+    /// grammar every position is sampled in one (k+1, V) call, as mlx-lm does. Otherwise the
+    /// walk goes position by position, each processed with the history it would have in plain
+    /// decoding and masked by the grammar advanced over the walk so far, and stops at the first
+    /// rejected draft, an EOS, or a finished grammar.
     fn verify(&mut self, input: &[u32]) -> mlx::Result<(Vec<u32>, Vec<Array>)> {
         let out = self.model.forward(
             &token_array(input)?.expand_dims(&[0])?,
@@ -57,7 +60,7 @@ impl Executor<'_> {
         self.maybe_quantize(self.params.kv_quantization.as_ref())?;
         let logits = out.logits.squeeze(&[0])?;
         let positions = input.len() as i32;
-        let (tokens, logprobs) = if self.sampler.has_processors() {
+        let (tokens, logprobs) = if self.sampler.has_processors() || self.sampler.is_constrained() {
             let (mut tokens, mut rows) = (Vec::new(), Vec::new());
             for i in 0..positions {
                 let row = logits.slice_axis(0, i, i + 1)?;
@@ -70,8 +73,16 @@ impl Executor<'_> {
                     .sample(&lp)?
                     .astype(Dtype::Uint32)?
                     .item::<u32>()?;
+                self.sampler.accept(t)?;
                 tokens.push(t);
                 rows.push(lp.squeeze(&[0])?);
+                let draft_matches = input.get(i as usize + 1) == Some(&t);
+                if !draft_matches
+                    || self.params.eos_token_ids.contains(&t)
+                    || self.sampler.grammar_stopped()
+                {
+                    break;
+                }
             }
             (tokens, rows)
         } else {
@@ -99,6 +110,31 @@ pub fn generate_speculative(
     num_draft_tokens: usize,
     on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
 ) -> Result<SpecStats, GenerateError> {
+    generate_speculative_constrained(
+        model,
+        source,
+        prompt,
+        params,
+        num_draft_tokens,
+        None,
+        on_token,
+    )
+    .map(|(stats, _)| stats)
+}
+
+/// [`generate_speculative`] with the target's tokens constrained to a grammar: drafts run
+/// unconstrained, the mask rides the verify walk position by position, and the grammar advances
+/// only over emitted tokens. The constraint comes back with the statistics, in the state of the
+/// emitted tokens.
+pub fn generate_speculative_constrained(
+    model: &dyn LanguageModel,
+    source: &mut dyn DraftSource,
+    prompt: &[u32],
+    params: &GenerateParams,
+    num_draft_tokens: usize,
+    constraint: Option<Constraint>,
+    on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
+) -> Result<(SpecStats, Option<Constraint>), GenerateError> {
     let (&last, head) = prompt.split_last().ok_or(GenerateError::EmptyPrompt)?;
     if params.max_tokens == 0 {
         return Err(GenerateError::ZeroMaxTokens);
@@ -113,7 +149,8 @@ pub fn generate_speculative(
         Sampler::new(params.sampler.clone())?,
         LogitsProcessors::new(&params.processors)?,
         params.seed,
-    )?;
+    )?
+    .with_constraint(constraint);
     // mlx-lm's speculative path builds the target's own caches, ignoring max_kv_size.
     let mut ex = Executor {
         model,
@@ -161,11 +198,13 @@ pub fn generate_speculative(
         input.extend(&drafts);
         begin_round(&mut ex.caches);
         let (tokens, logprobs) = ex.verify(&input)?;
-        let accepted = drafts
+        // The last examined position is always the target's own token.
+        let matching = drafts
             .iter()
             .zip(&tokens)
             .take_while(|(d, t)| d == t)
             .count();
+        let accepted = matching.min(tokens.len() - 1);
         ex.stats.record_round(k, accepted);
 
         // Emit the accepted drafts, then the target's own token, one at a time.
@@ -199,17 +238,19 @@ pub fn generate_speculative(
                 break;
             }
         }
+        // The grammar walked every examined position; take back what was not emitted.
+        ex.sampler.rollback_grammar(tokens.len() - emit_count)?;
         // The target fed y and the k drafts; it keeps y and the accepted ones.
         end_round(&mut ex.caches, k - accepted)?;
         let next = (emit_count == accepted + 1).then(|| tokens[accepted]);
         source.commit(k, accepted.min(emit_count), next)?;
         if stop {
-            return Ok(ex.stats);
+            return Ok((ex.stats, ex.sampler.take_constraint()));
         }
         y = tokens[accepted];
         if emit_count <= accepted {
             // max_tokens was reached inside the accepted drafts: no bonus token (as mlx-lm).
-            return Ok(ex.stats);
+            return Ok((ex.stats, ex.sampler.take_constraint()));
         }
     }
 }

@@ -12,7 +12,7 @@ use crate::generate::GenerateParams;
 use crate::sample::StepSampler;
 
 pub use draft_model::DraftModel;
-pub use executor::{generate_speculative, Control};
+pub use executor::{generate_speculative, generate_speculative_constrained, Control};
 pub use ngram::NgramLookup;
 
 /// What a draft source may use while drafting: the request's sampler (its random key sequence
@@ -26,11 +26,12 @@ pub struct DraftContext<'a> {
 
 impl DraftContext<'_> {
     /// Samples one token from a draft model's (1, V) logits as the target would sample after
-    /// the last emitted token and `drafted`: processors, logprobs, sampler.
+    /// the last emitted token and `drafted`: processors, logprobs, sampler. Drafts are not
+    /// constrained by a grammar; the target's verify walk is.
     pub fn sample(&mut self, logits: &Array, drafted: &[u32]) -> mlx::Result<Array> {
         let mut fed = vec![self.last];
         fed.extend(drafted);
-        let logits = self.sampler.process_after(&fed, logits)?;
+        let logits = self.sampler.process_draft(&fed, logits)?;
         let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
         self.sampler.sample(&logprobs)
     }
