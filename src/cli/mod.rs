@@ -6,6 +6,7 @@ mod bisect;
 mod cache_prompt;
 mod check;
 mod generate;
+mod grammar;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -24,6 +25,12 @@ pub struct Cli {
     device: Option<DeviceArg>,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// Grammar compile time and mask time per token (p50, p99).
+    Grammar(grammar::BenchGrammarArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -46,6 +53,11 @@ enum Command {
     Accept(accept::AcceptArgs),
     /// Find the commit that lowered acceptance, with git bisect run.
     Bisect(bisect::BisectArgs),
+    /// Run a MaskBench-format schema corpus and diff with the expected outcome.
+    GrammarCorpus(grammar::CorpusArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(Bench),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -62,6 +74,8 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::CachePrompt(a) => cache_prompt::cache_prompt_cmd(a),
         Command::Accept(a) => accept::accept(a),
         Command::Bisect(a) => bisect::bisect(a),
+        Command::GrammarCorpus(a) => grammar::corpus(a),
+        Command::Bench(Bench::Grammar(a)) => grammar::bench(a),
     }
 }
 

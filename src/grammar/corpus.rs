@@ -1,0 +1,350 @@
+//! Runs a MaskBench-format schema corpus (files of `{schema, tests: [{valid, data}]}`) through
+//! the grammar engine: per schema, whether it compiles, whether greedy generation under it is
+//! complete and valid, and whether every test instance is accepted exactly when it is valid.
+//! The outcome is a stable JSON document, diffed against a committed one so coverage changes
+//! show up in review.
+
+use std::path::Path;
+use std::time::Instant;
+
+use serde::Serialize;
+use serde_json::Value;
+
+use super::{GrammarSpec, TokenEnv};
+use crate::generate::{GenerateParams, Generation};
+use crate::model::LanguageModel;
+use crate::replay::{Loaded, ReplayError};
+use crate::tokenizer::Tokenizer;
+use verity_harness::trace::FinishReason;
+
+/// One schema's outcome.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SchemaOutcome {
+    pub schema: String,
+    /// "ok", or why llguidance refuses the schema.
+    pub compile: String,
+    /// "valid", "invalid: ...", "unfinished", or "-" when it did not compile.
+    pub generation: String,
+    pub valid_accepted: usize,
+    pub valid_total: usize,
+    pub invalid_rejected: usize,
+    pub invalid_total: usize,
+    /// Test instances judged wrongly, by index: "accepted invalid #i" / "rejected valid #i".
+    pub wrong: Vec<String>,
+}
+
+/// Timings gathered while running a corpus (for `verity bench grammar`).
+#[derive(Default)]
+pub struct Timings {
+    pub compile_ms: Vec<f64>,
+    pub mask_us: Vec<f64>,
+}
+
+/// The model side of a corpus run: the model folder's tokenizer (for llguidance and for
+/// tokenizing instances) and the model generating under each schema from a fixed chat prompt.
+pub struct CorpusModel {
+    loaded: Loaded,
+    env: TokenEnv,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    /// Milliseconds spent building the token environment.
+    pub env_ms: f64,
+}
+
+impl CorpusModel {
+    pub fn load(dir: &Path, max_tokens: usize) -> Result<CorpusModel, ReplayError> {
+        let loaded = Loaded::load(dir)?;
+        let eos = loaded
+            .tokenizer
+            .eos_token_id()
+            .or_else(|| loaded.eos_token_ids.first().copied())
+            .unwrap_or(0);
+        let start = Instant::now();
+        let env = TokenEnv::from_dir(dir, eos, loaded.model.model.vocab_size())
+            .map_err(|e| ReplayError::Unsupported(dir.display().to_string(), e.to_string()))?;
+        let env_ms = start.elapsed().as_secs_f64() * 1e3;
+        let messages = [serde_json::json!({"role": "user", "content": "Reply with JSON."})];
+        let rendered =
+            loaded
+                .tokenizer
+                .apply_chat_template(&messages, true, &serde_json::Map::new())?;
+        let prompt = loaded.tokenizer.encode(&rendered, false)?;
+        Ok(CorpusModel {
+            loaded,
+            env,
+            prompt,
+            max_tokens,
+            env_ms,
+        })
+    }
+
+    fn model(&self) -> &dyn LanguageModel {
+        self.loaded.model.model.as_ref()
+    }
+
+    fn tokenizer(&self) -> &Tokenizer {
+        &self.loaded.tokenizer
+    }
+
+    fn eos(&self) -> &[u32] {
+        &self.loaded.eos_token_ids
+    }
+}
+
+/// Whether the tokens of `text` are accepted by a fresh constraint for `spec` and leave it
+/// able to end.
+fn accepts(m: &CorpusModel, spec: &GrammarSpec, text: &str) -> bool {
+    let (Ok(mut c), Ok(tokens)) = (
+        m.env.constraint(spec, m.eos()),
+        m.tokenizer().encode(text, false),
+    ) else {
+        return false;
+    };
+    for t in tokens {
+        match c.allowed() {
+            Ok(allowed) if allowed.get(t as usize).copied().unwrap_or(false) => {}
+            _ => return false,
+        }
+        if c.consume(t).is_err() {
+            return false;
+        }
+    }
+    c.allowed().is_ok_and(|a| {
+        m.eos()
+            .iter()
+            .any(|&e| a.get(e as usize).copied().unwrap_or(false))
+    })
+}
+
+/// Runs one corpus file.
+pub fn run_schema(path: &Path, m: &CorpusModel, timings: &mut Timings) -> SchemaOutcome {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let doc: Value = match std::fs::read_to_string(path)
+        .map_err(|e| e.to_string())
+        .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+    {
+        Ok(doc) => doc,
+        Err(e) => return outcome(name, format!("unreadable: {e}")),
+    };
+    // A MaskBench file wraps the schema with its tests; a bare schema file is the schema.
+    let schema = doc.get("schema").cloned().unwrap_or_else(|| doc.clone());
+    let spec = GrammarSpec::JsonSchema(schema.clone());
+    let start = Instant::now();
+    let constraint = match m.env.constraint(&spec, m.eos()) {
+        Ok(c) => c,
+        Err(e) => return outcome(name, e.to_string()),
+    };
+    timings.compile_ms.push(start.elapsed().as_secs_f64() * 1e3);
+    let mut out = outcome(name, "ok".into());
+    let validator = jsonschema::validator_for(&schema).ok();
+    // Generate under the bounded variant when it compiles; judge against the original.
+    let bounded = m.env.constraint(
+        &GrammarSpec::JsonSchema(bounded_for_generation(&schema)),
+        m.eos(),
+    );
+    let (generation, tokens) = generate(m, bounded.unwrap_or(constraint), validator.as_ref());
+    out.generation = generation;
+    time_masks(m, &spec, &tokens, timings);
+    let tests = doc
+        .get("tests")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    for (i, test) in tests.iter().enumerate() {
+        let valid = test.get("valid").and_then(Value::as_bool).unwrap_or(false);
+        let text = serde_json::to_string(test.get("data").unwrap_or(&Value::Null))
+            .expect("JSON serializes");
+        let accepted = accepts(m, &spec, &text);
+        if valid {
+            out.valid_total += 1;
+            out.valid_accepted += usize::from(accepted);
+        } else {
+            out.invalid_total += 1;
+            out.invalid_rejected += usize::from(!accepted);
+        }
+        if accepted != valid {
+            out.wrong.push(format!(
+                "{} #{i}",
+                if accepted {
+                    "accepted invalid"
+                } else {
+                    "rejected valid"
+                }
+            ));
+        }
+    }
+    out
+}
+
+/// Keys whose values are JSON data, not subschemas.
+const DATA_KEYS: [&str; 5] = ["enum", "const", "default", "examples", "example"];
+
+/// The schema with bounds added where it has none, so that greedy generation by a tiny model
+/// (which can repeat one token inside a string or a number forever) must end: strings at most
+/// 12 characters (48 with a pattern or format), arrays at most 3 items, numbers as integers
+/// within +-10^6, no undeclared object keys. Every output valid under the bounded schema is valid under the original.
+pub fn bounded_for_generation(schema: &Value) -> Value {
+    let mut schema = schema.clone();
+    bound(&mut schema);
+    schema
+}
+
+fn bound(v: &mut Value) {
+    match v {
+        Value::Object(map) => {
+            let types: Vec<String> = match map.get("type") {
+                Some(Value::String(t)) => vec![t.clone()],
+                Some(Value::Array(ts)) => ts
+                    .iter()
+                    .filter_map(|t| t.as_str().map(str::to_string))
+                    .collect(),
+                _ => Vec::new(),
+            };
+            let has = |map: &serde_json::Map<String, Value>, keys: &[&str]| {
+                keys.iter().any(|k| map.contains_key(*k))
+            };
+            let is = |t: &str| types.iter().any(|x| x == t);
+            if is("string") && !has(map, &["maxLength", "enum", "const"]) {
+                // Patterns and formats need room for their fixed parts.
+                let room = if has(map, &["pattern", "format"]) {
+                    48
+                } else {
+                    12
+                };
+                let min = map.get("minLength").and_then(Value::as_u64).unwrap_or(0);
+                map.insert("maxLength".into(), Value::from(min.max(room)));
+            }
+            if is("array") && !has(map, &["maxItems", "prefixItems"]) {
+                let min = map.get("minItems").and_then(Value::as_u64).unwrap_or(0);
+                map.insert("maxItems".into(), Value::from(min.max(3)));
+            }
+            if is("number") && !is("integer") && !has(map, &["enum", "const"]) {
+                let t = map.get_mut("type").expect("typed");
+                *t = match t.take() {
+                    Value::String(_) => Value::from("integer"),
+                    Value::Array(ts) => Value::Array(
+                        ts.into_iter()
+                            .map(|x| {
+                                if x == "number" {
+                                    Value::from("integer")
+                                } else {
+                                    x
+                                }
+                            })
+                            .collect(),
+                    ),
+                    other => other,
+                };
+            }
+            if (is("integer") || is("number")) && !has(map, &["enum", "const", "multipleOf"]) {
+                if !has(map, &["maximum", "exclusiveMaximum"]) {
+                    map.insert("maximum".into(), Value::from(1_000_000));
+                }
+                if !has(map, &["minimum", "exclusiveMinimum"]) {
+                    map.insert("minimum".into(), Value::from(-1_000_000));
+                }
+            }
+            if is("object")
+                && map.contains_key("properties")
+                && !has(map, &["additionalProperties", "patternProperties"])
+            {
+                map.insert("additionalProperties".into(), Value::Bool(false));
+            }
+            for (k, child) in map.iter_mut() {
+                if !DATA_KEYS.contains(&k.as_str()) {
+                    bound(child);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(bound),
+        _ => {}
+    }
+}
+
+fn outcome(schema: String, compile: String) -> SchemaOutcome {
+    SchemaOutcome {
+        schema,
+        compile,
+        generation: "-".into(),
+        valid_accepted: 0,
+        valid_total: 0,
+        invalid_rejected: 0,
+        invalid_total: 0,
+        wrong: Vec::new(),
+    }
+}
+
+/// Greedy generation under the grammar, judged by the jsonschema crate; also returns the
+/// emitted tokens (EOS excluded).
+fn generate(
+    m: &CorpusModel,
+    constraint: super::Constraint,
+    validator: Option<&jsonschema::Validator>,
+) -> (String, Vec<u32>) {
+    let params = GenerateParams::greedy(m.max_tokens, m.eos().to_vec());
+    let caches = m.model().make_cache(None);
+    let mut tokens = Vec::new();
+    let mut finished = false;
+    let generation =
+        match Generation::start(m.model(), caches, &m.prompt, &params, Some(constraint)) {
+            Ok(g) => g,
+            Err(e) => return (format!("error: {e}"), tokens),
+        };
+    for step in generation {
+        let step = match step {
+            Ok(s) => s,
+            Err(e) => return (format!("error: {e}"), tokens),
+        };
+        finished = step.finish == Some(FinishReason::Stop);
+        if !m.eos().contains(&step.token) {
+            tokens.push(step.token);
+        }
+    }
+    if !finished {
+        let text = m.tokenizer().decode(&tokens).unwrap_or_default();
+        let tail: String = text
+            .chars()
+            .rev()
+            .take(40)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        return (format!("unfinished: ...{tail}"), tokens);
+    }
+    let status = match m
+        .tokenizer()
+        .decode(&tokens)
+        .map_err(|e| e.to_string())
+        .and_then(|t| serde_json::from_str::<Value>(&t).map_err(|e| format!("not JSON ({e})")))
+    {
+        Err(e) => format!("invalid: {e}"),
+        Ok(v) => match validator.map(|val| val.iter_errors(&v).next().map(|e| e.to_string())) {
+            None => "valid (jsonschema cannot compile the schema)".into(),
+            Some(None) => "valid".into(),
+            Some(Some(e)) => format!("invalid: {e}"),
+        },
+    };
+    (status, tokens)
+}
+
+/// Times the mask at every step of `tokens` on a fresh constraint: the masks the generation
+/// computed, without the forward passes around them.
+fn time_masks(m: &CorpusModel, spec: &GrammarSpec, tokens: &[u32], timings: &mut Timings) {
+    let Ok(mut c) = m.env.constraint(spec, m.eos()) else {
+        return;
+    };
+    for &t in tokens {
+        let start = Instant::now();
+        if c.allowed().is_err() {
+            return;
+        }
+        timings.mask_us.push(start.elapsed().as_secs_f64() * 1e6);
+        if c.consume(t).is_err() {
+            return;
+        }
+    }
+}
