@@ -27,29 +27,36 @@ pub struct GenerateParams {
 }
 
 impl GenerateParams {
+    /// Validates a request and builds its step sampler (sampler, processors, seeded key
+    /// sequence, grammar), as plain and speculative decoding share it.
+    pub fn step_sampler(
+        &self,
+        prompt: &[u32],
+        constraint: Option<Constraint>,
+    ) -> Result<StepSampler, GenerateError> {
+        if prompt.is_empty() {
+            return Err(GenerateError::EmptyPrompt);
+        }
+        if self.max_tokens == 0 {
+            return Err(GenerateError::ZeroMaxTokens);
+        }
+        if self.prefill_step_size == 0 {
+            return Err(GenerateError::ZeroPrefillStep);
+        }
+        if self.sampler.temp > 0.0 && self.seed.is_none() {
+            return Err(GenerateError::Unseeded(self.sampler.temp));
+        }
+        let sampler = Sampler::new(self.sampler.clone())?;
+        let processors = LogitsProcessors::new(&self.processors)?;
+        Ok(StepSampler::new(sampler, processors, self.seed)?.with_constraint(constraint))
+    }
+
     /// Greedy, no processors, mlx-lm's defaults otherwise.
     pub fn greedy(max_tokens: usize, eos_token_ids: Vec<u32>) -> GenerateParams {
         GenerateParams {
             max_tokens,
-            sampler: SamplerParams {
-                temp: 0.0,
-                top_p: 0.0,
-                min_p: 0.0,
-                min_tokens_to_keep: 1,
-                top_k: 0,
-                xtc_probability: 0.0,
-                xtc_threshold: 0.1,
-                xtc_special_tokens: Vec::new(),
-            },
-            processors: ProcessorParams {
-                logit_bias: None,
-                repetition_penalty: None,
-                repetition_context_size: 20,
-                presence_penalty: None,
-                presence_context_size: 20,
-                frequency_penalty: None,
-                frequency_context_size: 20,
-            },
+            sampler: SamplerParams::greedy(),
+            processors: ProcessorParams::none(),
             seed: None,
             prefill_step_size: 2048,
             max_kv_size: None,
@@ -192,25 +199,11 @@ impl<'m> Generation<'m> {
         params: &GenerateParams,
         constraint: Option<Constraint>,
     ) -> Result<Generation<'m>, GenerateError> {
-        if prompt.is_empty() {
-            return Err(GenerateError::EmptyPrompt);
-        }
-        if params.max_tokens == 0 {
-            return Err(GenerateError::ZeroMaxTokens);
-        }
-        if params.prefill_step_size == 0 {
-            return Err(GenerateError::ZeroPrefillStep);
-        }
-        if params.sampler.temp > 0.0 && params.seed.is_none() {
-            return Err(GenerateError::Unseeded(params.sampler.temp));
-        }
-        let sampler = Sampler::new(params.sampler.clone())?;
-        let processors = LogitsProcessors::new(&params.processors)?;
+        let step_sampler = params.step_sampler(prompt, constraint)?;
         let mut g = Generation {
             model,
             caches,
-            step_sampler: StepSampler::new(sampler, processors, params.seed)?
-                .with_constraint(constraint),
+            step_sampler,
             kv_quantization: params.kv_quantization,
             pending: None,
             n: 0,

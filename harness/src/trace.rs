@@ -109,6 +109,22 @@ pub struct SamplerParams {
     pub xtc_special_tokens: Vec<u32>,
 }
 
+impl SamplerParams {
+    /// `make_sampler()`'s defaults: greedy.
+    pub fn greedy() -> SamplerParams {
+        SamplerParams {
+            temp: 0.0,
+            top_p: 0.0,
+            min_p: 0.0,
+            min_tokens_to_keep: 1,
+            top_k: 0,
+            xtc_probability: 0.0,
+            xtc_threshold: 0.1,
+            xtc_special_tokens: Vec::new(),
+        }
+    }
+}
+
 /// mlx-lm `make_logits_processors` arguments.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct ProcessorParams {
@@ -120,6 +136,21 @@ pub struct ProcessorParams {
     pub presence_context_size: usize,
     pub frequency_penalty: Option<f64>,
     pub frequency_context_size: usize,
+}
+
+impl ProcessorParams {
+    /// `make_logits_processors()`'s defaults: no processor.
+    pub fn none() -> ProcessorParams {
+        ProcessorParams {
+            logit_bias: None,
+            repetition_penalty: None,
+            repetition_context_size: 20,
+            presence_penalty: None,
+            presence_context_size: 20,
+            frequency_penalty: None,
+            frequency_context_size: 20,
+        }
+    }
 }
 
 /// Which parity tier the replay enforces (DESIGN.md section 3).

@@ -6,8 +6,9 @@ use mlx::{Array, Dtype, Result};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::layers::{Activation, Attention, Embedding, GatedMlp, Linear, QkNorm, RmsNorm, Rope};
-use super::llama::{capture, Head};
+use super::layers::{
+    Activation, Attention, Embedding, GatedMlp, Head, Linear, QkNorm, RmsNorm, Rope, Taps,
+};
 use super::{Forward, LanguageModel};
 use crate::cache::{KvCache, LayerCache, Mask, RotatingKvCache};
 use crate::load::{Config, LoadError, QuantConfig, Weights};
@@ -233,7 +234,7 @@ impl LanguageModel for Model {
         } else {
             Mask::None
         };
-        let mut hidden = vec![None; taps.len()];
+        let mut taps = Taps::new(taps);
         for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
             let mask = if self.is_global(i) {
                 &global_mask
@@ -241,17 +242,13 @@ impl LanguageModel for Model {
                 &sliding_mask
             };
             h = layer.forward(&h, mask, cache)?;
-            capture(taps, i, &h, &mut hidden);
+            taps.capture(i, &h);
         }
         let h = self.norm.forward(&h)?;
-        capture(taps, self.layers.len(), &h, &mut hidden);
-        let logits = match &self.head {
-            Head::Tied => self.embed_tokens.as_linear(&h)?,
-            Head::Separate(lm_head) => lm_head.forward(&h)?,
-        };
+        taps.capture(self.layers.len(), &h);
         Ok(Forward {
-            logits,
-            hidden: hidden.into_iter().flatten().collect(),
+            logits: self.head.logits(&self.embed_tokens, &h)?,
+            hidden: taps.into_hidden(),
         })
     }
 

@@ -468,3 +468,47 @@ impl GatedMlp {
         self.down_proj.forward(&h)
     }
 }
+
+/// The output projection: a separate `lm_head`, or the embedding used as a linear layer.
+pub enum Head {
+    Tied,
+    Separate(Linear),
+}
+
+impl Head {
+    pub fn logits(&self, embed_tokens: &Embedding, h: &Array) -> Result<Array> {
+        match self {
+            Head::Tied => embed_tokens.as_linear(h),
+            Head::Separate(lm_head) => lm_head.forward(h),
+        }
+    }
+}
+
+/// The hidden states a caller asked for (tap i < layers: layer i's output; tap = layers: the
+/// final normed state), collected during a forward.
+pub struct Taps<'a> {
+    wanted: &'a [usize],
+    got: Vec<Option<Array>>,
+}
+
+impl<'a> Taps<'a> {
+    pub fn new(wanted: &'a [usize]) -> Taps<'a> {
+        Taps {
+            wanted,
+            got: vec![None; wanted.len()],
+        }
+    }
+
+    /// Keeps `h` for every tap on layer `index`.
+    pub fn capture(&mut self, index: usize, h: &Array) {
+        for (slot, &tap) in self.got.iter_mut().zip(self.wanted) {
+            if tap == index {
+                *slot = Some(h.clone());
+            }
+        }
+    }
+
+    pub fn into_hidden(self) -> Vec<Array> {
+        self.got.into_iter().flatten().collect()
+    }
+}

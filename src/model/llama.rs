@@ -5,7 +5,9 @@ use mlx::{Array, Result};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::layers::{Activation, Attention, Embedding, GatedMlp, Linear, QkNorm, RmsNorm, Rope};
+use super::layers::{
+    Activation, Attention, Embedding, GatedMlp, Head, Linear, QkNorm, RmsNorm, Rope, Taps,
+};
 use super::{Forward, LanguageModel};
 use crate::cache::{default_caches, KvCache, LayerCache, Mask, RotatingKvCache};
 use crate::load::{Config, LoadError, QuantConfig, Weights};
@@ -41,12 +43,6 @@ fn default_rope_theta() -> f64 {
 
 fn default_true() -> bool {
     true
-}
-
-/// The output projection: a separate `lm_head`, or the embedding used as a linear layer.
-pub enum Head {
-    Tied,
-    Separate(Linear),
 }
 
 /// `h = x + attn(norm(x)); out = h + mlp(norm(h))`.
@@ -264,21 +260,17 @@ impl LanguageModel for Model {
             Some(i) => caches[i].make_mask(n, self.sliding_window)?,
             None => Mask::None,
         };
-        let mut hidden = vec![None; taps.len()];
+        let mut taps = Taps::new(taps);
         for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
             let mask = if layer.sliding { &swa_mask } else { &fa_mask };
             h = layer.forward(&h, mask, cache)?;
-            capture(taps, i, &h, &mut hidden);
+            taps.capture(i, &h);
         }
         let h = self.norm.forward(&h)?;
-        capture(taps, self.layers.len(), &h, &mut hidden);
-        let logits = match &self.head {
-            Head::Tied => self.embed_tokens.as_linear(&h)?,
-            Head::Separate(lm_head) => lm_head.forward(&h)?,
-        };
+        taps.capture(self.layers.len(), &h);
         Ok(Forward {
-            logits,
-            hidden: hidden.into_iter().flatten().collect(),
+            logits: self.head.logits(&self.embed_tokens, &h)?,
+            hidden: taps.into_hidden(),
         })
     }
 
@@ -305,14 +297,5 @@ impl LanguageModel for Model {
 
     fn ignores_max_kv_size(&self) -> bool {
         self.own_make_cache
-    }
-}
-
-/// Stores `h` in every slot of `out` whose tap is layer `index`.
-pub(crate) fn capture(taps: &[usize], index: usize, h: &Array, out: &mut [Option<Array>]) {
-    for (slot, &tap) in out.iter_mut().zip(taps) {
-        if tap == index {
-            *slot = Some(h.clone());
-        }
     }
 }

@@ -7,8 +7,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::gated_delta::Recurrence;
-use super::layers::{attend, Activation, Embedding, GatedMlp, Linear, RmsNorm, Rope};
-use super::llama::{capture, Head};
+use super::layers::{attend, Activation, Embedding, GatedMlp, Head, Linear, RmsNorm, Rope, Taps};
 use super::{Forward, LanguageModel};
 use crate::cache::{KvCache, LayerCache, Mask, RecurrentCache};
 use crate::load::{Config, LoadError, QuantConfig, Weights};
@@ -378,7 +377,7 @@ impl LanguageModel for Model {
     ) -> Result<Forward> {
         let mut h = self.embed_tokens.forward(inputs)?;
         let fa_mask = caches[self.fa_idx].make_mask(h.dim(1) as usize, None)?;
-        let mut hidden = vec![None; taps.len()];
+        let mut taps = Taps::new(taps);
         for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
             let x = layer.input_layernorm.forward(&h)?;
             let r = match (&layer.mixer, cache) {
@@ -396,17 +395,13 @@ impl LanguageModel for Model {
                     .mlp
                     .forward(&layer.post_attention_layernorm.forward(&h1)?)?,
             )?;
-            capture(taps, i, &h, &mut hidden);
+            taps.capture(i, &h);
         }
         let h = self.norm.forward(&h)?;
-        capture(taps, self.layers.len(), &h, &mut hidden);
-        let logits = match &self.head {
-            Head::Tied => self.embed_tokens.as_linear(&h)?,
-            Head::Separate(lm_head) => lm_head.forward(&h)?,
-        };
+        taps.capture(self.layers.len(), &h);
         Ok(Forward {
-            logits,
-            hidden: hidden.into_iter().flatten().collect(),
+            logits: self.head.logits(&self.embed_tokens, &h)?,
+            hidden: taps.into_hidden(),
         })
     }
 

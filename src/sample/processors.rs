@@ -126,15 +126,7 @@ mod tests {
     use super::*;
 
     fn params() -> ProcessorParams {
-        ProcessorParams {
-            logit_bias: None,
-            repetition_penalty: None,
-            repetition_context_size: 20,
-            presence_penalty: None,
-            presence_context_size: 20,
-            frequency_penalty: None,
-            frequency_context_size: 20,
-        }
+        ProcessorParams::none()
     }
 
     /// oracle-digest.md section 3.4, verified against mlx-lm: logits [1, -2, 3, .5], history

@@ -19,7 +19,7 @@ use crate::cache::{begin_round, end_round, rollback_plan, KvQuantization, LayerC
 use crate::generate::{prefill, token_array, GenerateError, GenerateParams, GeneratedToken};
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
-use crate::sample::{LogitsProcessors, Sampler, StepSampler};
+use crate::sample::StepSampler;
 
 /// What the token callback tells the executor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,22 +135,8 @@ pub fn generate_speculative_constrained(
     constraint: Option<Constraint>,
     on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
 ) -> Result<(SpecStats, Option<Constraint>), GenerateError> {
+    let sampler = params.step_sampler(prompt, constraint)?;
     let (&last, head) = prompt.split_last().ok_or(GenerateError::EmptyPrompt)?;
-    if params.max_tokens == 0 {
-        return Err(GenerateError::ZeroMaxTokens);
-    }
-    if params.prefill_step_size == 0 {
-        return Err(GenerateError::ZeroPrefillStep);
-    }
-    if params.sampler.temp > 0.0 && params.seed.is_none() {
-        return Err(GenerateError::Unseeded(params.sampler.temp));
-    }
-    let sampler = StepSampler::new(
-        Sampler::new(params.sampler.clone())?,
-        LogitsProcessors::new(&params.processors)?,
-        params.seed,
-    )?
-    .with_constraint(constraint);
     // mlx-lm's speculative path builds the target's own caches, ignoring max_kv_size.
     let mut ex = Executor {
         model,
