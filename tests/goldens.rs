@@ -1,9 +1,11 @@
 //! One test per golden trace: the engine replays it and must match the oracle under the
 //! trace's parity tier. A failure prints the divergence report.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::{Failed, Trial};
 use verity::replay::{self, Models};
 use verity_harness::compare;
 use verity_harness::report::divergence_report;
@@ -28,7 +30,7 @@ fn check(path: &Path, device: mlx::Device) -> Result<(), Failed> {
 }
 
 fn main() {
-    let args = Arguments::from_args();
+    let args = support::main_thread_args();
     // The set recorded on this backend if there is one, else the CPU set (token-exact).
     let device = mlx::Device::best_available();
     let dir = replay::golden_traces(&root(), device);

@@ -5,10 +5,12 @@
 //! constraint fed exactly the emitted tokens. The decoded outputs are insta snapshots
 //! (tests/snapshots/grammar__<schema>.snap). One test per schema.
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::{Failed, Trial};
 use serde_json::{json, Value};
 use verity::generate::{GenerateParams, GeneratedToken, Generation};
 use verity::grammar::{Constraint, GrammarSpec, TokenEnv};
@@ -211,7 +213,7 @@ fn check_schema(path: &Path, targets: &[Target]) -> Result<(), Failed> {
 }
 
 fn main() {
-    let args = Arguments::from_args();
+    let args = support::main_thread_args();
     let dir = root().join("golden/schemas");
     let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))

@@ -4,10 +4,12 @@
 //! status, and instance judgements. No invalid instance may ever be accepted. The corpus is split
 //! into chunks, one test each, so the suite spreads over test slots and CI shards.
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::{Failed, Trial};
 use serde_json::Value;
 use verity::grammar::corpus::{run_schema, CorpusModel, Timings};
 
@@ -57,7 +59,7 @@ fn check_chunk(files: &[PathBuf], expected: &BTreeMap<String, Value>) -> Result<
 }
 
 fn main() {
-    let args = Arguments::from_args();
+    let args = support::main_thread_args();
     let dir = corpus_dir();
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| {
