@@ -1,8 +1,9 @@
 //! The MaskBench schema corpus (../shared/data/maskbench, or $MASKBENCH_DIR) through the grammar
 //! engine, compared schema by schema with golden/maskbench-expected.json (written by
 //! `verity grammar-corpus DIR --write-expected`): compile status and reason, greedy output
-//! status, and instance judgements. No invalid instance may ever be accepted. The corpus is split
-//! into chunks, one test each, so the suite spreads over test slots and CI shards.
+//! status, and instance judgements. No invalid instance may ever be accepted, and greedy output
+//! under every schema that compiles must be valid. The corpus is split into chunks, one test
+//! each, so the suite spreads over test slots and CI shards.
 
 mod support;
 
@@ -11,7 +12,7 @@ use std::path::PathBuf;
 
 use libtest_mimic::{Failed, Trial};
 use serde_json::Value;
-use verity::grammar::corpus::{run_schema, CorpusModel, Timings};
+use verity::grammar::corpus::{run_schema, CorpusModel, Timings, MAX_TOKENS};
 
 const CHUNKS: usize = 8;
 
@@ -27,7 +28,7 @@ fn corpus_dir() -> PathBuf {
 
 fn check_chunk(files: &[PathBuf], expected: &BTreeMap<String, Value>) -> Result<(), Failed> {
     mlx::jit::isolate_per_test_slot();
-    let model = CorpusModel::load(&root().join("golden/models/qwen3-target"), 256)?;
+    let model = CorpusModel::load(&root().join("golden/models/qwen3-target"), MAX_TOKENS)?;
     let mut problems = Vec::new();
     for f in files {
         let got = run_schema(f, &model, &mut Timings::default());
@@ -37,6 +38,9 @@ fn check_chunk(files: &[PathBuf], expected: &BTreeMap<String, Value>) -> Result<
                 got.schema,
                 got.invalid_total - got.invalid_rejected
             ));
+        }
+        if got.compile == "ok" && !got.generation.starts_with("valid") {
+            problems.push(format!("{}: greedy output {}", got.schema, got.generation));
         }
         match expected.get(&got.schema) {
             None => problems.push(format!(

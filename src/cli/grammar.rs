@@ -23,7 +23,7 @@ pub struct CorpusArgs {
     /// Write the expected outcome instead of diffing.
     #[arg(long)]
     write_expected: bool,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = verity::grammar::corpus::MAX_TOKENS)]
     max_tokens: usize,
 }
 

@@ -10,6 +10,7 @@ use std::time::Instant;
 use serde::Serialize;
 use serde_json::Value;
 
+use super::bound::{bounded_for_generation, Bounds};
 use super::{GrammarSpec, TokenEnv};
 use crate::generate::{GenerateParams, Generation};
 use crate::model::LanguageModel;
@@ -39,6 +40,10 @@ pub struct Timings {
     pub compile_ms: Vec<f64>,
     pub mask_us: Vec<f64>,
 }
+
+/// The generation budget of a corpus run: enough for the largest MaskBench objects (about 90
+/// required keys with nested values) under the bounded schema.
+pub const MAX_TOKENS: usize = 4096;
 
 /// The model side of a corpus run: the model folder's tokenizer (for llguidance and for
 /// tokenizing instances) and the model generating under each schema from a fixed chat prompt.
@@ -140,12 +145,15 @@ pub fn run_schema(path: &Path, m: &CorpusModel, timings: &mut Timings) -> Schema
     timings.compile_ms.push(start.elapsed().as_secs_f64() * 1e3);
     let mut out = outcome(name, "ok".into());
     let validator = jsonschema::validator_for(&schema).ok();
-    // Generate under the bounded variant when it compiles; judge against the original.
-    let bounded = m.env.constraint(
-        &GrammarSpec::JsonSchema(bounded_for_generation(&schema)),
-        m.eos(),
-    );
-    let (generation, tokens) = generate(m, bounded.unwrap_or(constraint), validator.as_ref());
+    // Generate under the most bounded variant that compiles; judge against the original.
+    let bounded = [Bounds::Strict, Bounds::Lenient]
+        .into_iter()
+        .find_map(|b| {
+            let spec = GrammarSpec::JsonSchema(bounded_for_generation(&schema, b));
+            m.env.constraint(&spec, m.eos()).ok()
+        })
+        .unwrap_or(constraint);
+    let (generation, tokens) = generate(m, bounded, validator.as_ref());
     out.generation = generation;
     time_masks(m, &spec, &tokens, timings);
     let tests = doc
@@ -177,91 +185,6 @@ pub fn run_schema(path: &Path, m: &CorpusModel, timings: &mut Timings) -> Schema
         }
     }
     out
-}
-
-/// Keys whose values are JSON data, not subschemas.
-const DATA_KEYS: [&str; 5] = ["enum", "const", "default", "examples", "example"];
-
-/// The schema with bounds added where it has none, so that greedy generation by a tiny model
-/// (which can repeat one token inside a string or a number forever) must end: strings at most
-/// 12 characters (48 with a pattern or format), arrays at most 3 items, numbers as integers
-/// within +-10^6, no undeclared object keys. Every output valid under the bounded schema is valid under the original.
-pub fn bounded_for_generation(schema: &Value) -> Value {
-    let mut schema = schema.clone();
-    bound(&mut schema);
-    schema
-}
-
-fn bound(v: &mut Value) {
-    match v {
-        Value::Object(map) => {
-            let types: Vec<String> = match map.get("type") {
-                Some(Value::String(t)) => vec![t.clone()],
-                Some(Value::Array(ts)) => ts
-                    .iter()
-                    .filter_map(|t| t.as_str().map(str::to_string))
-                    .collect(),
-                _ => Vec::new(),
-            };
-            let has = |map: &serde_json::Map<String, Value>, keys: &[&str]| {
-                keys.iter().any(|k| map.contains_key(*k))
-            };
-            let is = |t: &str| types.iter().any(|x| x == t);
-            if is("string") && !has(map, &["maxLength", "enum", "const"]) {
-                // Patterns and formats need room for their fixed parts.
-                let room = if has(map, &["pattern", "format"]) {
-                    48
-                } else {
-                    12
-                };
-                let min = map.get("minLength").and_then(Value::as_u64).unwrap_or(0);
-                map.insert("maxLength".into(), Value::from(min.max(room)));
-            }
-            if is("array") && !has(map, &["maxItems", "prefixItems"]) {
-                let min = map.get("minItems").and_then(Value::as_u64).unwrap_or(0);
-                map.insert("maxItems".into(), Value::from(min.max(3)));
-            }
-            if is("number") && !is("integer") && !has(map, &["enum", "const"]) {
-                let t = map.get_mut("type").expect("typed");
-                *t = match t.take() {
-                    Value::String(_) => Value::from("integer"),
-                    Value::Array(ts) => Value::Array(
-                        ts.into_iter()
-                            .map(|x| {
-                                if x == "number" {
-                                    Value::from("integer")
-                                } else {
-                                    x
-                                }
-                            })
-                            .collect(),
-                    ),
-                    other => other,
-                };
-            }
-            if (is("integer") || is("number")) && !has(map, &["enum", "const", "multipleOf"]) {
-                if !has(map, &["maximum", "exclusiveMaximum"]) {
-                    map.insert("maximum".into(), Value::from(1_000_000));
-                }
-                if !has(map, &["minimum", "exclusiveMinimum"]) {
-                    map.insert("minimum".into(), Value::from(-1_000_000));
-                }
-            }
-            if is("object")
-                && map.contains_key("properties")
-                && !has(map, &["additionalProperties", "patternProperties"])
-            {
-                map.insert("additionalProperties".into(), Value::Bool(false));
-            }
-            for (k, child) in map.iter_mut() {
-                if !DATA_KEYS.contains(&k.as_str()) {
-                    bound(child);
-                }
-            }
-        }
-        Value::Array(items) => items.iter_mut().for_each(bound),
-        _ => {}
-    }
 }
 
 fn outcome(schema: String, compile: String) -> SchemaOutcome {

@@ -2,6 +2,7 @@
 //! choice list becomes a [`Constraint`] that masks the logits at every step. EOS is allowed
 //! only where the grammar may end, and a finished grammar is never asked for a mask.
 
+pub mod bound;
 pub mod corpus;
 
 use std::path::Path;
