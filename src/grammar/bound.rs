@@ -7,9 +7,10 @@ use serde_json::{json, Map, Value};
 /// How far the bounds go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bounds {
-    /// Strings at most 12 characters (48 with a format, 80 with a pattern, which may demand
-    /// 64 hex digits), arrays at most 2 items (they nest), numbers as integers within +-10^6, objects closed
-    /// to their declared and required keys, and unconstrained subschemas as short scalars.
+    /// Strings at most 12 characters (48 with a format, 80 with a pattern, which may demand 64
+    /// hex digits), arrays at most 2 items (they nest), numbers as integers within +-10^6,
+    /// objects closed to their declared and required keys, and unconstrained subschemas as
+    /// short scalars.
     Strict,
     /// As `Strict`, but patterned strings keep their own length and numbers with a `multipleOf`
     /// their own range: llguidance cannot always decide whether a pattern intersected with a
@@ -52,7 +53,7 @@ const BRANCHES: [&str; 3] = ["allOf", "anyOf", "oneOf"];
 /// Keywords that constrain an instance (or hold subschemas a `$ref` may point into); a schema
 /// with none of them accepts anything. (`not` and `if` are never descended into: narrowing them
 /// would widen the schema around them.)
-const CONSTRAINING: [&str; 40] = [
+const CONSTRAINING: [&str; 41] = [
     "type",
     "enum",
     "const",
@@ -93,12 +94,12 @@ const CONSTRAINING: [&str; 40] = [
     "exclusiveMaximum",
     "multipleOf",
     "definitions",
+    "$defs",
 ];
 
 /// Whether `map`, as a schema, accepts anything.
 fn unconstrained(map: &Map<String, Value>) -> bool {
-    !map.keys()
-        .any(|k| CONSTRAINING.contains(&k.as_str()) || k == "$defs")
+    !map.keys().any(|k| CONSTRAINING.contains(&k.as_str()))
 }
 
 /// Any short scalar: what an unconstrained subschema generates.
@@ -206,15 +207,12 @@ fn infer_type(map: &mut Map<String, Value>) {
         .filter(|(_, keys)| has(map, keys))
         .map(|(t, _)| Value::from(*t))
         .collect();
-    match types.len() {
-        0 => {}
-        1 => {
-            map.insert("type".into(), types[0].clone());
-        }
-        _ => {
-            map.insert("type".into(), Value::Array(types));
-        }
-    }
+    let ty = match types.len() {
+        0 => return,
+        1 => types[0].clone(),
+        _ => Value::Array(types),
+    };
+    map.insert("type".into(), ty);
 }
 
 fn has(map: &Map<String, Value>, keys: &[&str]) -> bool {
