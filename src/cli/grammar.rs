@@ -162,10 +162,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 pub fn bench(a: BenchGrammarArgs) -> anyhow::Result<ExitCode> {
-    let (outcomes, mut t, env_ms) = run_corpus(&a.corpus, &a.model, a.max_tokens)?;
-    t.compile_ms.sort_by(f64::total_cmp);
-    t.mask_us.sort_by(f64::total_cmp);
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let (outcomes, t, env_ms) = run_corpus(&a.corpus, &a.model, a.max_tokens)?;
     println!(
         "grammar bench: {} ({} schemas, {} compiled), tokenizer {}",
         a.corpus.display(),
@@ -178,21 +175,22 @@ pub fn bench(a: BenchGrammarArgs) -> anyhow::Result<ExitCode> {
         "  {:<12} {:>8} {:>10} {:>10} {:>10}",
         "", "count", "mean", "p50", "p99"
     );
-    println!(
-        "  {:<12} {:>8} {:>8.3}ms {:>8.3}ms {:>8.3}ms",
-        "compile",
-        t.compile_ms.len(),
-        mean(&t.compile_ms),
-        percentile(&t.compile_ms, 0.5),
-        percentile(&t.compile_ms, 0.99)
-    );
-    println!(
-        "  {:<12} {:>8} {:>8.1}us {:>8.1}us {:>8.1}us",
-        "mask/token",
-        t.mask_us.len(),
-        mean(&t.mask_us),
-        percentile(&t.mask_us, 0.5),
-        percentile(&t.mask_us, 0.99)
-    );
+    timing_row("compile", t.compile_ms, "ms", 3);
+    timing_row("mask/token", t.mask_us, "us", 1);
     Ok(ExitCode::SUCCESS)
+}
+
+/// One row of the bench table: count, mean, p50 and p99 of `samples`.
+fn timing_row(name: &str, mut samples: Vec<f64>, unit: &str, decimals: usize) {
+    samples.sort_by(f64::total_cmp);
+    let mean = samples.iter().sum::<f64>() / samples.len().max(1) as f64;
+    let cell = |x: f64| format!("{x:>8.decimals$}{unit}");
+    println!(
+        "  {:<12} {:>8} {:>10} {:>10} {:>10}",
+        name,
+        samples.len(),
+        cell(mean),
+        cell(percentile(&samples, 0.5)),
+        cell(percentile(&samples, 0.99))
+    );
 }
