@@ -4,13 +4,35 @@
 //! one extra random draw happen after the last token, and the cache holds every emitted
 //! token), EOS counted as a generated token, and "length" at max_tokens.
 
-use mlx::{Array, Dtype};
-use verity_harness::trace::{FinishReason, ProcessorParams, SamplerParams};
+use std::fmt;
 
-use crate::cache::{KvQuantization, LayerCache};
+use mlx::{Array, Dtype};
+
+use crate::cache::{eval_state, quantize_due, KvQuantization, LayerCache};
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
-use crate::sample::{LogitsProcessors, Sampler, StepSampler};
+use crate::sample::{
+    LogitsProcessors, Masking, ProcessorParams, Sampler, SamplerParams, StepSampler,
+};
+use crate::{Error, Result};
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS token was generated (and counts as generated).
+    Stop,
+    /// max_tokens were generated.
+    Length,
+}
+
+impl fmt::Display for FinishReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        })
+    }
+}
 
 /// Everything a generation needs besides the model and the prompt.
 #[derive(Clone, Debug)]
@@ -33,22 +55,26 @@ impl GenerateParams {
         &self,
         prompt: &[u32],
         constraint: Option<Constraint>,
-    ) -> Result<StepSampler, GenerateError> {
+    ) -> Result<StepSampler> {
+        let invalid = |m: &str| Err(Error::Params(m.to_string()));
         if prompt.is_empty() {
-            return Err(GenerateError::EmptyPrompt);
+            return invalid("the prompt is empty");
         }
         if self.max_tokens == 0 {
-            return Err(GenerateError::ZeroMaxTokens);
+            return invalid("max_tokens must be at least 1");
         }
         if self.prefill_step_size == 0 {
-            return Err(GenerateError::ZeroPrefillStep);
+            return invalid("prefill_step_size must be at least 1");
         }
         if self.sampler.temp > 0.0 && self.seed.is_none() {
-            return Err(GenerateError::Unseeded(self.sampler.temp));
+            return Err(Error::Params(format!(
+                "sampling at temperature {} needs a seed (unseeded sampling cannot be replayed)",
+                self.sampler.temp
+            )));
         }
         let sampler = Sampler::new(self.sampler.clone())?;
         let processors = LogitsProcessors::new(&self.processors)?;
-        Ok(StepSampler::new(sampler, processors, self.seed)?.with_constraint(constraint))
+        StepSampler::new(sampler, processors, self.seed, constraint)
     }
 
     /// Greedy, no processors, mlx-lm's defaults otherwise.
@@ -64,20 +90,17 @@ impl GenerateParams {
             eos_token_ids,
         }
     }
-}
 
-#[derive(Debug, thiserror::Error)]
-pub enum GenerateError {
-    #[error("the prompt is empty")]
-    EmptyPrompt,
-    #[error("max_tokens must be at least 1")]
-    ZeroMaxTokens,
-    #[error("prefill_step_size must be at least 1")]
-    ZeroPrefillStep,
-    #[error("sampling at temperature {0} needs a seed (unseeded sampling cannot be replayed)")]
-    Unseeded(f64),
-    #[error(transparent)]
-    Mlx(#[from] mlx::Error),
+    /// "stop" for an EOS, "length" for the `n`-th token at max_tokens.
+    pub fn finish_for(&self, token: u32, n: usize) -> Option<FinishReason> {
+        if self.eos_token_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if n == self.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
 }
 
 /// One generated token with the step's full logprobs (V,) after the processors, before the
@@ -90,20 +113,6 @@ pub struct GeneratedToken {
     pub finish: Option<FinishReason>,
 }
 
-/// Streams tokens; ends after the token that carries a finish reason.
-pub struct Generation<'m> {
-    model: &'m dyn LanguageModel,
-    caches: Vec<LayerCache>,
-    step_sampler: StepSampler,
-    kv_quantization: Option<KvQuantization>,
-    /// The token sampled for step n and its logprobs, already enqueued.
-    pending: Option<(Array, Array)>,
-    n: usize,
-    max_tokens: usize,
-    eos: Vec<u32>,
-    done: bool,
-}
-
 /// Feeds `tokens` to the model in chunks of `prefill_step_size`, evaluating the caches after
 /// each chunk, and converting them to quantized KV caches when due (generate_step's prefill).
 /// `on_chunk` sees each chunk (the processors' history collects them).
@@ -112,17 +121,15 @@ pub fn prefill(
     caches: &mut [LayerCache],
     tokens: &Array,
     params: &GenerateParams,
-    mut on_chunk: impl FnMut(&Array) -> mlx::Result<()>,
-) -> mlx::Result<()> {
+    mut on_chunk: impl FnMut(&Array) -> Result<()>,
+) -> Result<()> {
     let mut rest = tokens.clone();
     while rest.dim(0) > 0 {
         let n = (params.prefill_step_size as i32).min(rest.dim(0));
         let chunk = rest.slice_axis(0, 0, n)?;
         model.forward(&chunk.expand_dims(&[0])?, caches, &[])?;
-        if let Some(q) = &params.kv_quantization {
-            caches.iter_mut().try_for_each(|c| c.maybe_quantize(q))?;
-        }
-        mlx::eval(caches.iter().flat_map(|c| c.state()))?;
+        quantize_due(caches, params.kv_quantization.as_ref())?;
+        eval_state(caches)?;
         on_chunk(&chunk)?;
         rest = rest.slice_axis(0, n, rest.dim(0))?;
         mlx::memory::clear_cache();
@@ -137,29 +144,15 @@ pub fn cache_prompt(
     model: &dyn LanguageModel,
     tokens: &[u32],
     params: &GenerateParams,
-) -> Result<Vec<LayerCache>, GenerateError> {
-    if tokens.is_empty() {
-        return Err(GenerateError::EmptyPrompt);
-    }
+) -> Result<Vec<LayerCache>> {
+    let Some((&last, head)) = tokens.split_last() else {
+        return Err(Error::Params("the prompt is empty".into()));
+    };
     let mut caches = model.make_cache(params.max_kv_size);
-    let ids = token_array(tokens)?;
-    let n = ids.dim(0);
-    prefill(
-        model,
-        &mut caches,
-        &ids.slice_axis(0, 0, n - 1)?,
-        params,
-        |_| Ok(()),
-    )?;
-    model.forward(
-        &ids.slice_axis(0, n - 1, n)?.expand_dims(&[0])?,
-        &mut caches,
-        &[],
-    )?;
-    if let Some(q) = &params.kv_quantization {
-        caches.iter_mut().try_for_each(|c| c.maybe_quantize(q))?;
-    }
-    mlx::eval(caches.iter().flat_map(|c| c.state()))?;
+    prefill(model, &mut caches, &token_array(head)?, params, |_| Ok(()))?;
+    model.forward(&token_array(&[last])?.expand_dims(&[0])?, &mut caches, &[])?;
+    quantize_due(&mut caches, params.kv_quantization.as_ref())?;
+    eval_state(&caches)?;
     Ok(caches)
 }
 
@@ -169,57 +162,68 @@ pub fn token_array(tokens: &[u32]) -> mlx::Result<Array> {
     Array::from_slice(&ids, &[ids.len() as i32])
 }
 
+/// The last position's (1, V) logits of a (1, L, V) forward.
+pub fn last_logits(logits: &Array) -> mlx::Result<Array> {
+    let l = logits.dim(1);
+    logits.slice_axis(1, l - 1, l)?.squeeze(&[1])
+}
+
+/// Streams tokens; ends after the token that carries a finish reason.
+pub struct Generation<'m> {
+    model: &'m dyn LanguageModel,
+    caches: Vec<LayerCache>,
+    step_sampler: StepSampler,
+    params: GenerateParams,
+    /// The token sampled for step n and its logprobs, already enqueued.
+    pending: Option<(Array, Array)>,
+    n: usize,
+    done: bool,
+}
+
 impl<'m> Generation<'m> {
     /// Prefills the prompt into fresh caches and enqueues the first token.
     pub fn new(
         model: &'m dyn LanguageModel,
         prompt: &[u32],
         params: &GenerateParams,
-    ) -> Result<Generation<'m>, GenerateError> {
-        Self::with_caches(model, model.make_cache(params.max_kv_size), prompt, params)
+    ) -> Result<Generation<'m>> {
+        Self::start(
+            model,
+            model.make_cache(params.max_kv_size),
+            prompt,
+            params,
+            None,
+        )
     }
 
-    /// Continues from `caches` that already hold a prefix (a prompt cache): `prompt` is the
-    /// rest. As in mlx-lm, the processors' history starts with this rest, not the prefix.
-    pub fn with_caches(
-        model: &'m dyn LanguageModel,
-        caches: Vec<LayerCache>,
-        prompt: &[u32],
-        params: &GenerateParams,
-    ) -> Result<Generation<'m>, GenerateError> {
-        Self::start(model, caches, prompt, params, None)
-    }
-
-    /// The general form: from `caches` (fresh or holding a prefix), optionally constrained to a
-    /// grammar from the first generated token on.
+    /// The general form: from `caches` (fresh, or holding a prefix from a prompt cache, in
+    /// which case `prompt` is the rest and, as in mlx-lm, the processors' history starts with
+    /// it), optionally constrained to a grammar from the first generated token on.
     pub fn start(
         model: &'m dyn LanguageModel,
         caches: Vec<LayerCache>,
         prompt: &[u32],
         params: &GenerateParams,
         constraint: Option<Constraint>,
-    ) -> Result<Generation<'m>, GenerateError> {
+    ) -> Result<Generation<'m>> {
         let step_sampler = params.step_sampler(prompt, constraint)?;
         let mut g = Generation {
             model,
             caches,
             step_sampler,
-            kv_quantization: params.kv_quantization,
+            params: params.clone(),
             pending: None,
             n: 0,
-            max_tokens: params.max_tokens,
-            eos: params.eos_token_ids.clone(),
             done: false,
         };
-        let prompt = token_array(prompt)?;
-        let n = prompt.dim(0);
-        let head = prompt.slice_axis(0, 0, n - 1)?;
+        let (&last, head) = prompt
+            .split_last()
+            .expect("step_sampler refuses an empty prompt");
         let step_sampler = &mut g.step_sampler;
-        prefill(model, &mut g.caches, &head, params, |chunk| {
+        prefill(model, &mut g.caches, &token_array(head)?, params, |chunk| {
             step_sampler.extend_history(chunk)
         })?;
-        let rest = prompt.slice_axis(0, n - 1, n)?;
-        let first = g.step(&rest)?;
+        let first = g.step(&token_array(&[last])?)?;
         mlx::async_eval([&first.0, &first.1])?;
         g.pending = Some(first);
         Ok(g)
@@ -230,55 +234,33 @@ impl<'m> Generation<'m> {
         &self.caches
     }
 
-    fn maybe_quantize(&mut self) -> mlx::Result<()> {
-        if let Some(q) = &self.kv_quantization {
-            for c in &mut self.caches {
-                c.maybe_quantize(q)?;
-            }
-        }
-        Ok(())
-    }
-
     /// generate_step's `_step`: forward the input, process, quantize the cache, sample.
-    fn step(&mut self, input: &Array) -> mlx::Result<(Array, Array)> {
+    fn step(&mut self, input: &Array) -> Result<(Array, Array)> {
         let out = self
             .model
             .forward(&input.expand_dims(&[0])?, &mut self.caches, &[])?;
-        let l = out.logits.dim(1);
-        let logits = out.logits.slice_axis(1, l - 1, l)?.squeeze(&[1])?;
+        let logits = last_logits(&out.logits)?;
         self.step_sampler.extend_history(input)?;
-        let logits = self.step_sampler.process(&logits)?;
-        self.maybe_quantize()?;
+        let logits = self.step_sampler.process(&logits, &[], Masking::Grammar)?;
+        quantize_due(&mut self.caches, self.params.kv_quantization.as_ref())?;
         let logprobs = StepSampler::logprobs(&logits)?;
         let sampled = self.step_sampler.sample(&logprobs)?;
         Ok((sampled, logprobs.squeeze(&[0])?))
     }
 
-    /// "stop" for an EOS, "length" for the `n`-th token at max_tokens.
-    fn finish_for(&self, token: u32, n: usize) -> Option<FinishReason> {
-        if self.eos.contains(&token) {
-            Some(FinishReason::Stop)
-        } else if n == self.max_tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        }
-    }
-
-    fn next_token(&mut self) -> Result<GeneratedToken, GenerateError> {
+    fn next_token(&mut self) -> Result<GeneratedToken> {
         let (y, logprobs) = self.pending.take().expect("a pending step while not done");
         let read = |y: &Array| -> mlx::Result<u32> { y.astype(Dtype::Uint32)?.item::<u32>() };
         // A grammar must see token n before it can mask step n+1, so a constrained generation
         // reads the token first and takes no step after the last one.
-        let constrained = self.step_sampler.is_constrained();
-        let early = if constrained {
+        let early = if self.step_sampler.is_constrained() {
             let token = read(&y)?;
-            self.step_sampler.accept(token)?;
+            self.step_sampler.advance_grammar(token)?;
             Some(token)
         } else {
             None
         };
-        if early.is_none_or(|t| self.finish_for(t, self.n + 1).is_none()) {
+        if early.is_none_or(|t| self.params.finish_for(t, self.n + 1).is_none()) {
             // Enqueue step n+1 before returning token n, as generate_step does, even after the
             // last token: the extra forward and random draw are part of mlx-lm's behaviour.
             let next = self.step(&y)?;
@@ -293,7 +275,7 @@ impl<'m> Generation<'m> {
         if self.n.is_multiple_of(256) {
             mlx::memory::clear_cache();
         }
-        let finish = self.finish_for(token, self.n);
+        let finish = self.params.finish_for(token, self.n);
         self.done = finish.is_some();
         Ok(GeneratedToken {
             token,
@@ -305,7 +287,7 @@ impl<'m> Generation<'m> {
 }
 
 impl Iterator for Generation<'_> {
-    type Item = Result<GeneratedToken, GenerateError>;
+    type Item = Result<GeneratedToken>;
 
     fn next(&mut self) -> Option<Self::Item> {
         if self.done {

@@ -1,12 +1,21 @@
 //! verity: an LLM inference engine on MLX that generates exactly what mlx-lm generates.
+//!
+//! Layers, each importing only those before it: `load` and `tokenizer` read a model folder;
+//! `cache` holds per-layer state and the rollback contract; `model` runs the families;
+//! `grammar` compiles output constraints; `sample` turns logits into tokens; `generate` is the
+//! plain decode loop and `speculative` the one verify/accept executor; `bundle` ties a loaded
+//! folder together; `parity` replays the harness's traces and suites on top of all of it.
 
-pub mod accept;
+pub mod bundle;
 pub mod cache;
+pub mod error;
 pub mod generate;
 pub mod grammar;
 pub mod load;
 pub mod model;
-pub mod replay;
+pub mod parity;
 pub mod sample;
-pub mod spec;
+pub mod speculative;
 pub mod tokenizer;
+
+pub use error::{Error, Result};

@@ -1,6 +1,8 @@
 //! `verity bisect` end to end on a throwaway repository: a clone of this one with three new
 //! commits, the middle one an off-by-one in the draft model's cache rewind that lowers
-//! acceptance (output stays correct). Bisect must name exactly that commit.
+//! acceptance (output stays correct). Bisect must name exactly that commit. It runs in the
+//! nextest `e2e` profile. The probes build into one target folder kept under target/tmp, so
+//! after the first run every probe is an incremental build.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -33,7 +35,8 @@ fn append(path: &Path, line: &str) {
 #[test]
 fn bisect_names_the_commit_that_lowered_acceptance() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bisect-demo");
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let scratch = tmp.join("bisect-demo");
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch).unwrap();
     let repo = scratch.join("repo");
@@ -54,7 +57,7 @@ fn bisect_names_the_commit_that_lowered_acceptance() {
 
     append(&repo.join("README.md"), "\nA harmless change.");
     commit(&repo, "docs: a harmless change");
-    let rewind = repo.join("src/spec/draft_model.rs");
+    let rewind = repo.join("src/speculative/draft_model.rs");
     let source = std::fs::read_to_string(&rewind).unwrap();
     let correct = "let kept_drafts = accepted.min(drafted - 1);";
     assert!(
@@ -69,7 +72,7 @@ fn bisect_names_the_commit_that_lowered_acceptance() {
         ),
     )
     .unwrap();
-    let culprit = commit(&repo, "spec: trim the draft cache differently");
+    let culprit = commit(&repo, "speculative: trim the draft cache differently");
     append(&repo.join("README.md"), "Another harmless change.");
     let bad = commit(&repo, "docs: another harmless change");
 
@@ -82,7 +85,7 @@ fn bisect_names_the_commit_that_lowered_acceptance() {
         .arg("--baseline")
         .arg(repo.join("golden/accept/noisy-draft.baseline.json"))
         .arg("--target-dir")
-        .arg(scratch.join("target"))
+        .arg(tmp.join("bisect-demo-target"))
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -93,7 +96,7 @@ fn bisect_names_the_commit_that_lowered_acceptance() {
     );
     assert!(
         stdout.contains(&format!(
-            "first bad commit: {culprit} spec: trim the draft cache differently"
+            "first bad commit: {culprit} speculative: trim the draft cache differently"
         )),
         "{stdout}"
     );

@@ -3,15 +3,17 @@
 //! the recurrent state) after every step. Keys written for token id t are all t, so the visible
 //! keys spell out which tokens the cache holds, in order.
 
+mod support;
+
 use mlx::{random, Array, Dtype};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
+use support::proptest_cases;
 use verity::cache::{
-    rollback_plan, KvCache, LayerCache, QuantizedKvCache, RecurrentCache, Rollback, RotatingKvCache,
+    rollback_plan, KvCache, LayerCache, QuantizedKvCache, Recurrence, RecurrentCache, Rollback,
+    RotatingKvCache,
 };
-use verity::model::gated_delta::Recurrence;
 use verity_harness::cache_model::{ops, rotating_kind, Kind, Op, Plan, RefCache};
-use verity_harness::proptest_cases;
 
 const HEAD_DIM: i32 = 32;
 
@@ -105,13 +107,18 @@ fn check(real: &LayerCache, reference: &RefCache, rec: &Recurrence) -> Result<()
             let (qkv, a, b) = recurrent_inputs(rec, reference.visible());
             fresh.advance(rec, &qkv, &a, &b).unwrap();
         }
-        let bits = |x: &Option<Array>| x.as_ref().map(|a| a.to_bytes().unwrap());
+        let bits = |c: &RecurrentCache| {
+            c.state
+                .as_ref()
+                .map(|s| (s.conv.to_bytes().unwrap(), s.state.to_bytes().unwrap()))
+        };
+        let (got, want) = (bits(c), bits(&fresh));
         prop_assert!(
-            bits(&c.conv) == bits(&fresh.conv),
+            got.as_ref().map(|g| &g.0) == want.as_ref().map(|w| &w.0),
             "conv state differs from a fresh replay"
         );
         prop_assert!(
-            bits(&c.state) == bits(&fresh.state),
+            got.as_ref().map(|g| &g.1) == want.as_ref().map(|w| &w.1),
             "recurrent state differs from a fresh replay"
         );
         return Ok(());
@@ -218,7 +225,8 @@ fn recurrent_cache_matches_its_reference() {
     fuzz(Just(Kind::Recurrent), 60, 12);
 }
 
-// Named regressions: the upstream failure shapes of prior-art.md section 3.1.
+// Named regressions: the failure shapes upstream engines reported (docs/prior-art.md,
+// "Cache rollback bugs").
 
 #[test]
 fn multi_token_update_at_the_rotating_boundary() {

@@ -7,9 +7,9 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+mod support;
+
+use support::root;
 
 /// A fresh scratch folder laid out like a repository root.
 struct Scratch(PathBuf);

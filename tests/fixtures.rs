@@ -8,8 +8,10 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
+mod support;
+
 fn golden() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden")
+    support::root().join("golden")
 }
 
 fn files_under(dir: &Path, base: &Path, out: &mut Vec<String>) {

@@ -11,14 +11,13 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use libtest_mimic::{Failed, Trial};
-use serde_json::{json, Value};
-use verity::generate::{GenerateParams, GeneratedToken, Generation};
-use verity::grammar::{Constraint, GrammarSpec, TokenEnv};
-use verity::replay::Loaded;
-use verity::spec::{
-    generate_speculative_constrained, Control, DraftModel, DraftSource, NgramLookup,
-};
-use verity_harness::trace::FinishReason;
+use serde_json::Value;
+use support::{model_dir, root};
+use verity::bundle::ModelBundle;
+use verity::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
+use verity::grammar::{Constraint, Grammar};
+use verity::speculative::{generate_speculative, Control, DraftModel, DraftSource, NgramLookup};
+use verity::tokenizer::UserTurn;
 
 /// Target fixtures and the draft model each is paired with.
 const TARGETS: [(&str, &str); 6] = [
@@ -32,44 +31,31 @@ const TARGETS: [(&str, &str); 6] = [
 
 const MAX_TOKENS: usize = 160;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 struct Target {
-    loaded: Loaded,
-    draft: Loaded,
-    env: TokenEnv,
-    dir: PathBuf,
+    name: String,
+    bundle: ModelBundle,
+    draft: ModelBundle,
 }
 
 impl Target {
     fn load(name: &str, draft: &str) -> Result<Target, Failed> {
-        let dir = root().join("golden/models").join(name);
-        let loaded = Loaded::load(&dir)?;
-        let eos = loaded
-            .tokenizer
-            .eos_token_id()
-            .ok_or("the fixture tokenizer has an eos token")?;
-        let env = TokenEnv::from_dir(&dir, eos, loaded.model.model.vocab_size())?;
         Ok(Target {
-            loaded,
-            draft: Loaded::load(&root().join("golden/models").join(draft))?,
-            env,
-            dir,
+            name: name.to_string(),
+            bundle: ModelBundle::load(&model_dir(name))?,
+            draft: ModelBundle::load(&model_dir(draft))?,
         })
     }
 
-    fn constraint(&self, spec: &GrammarSpec) -> Result<Constraint, Failed> {
-        Ok(self.env.constraint(spec, &self.loaded.eos_token_ids)?)
+    fn constraint(&self, grammar: &Grammar) -> Result<Constraint, Failed> {
+        Ok(self.bundle.constraint(grammar)?)
     }
 
     fn prompt(&self, title: &str) -> Result<Vec<u32>, Failed> {
-        let tok = &self.loaded.tokenizer;
-        let messages =
-            [json!({"role": "user", "content": format!("Reply with a {title} as JSON.")})];
-        let rendered = tok.apply_chat_template(&messages, true, &serde_json::Map::new())?;
-        Ok(tok.encode(&rendered, false)?)
+        let text = format!("Reply with a {title} as JSON.");
+        Ok(self.bundle.tokenizer.encode_user_turn(&UserTurn {
+            text: &text,
+            ..UserTurn::default()
+        })?)
     }
 }
 
@@ -78,13 +64,13 @@ fn plain(
     t: &Target,
     prompt: &[u32],
     params: &GenerateParams,
-    spec: &GrammarSpec,
+    grammar: &Grammar,
 ) -> Result<(Vec<u32>, Option<FinishReason>), Failed> {
-    let model = t.loaded.model.model.as_ref();
+    let model = t.bundle.model();
     let caches = model.make_cache(None);
     let mut tokens = Vec::new();
     let mut finish = None;
-    for step in Generation::start(model, caches, prompt, params, Some(t.constraint(spec)?))? {
+    for step in Generation::start(model, caches, prompt, params, Some(t.constraint(grammar)?))? {
         let step = step?;
         tokens.push(step.token);
         finish = step.finish;
@@ -100,7 +86,7 @@ fn speculative(
     prompt: &[u32],
     params: &GenerateParams,
     k: usize,
-    spec: &GrammarSpec,
+    grammar: &Grammar,
     halt: Option<usize>,
 ) -> Result<(Vec<u32>, Constraint), Failed> {
     let mut tokens = Vec::new();
@@ -112,17 +98,10 @@ fn speculative(
             Control::Continue
         }
     };
-    let model = t.loaded.model.model.as_ref();
-    let constraint = Some(t.constraint(spec)?);
-    let (_, constraint) = generate_speculative_constrained(
-        model,
-        source,
-        prompt,
-        params,
-        k,
-        constraint,
-        &mut on_token,
-    )?;
+    let model = t.bundle.model();
+    let constraint = Some(t.constraint(grammar)?);
+    let (_, constraint) =
+        generate_speculative(model, source, prompt, params, k, constraint, &mut on_token)?;
     Ok((
         tokens,
         constraint.ok_or("the executor hands the constraint back")?,
@@ -132,11 +111,11 @@ fn speculative(
 /// The grammar state of `live` must equal a fresh constraint fed exactly `emitted`.
 fn same_state(
     t: &Target,
-    spec: &GrammarSpec,
+    grammar: &Grammar,
     live: &mut Constraint,
     emitted: &[u32],
 ) -> Result<bool, Failed> {
-    let mut fresh = t.constraint(spec)?;
+    let mut fresh = t.constraint(grammar)?;
     for &tok in emitted {
         fresh.consume(tok)?;
     }
@@ -149,19 +128,19 @@ fn check_schema(path: &Path, targets: &[Target]) -> Result<(), Failed> {
     let validator = jsonschema::validator_for(&schema)
         .map_err(|e| format!("schema does not compile in jsonschema: {e}"))?;
     let title = schema["title"].as_str().unwrap_or("value").to_string();
-    let spec = GrammarSpec::JsonSchema(schema);
+    let grammar = Grammar::JsonSchema(schema);
     let mut outputs = BTreeMap::new();
     for t in targets {
-        let name = t.dir.file_name().unwrap().to_string_lossy().into_owned();
+        let name = &t.name;
         let prompt = t.prompt(&title)?;
-        let params = GenerateParams::greedy(MAX_TOKENS, t.loaded.eos_token_ids.clone());
-        let (want, finish) = plain(t, &prompt, &params, &spec)?;
+        let params = GenerateParams::greedy(MAX_TOKENS, t.bundle.eos_token_ids.clone());
+        let (want, finish) = plain(t, &prompt, &params, &grammar)?;
         let body: Vec<u32> = want
             .iter()
             .copied()
-            .filter(|tok| !t.loaded.eos_token_ids.contains(tok))
+            .filter(|tok| !t.bundle.eos_token_ids.contains(tok))
             .collect();
-        let text = t.loaded.decode(&body);
+        let text = t.bundle.decode(&body);
         if finish != Some(FinishReason::Stop) {
             return Err(format!(
                 "{name}: output did not finish within {MAX_TOKENS} tokens: {text}"
@@ -175,19 +154,19 @@ fn check_schema(path: &Path, targets: &[Target]) -> Result<(), Failed> {
         }
         for k in 1..=4 {
             let sources: [Box<dyn DraftSource>; 2] = [
-                Box::new(DraftModel::new(t.draft.model.model.as_ref())),
+                Box::new(DraftModel::new(t.draft.model())),
                 Box::new(NgramLookup::new(1, 3)),
             ];
             for (which, mut source) in ["draft model", "n-gram"].into_iter().zip(sources) {
                 let (got, mut live) =
-                    speculative(t, source.as_mut(), &prompt, &params, k, &spec, None)?;
+                    speculative(t, source.as_mut(), &prompt, &params, k, &grammar, None)?;
                 if got != want {
                     return Err(format!(
                         "{name}: grammar + {which} k={k} differs from grammar-only"
                     )
                     .into());
                 }
-                if !same_state(t, &spec, &mut live, &got)? {
+                if !same_state(t, &grammar, &mut live, &got)? {
                     return Err(format!(
                         "{name}: grammar state after {which} k={k} differs from a fresh replay"
                     )
@@ -197,15 +176,16 @@ fn check_schema(path: &Path, targets: &[Target]) -> Result<(), Failed> {
         }
         // Halted mid-round: the grammar holds exactly the emitted tokens.
         let halt = (want.len() / 2).max(1);
-        let mut source = DraftModel::new(t.draft.model.model.as_ref());
-        let (got, mut live) = speculative(t, &mut source, &prompt, &params, 4, &spec, Some(halt))?;
-        if got.len() != halt.min(want.len()) || !same_state(t, &spec, &mut live, &got)? {
+        let mut source = DraftModel::new(t.draft.model());
+        let (got, mut live) =
+            speculative(t, &mut source, &prompt, &params, 4, &grammar, Some(halt))?;
+        if got.len() != halt.min(want.len()) || !same_state(t, &grammar, &mut live, &got)? {
             return Err(format!(
                 "{name}: after a halt at {halt} the grammar state differs from a fresh replay"
             )
             .into());
         }
-        outputs.insert(name, text);
+        outputs.insert(name.clone(), text);
     }
     let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
     insta::assert_json_snapshot!(stem, outputs);

@@ -3,14 +3,16 @@
 //! that only ever saw the kept tokens. Rounds a cache refuses (a sliding window about to wrap)
 //! are fed without speculation, and at least one round per architecture is really taken back.
 
-use std::path::PathBuf;
+mod support;
 
 use mlx::Array;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use verity::cache::{begin_round, end_round, rollback_plan, KvQuantization, LayerCache, Rollback};
+use support::{model_dir, proptest_cases};
+use verity::cache::{
+    begin_round, end_round, quantize_due, rollback_plan, KvQuantization, LayerCache, Rollback,
+};
 use verity::model::{self, LanguageModel};
-use verity_harness::proptest_cases;
 
 /// One speculative round: tokens fed in one call, of which the last `reject` are taken back.
 #[derive(Clone, Debug)]
@@ -47,11 +49,7 @@ fn cases(vocab: u32) -> impl Strategy<Value = Case> {
 /// The model's caches, converted to quantized KV caches from the start when `kv` is set.
 fn make_caches(model: &dyn LanguageModel, kv: Option<KvQuantization>) -> Vec<LayerCache> {
     let mut caches = model.make_cache(None);
-    if let Some(q) = kv {
-        caches
-            .iter_mut()
-            .for_each(|c| c.maybe_quantize(&q).unwrap());
-    }
+    quantize_due(&mut caches, kv.as_ref()).unwrap();
     caches
 }
 
@@ -116,11 +114,8 @@ fn fresh(model: &dyn LanguageModel, kv: Option<KvQuantization>, case: &Case) -> 
 
 fn check_architecture(fixture: &str, kv: Option<KvQuantization>) {
     mlx::jit::isolate_per_test_slot();
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("golden/models")
-        .join(fixture);
-    let loaded = model::load(&dir).unwrap();
-    let model = loaded.model.as_ref();
+    let (model, _) = model::load(&model_dir(fixture)).unwrap();
+    let model = model.as_ref();
     let config = Config {
         cases: proptest_cases(32, 1000),
         source_file: Some(file!()),

@@ -3,26 +3,14 @@
 //! (the failure mlx-vlm #1715 reports). Files written by mlx-lm are covered by the
 //! prompt-cache golden traces; files written here load in mlx-lm per oracles/test_prompt_cache.py.
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
+mod support;
 
+use std::collections::BTreeMap;
+
+use support::{bundle, golden_input, root};
 use verity::cache::{load_prompt_cache, save_prompt_cache, KvQuantization, LayerCache};
 use verity::generate::{prefill, token_array, GenerateParams, Generation};
-use verity::model::{self, LanguageModel};
-use verity_harness::trace::Trace;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The prompt and greedy parameters of a golden trace (its prompt is the realistic input).
-fn golden(id: &str) -> (Vec<u32>, GenerateParams) {
-    let trace = Trace::load(&root().join(format!("golden/traces/{id}.json"))).unwrap();
-    let mut params =
-        verity::replay::params(&trace, trace.eos_token_ids.clone().unwrap_or_default());
-    params.max_tokens = 12;
-    (trace.prompt.tokens, params)
-}
+use verity::model::LanguageModel;
 
 /// Token ids and logprob bits of a whole generation.
 fn run(g: Generation<'_>) -> Vec<(u32, Vec<u8>)> {
@@ -47,15 +35,15 @@ fn prefix_caches(
 
 fn warm_equals_cold(fixture: &str, trace: &str, kv: Option<KvQuantization>) {
     mlx::jit::isolate_per_test_slot();
-    let loaded = model::load(&root().join("golden/models").join(fixture)).unwrap();
-    let model = loaded.model.as_ref();
-    let (prompt, mut params) = golden(trace);
+    let bundle = bundle(fixture);
+    let model = bundle.model();
+    let (prompt, mut params) = golden_input(trace, 12);
     params.kv_quantization = kv;
     let cold = run(Generation::new(model, &prompt, &params).unwrap());
     let cached = prefix_caches(model, &prompt, &params);
     let last = &prompt[prompt.len() - 1..];
     for attempt in 0..2 {
-        let warm = run(Generation::with_caches(model, cached.clone(), last, &params).unwrap());
+        let warm = run(Generation::start(model, cached.clone(), last, &params, None).unwrap());
         assert!(
             warm == cold,
             "{fixture}: warm run {attempt} differs from the cold run"
@@ -76,7 +64,7 @@ fn warm_equals_cold(fixture: &str, trace: &str, kv: Option<KvQuantization>) {
     let (reloaded, meta) = load_prompt_cache(&file).unwrap();
     std::fs::remove_file(&file).unwrap();
     assert_eq!(meta.get("model").map(String::as_str), Some(fixture));
-    let from_file = run(Generation::with_caches(model, reloaded, last, &params).unwrap());
+    let from_file = run(Generation::start(model, reloaded, last, &params, None).unwrap());
     assert!(
         from_file == cold,
         "{fixture}: continuing from a saved prompt cache differs from the cold run"

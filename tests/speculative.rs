@@ -2,36 +2,20 @@
 //! speculative output ≡ its own plain output, tokens and logprob bits), and the executor's
 //! invariants. The tier A speculative goldens are replayed by tests/goldens.rs.
 
-use std::path::PathBuf;
+mod support;
 
-use verity::generate::{GenerateParams, Generation};
-use verity::model::{self, LoadedModel};
-use verity::spec::{generate_speculative, Control, DraftModel, DraftSource, NgramLookup};
-use verity_harness::stats::SpecStats;
-use verity_harness::trace::{FinishReason, Trace};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn load(name: &str) -> LoadedModel {
-    model::load(&root().join("golden/models").join(name)).unwrap()
-}
-
-/// The prompt and parameters of a golden trace, greedy, `max_tokens` long.
-fn golden(id: &str, max_tokens: usize) -> (Vec<u32>, GenerateParams) {
-    let trace = Trace::load(&root().join(format!("golden/traces/{id}.json"))).unwrap();
-    let mut params =
-        verity::replay::params(&trace, trace.eos_token_ids.clone().unwrap_or_default());
-    params.max_tokens = max_tokens;
-    (trace.prompt.tokens, params)
-}
+use support::{bundle, golden_input};
+use verity::bundle::ModelBundle;
+use verity::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
+use verity::speculative::{
+    generate_speculative, Control, DraftModel, DraftSource, NgramLookup, SpeculationStats,
+};
 
 /// (token, logprob bits, finish) of each step.
 type Steps = Vec<(u32, Vec<u8>, Option<FinishReason>)>;
 
-fn plain(target: &LoadedModel, prompt: &[u32], params: &GenerateParams) -> Steps {
-    Generation::new(target.model.as_ref(), prompt, params)
+fn plain(target: &ModelBundle, prompt: &[u32], params: &GenerateParams) -> Steps {
+    Generation::new(target.model(), prompt, params)
         .unwrap()
         .map(|s| {
             let s = s.unwrap();
@@ -41,15 +25,15 @@ fn plain(target: &LoadedModel, prompt: &[u32], params: &GenerateParams) -> Steps
 }
 
 fn speculative(
-    target: &LoadedModel,
+    target: &ModelBundle,
     source: &mut dyn DraftSource,
     prompt: &[u32],
     params: &GenerateParams,
     k: usize,
     halt_after: Option<usize>,
-) -> (Steps, SpecStats) {
+) -> (Steps, SpeculationStats) {
     let mut steps = Vec::new();
-    let mut on_token = |s: &verity::generate::GeneratedToken| {
+    let mut on_token = |s: &GeneratedToken| {
         steps.push((s.token, s.logprobs.to_bytes().unwrap(), s.finish));
         if halt_after == Some(steps.len()) {
             Control::Stop
@@ -57,31 +41,39 @@ fn speculative(
             Control::Continue
         }
     };
-    let stats = generate_speculative(
-        target.model.as_ref(),
+    let (stats, _) = generate_speculative(
+        target.model(),
         source,
         prompt,
         params,
         k,
+        None,
         &mut on_token,
     )
     .unwrap();
     (steps, stats)
 }
 
+/// Rounds rolled back and rounds refused, summed over runs.
+#[derive(Debug, Default)]
+struct Rollbacks {
+    partial: usize,
+    refused: usize,
+}
+
 /// Speculative ≡ plain with both sources over the first `prompt_len` tokens of a golden
-/// prompt; returns the summed statistics.
-fn spec_equals_plain(target_name: &str, trace: &str, prompt_len: usize) -> SpecStats {
+/// prompt; returns how many rounds were rolled back and refused.
+fn spec_equals_plain(target_name: &str, trace: &str, prompt_len: usize) -> Rollbacks {
     mlx::jit::isolate_per_test_slot();
-    let target = load(target_name);
-    let draft = load("llama-draft");
-    let (mut prompt, params) = golden(trace, 48);
+    let target = bundle(target_name);
+    let draft = bundle("llama-draft");
+    let (mut prompt, params) = golden_input(trace, 48);
     prompt.truncate(prompt_len);
     let want = plain(&target, &prompt, &params);
-    let mut total = SpecStats::default();
+    let mut total = Rollbacks::default();
     for k in [2, 4] {
         let sources: [Box<dyn DraftSource>; 2] = [
-            Box::new(DraftModel::new(draft.model.as_ref())),
+            Box::new(DraftModel::new(draft.model())),
             Box::new(NgramLookup::new(1, 3)),
         ];
         for mut source in sources {
@@ -91,7 +83,8 @@ fn spec_equals_plain(target_name: &str, trace: &str, prompt_len: usize) -> SpecS
                 "{target_name} {trace} k={k}: speculative output differs from plain"
             );
             assert_eq!(stats.generated, want.len());
-            total.add(&stats);
+            total.partial += stats.partial_rollbacks;
+            total.refused += stats.refused_rounds;
         }
     }
     total
@@ -100,35 +93,23 @@ fn spec_equals_plain(target_name: &str, trace: &str, prompt_len: usize) -> SpecS
 #[test]
 fn gemma3_past_its_window_speculates_until_the_window_fills_then_refuses() {
     // 6 prompt tokens and 48 generated: rounds run inside the window of 16, then are refused.
-    let stats = spec_equals_plain("gemma3", "gemma3/greedy/code", 6);
-    assert!(
-        stats.partial_rollbacks > 0,
-        "no round was rolled back: {stats:?}"
-    );
-    assert!(
-        stats.refused_rounds > 0,
-        "no round was refused past the window: {stats:?}"
-    );
+    let r = spec_equals_plain("gemma3", "gemma3/greedy/code", 6);
+    assert!(r.partial > 0, "no round was rolled back: {r:?}");
+    assert!(r.refused > 0, "no round was refused past the window: {r:?}");
 }
 
 #[test]
 fn qwen3_next_speculation_equals_plain_with_real_rollbacks() {
-    let stats = spec_equals_plain("qwen3_next", "qwen3_next/greedy/code", usize::MAX);
-    assert!(
-        stats.partial_rollbacks > 0,
-        "no partial rollback happened: {stats:?}"
-    );
-    assert_eq!(stats.refused_rounds, 0);
+    let r = spec_equals_plain("qwen3_next", "qwen3_next/greedy/code", usize::MAX);
+    assert!(r.partial > 0, "no partial rollback happened: {r:?}");
+    assert_eq!(r.refused, 0);
 }
 
 #[test]
 fn qwen3_5_speculation_equals_plain_with_real_rollbacks() {
-    let stats = spec_equals_plain("qwen3_5", "qwen3_5/greedy/chat", usize::MAX);
-    assert!(
-        stats.partial_rollbacks > 0,
-        "no partial rollback happened: {stats:?}"
-    );
-    assert_eq!(stats.refused_rounds, 0);
+    let r = spec_equals_plain("qwen3_5", "qwen3_5/greedy/chat", usize::MAX);
+    assert!(r.partial > 0, "no partial rollback happened: {r:?}");
+    assert_eq!(r.refused, 0);
 }
 
 #[test]
@@ -138,11 +119,11 @@ fn greedy_speculation_with_logits_processors_equals_plain() {
     // draws its random keys differently when speculating, in mlx-lm and here, so it is
     // compared greedy.)
     mlx::jit::isolate_per_test_slot();
-    let target = load("qwen3-target");
-    let draft = load("qwen3-draft");
-    let (prompt, mut params) = golden("qwen3-target/all-processors/code", 48);
+    let target = bundle("qwen3-target");
+    let draft = bundle("qwen3-draft");
+    let (prompt, mut params) = golden_input("qwen3-target/all-processors/code", 48);
     params.sampler.temp = 0.0;
-    let mut source = DraftModel::new(draft.model.as_ref());
+    let mut source = DraftModel::new(draft.model());
     let (got, stats) = speculative(&target, &mut source, &prompt, &params, 3, None);
     assert!(
         got == plain(&target, &prompt, &params),
@@ -157,9 +138,9 @@ fn greedy_speculation_with_logits_processors_equals_plain() {
 #[test]
 fn self_drafting_accepts_everything_and_equals_plain() {
     mlx::jit::isolate_per_test_slot();
-    let target = load("qwen3-target");
-    let (prompt, params) = golden("qwen3-target/greedy/code", 40);
-    let mut source = DraftModel::new(target.model.as_ref());
+    let target = bundle("qwen3-target");
+    let (prompt, params) = golden_input("qwen3-target/greedy/code", 40);
+    let mut source = DraftModel::new(target.model());
     let (got, stats) = speculative(&target, &mut source, &prompt, &params, 4, None);
     assert!(got == plain(&target, &prompt, &params));
     assert_eq!(stats.accepted, stats.drafted, "{stats:?}");
@@ -169,21 +150,21 @@ fn self_drafting_accepts_everything_and_equals_plain() {
 #[test]
 fn max_tokens_cuts_exactly_and_a_halt_emits_exactly_what_was_allowed() {
     mlx::jit::isolate_per_test_slot();
-    let target = load("qwen3-target");
-    let draft = load("qwen3-draft");
-    let (prompt, params) = golden("qwen3-target/greedy/code", 40);
-    let mut long_source = DraftModel::new(draft.model.as_ref());
+    let target = bundle("qwen3-target");
+    let draft = bundle("qwen3-draft");
+    let (prompt, params) = golden_input("qwen3-target/greedy/code", 40);
+    let mut long_source = DraftModel::new(draft.model());
     let (long, _) = speculative(&target, &mut long_source, &prompt, &params, 4, None);
     let mut short_params = params.clone();
     short_params.max_tokens = 5;
-    let mut source = DraftModel::new(draft.model.as_ref());
+    let mut source = DraftModel::new(draft.model());
     let (short, _) = speculative(&target, &mut source, &prompt, &short_params, 4, None);
     assert_eq!(short.len(), 5);
     let tokens = |s: &Steps| s.iter().map(|t| t.0).collect::<Vec<_>>();
     assert_eq!(tokens(&short), tokens(&long)[..5]);
     assert_eq!(short[4].2, Some(FinishReason::Length));
 
-    let mut source = DraftModel::new(draft.model.as_ref());
+    let mut source = DraftModel::new(draft.model());
     let (halted, _) = speculative(&target, &mut source, &prompt, &params, 4, Some(7));
     assert_eq!(halted.len(), 7, "a halt after 7 tokens must emit exactly 7");
     assert_eq!(tokens(&halted), tokens(&long)[..7]);
@@ -192,13 +173,13 @@ fn max_tokens_cuts_exactly_and_a_halt_emits_exactly_what_was_allowed() {
 #[test]
 fn identical_reruns_give_identical_statistics() {
     mlx::jit::isolate_per_test_slot();
-    let target = load("qwen3-target");
-    let draft = load("qwen3-draft");
-    let (prompt, mut params) = golden("qwen3-target/greedy/chat", 40);
+    let target = bundle("qwen3-target");
+    let draft = bundle("qwen3-draft");
+    let (prompt, mut params) = golden_input("qwen3-target/greedy/chat", 40);
     params.sampler.temp = 0.8;
     params.seed = Some(5);
     let run = || {
-        let mut source = DraftModel::new(draft.model.as_ref());
+        let mut source = DraftModel::new(draft.model());
         speculative(&target, &mut source, &prompt, &params, 3, None)
     };
     let (a, sa) = run();

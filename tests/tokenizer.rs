@@ -8,11 +8,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value};
-use verity::tokenizer::{StreamingDetokenizer, Tokenizer, TokenizerError};
+use verity::tokenizer::{StreamingDetokenizer, Tokenizer, TokenizerError, UserTurn};
 
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
+mod support;
+
+use support::root;
 
 fn json_files(dir: &Path, out: &mut Vec<PathBuf>) {
     let Ok(entries) = fs::read_dir(dir) else {
@@ -944,4 +944,55 @@ Weather in Zürich?<|im_end|>
 <|im_start|>assistant
 "##
     );
+}
+
+/// mlx_lm.generate's prompt from a user's text: the chat template with a generation prompt;
+/// continuing a prompt cache keeps only what the template adds from the user's message on
+/// (the cache holds the rest, system prompt included); a raw turn is the text with special
+/// tokens.
+#[test]
+fn a_user_turn_continuing_a_prompt_cache_is_the_suffix_from_the_user_message_on() {
+    let tok = Tokenizer::from_dir(&root().join("golden/tokenizer")).expect("fixture loads");
+    let turn = UserTurn {
+        text: "What does os.path.join do?",
+        system: Some("You are terse."),
+        ..UserTurn::default()
+    };
+    let messages = [
+        json!({"role": "system", "content": "You are terse."}),
+        json!({"role": "user", "content": turn.text}),
+    ];
+    let full = tok
+        .apply_chat_template(&messages, true, &Map::new())
+        .unwrap();
+    assert_eq!(
+        tok.encode_user_turn(&turn).unwrap(),
+        tok.encode(&full, false).unwrap()
+    );
+
+    let cached = tok
+        .encode_user_turn(&UserTurn {
+            continues_cache: true,
+            ..turn.clone()
+        })
+        .unwrap();
+    let suffix = tok.decode(&cached).unwrap();
+    assert!(suffix.starts_with(turn.text), "{suffix:?}");
+    assert!(
+        full.ends_with(&suffix),
+        "{suffix:?} is not a suffix of {full:?}"
+    );
+    assert!(!suffix.contains("You are terse."), "{suffix:?}");
+    assert!(
+        suffix.len() > turn.text.len(),
+        "the generation prompt follows the message: {suffix:?}"
+    );
+
+    let raw = tok
+        .encode_user_turn(&UserTurn {
+            raw: true,
+            ..turn.clone()
+        })
+        .unwrap();
+    assert_eq!(raw, tok.encode(turn.text, true).unwrap());
 }

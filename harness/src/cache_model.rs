@@ -1,6 +1,6 @@
 //! Reference models of every cache kind in plain Rust, and proptest strategies over the
 //! operations a decoder performs on a cache: append k tokens, trim, and speculative rounds that
-//! append then reject a tail (DESIGN.md section 4).
+//! append then reject a tail (docs/DESIGN.md, "Caches and rollback").
 //!
 //! A reference tracks token ids, not tensors: which tokens a cache makes visible to attention
 //! (in temporal order) or, for a recurrent cache, which tokens its state has absorbed. An engine
@@ -9,7 +9,7 @@
 
 use proptest::prelude::*;
 
-/// The cache kinds of DESIGN.md section 4.
+/// The cache kinds of the rollback contract.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     Kv,

@@ -1,4 +1,4 @@
-//! The golden trace format `verity-trace/1` (DESIGN.md section 5): what an oracle generated,
+//! The golden trace format `verity-trace/1` (docs/trace-format.md): what an oracle generated,
 //! step by step, and every input needed to generate it again.
 //!
 //! Unknown fields are ignored so recorders may add more; a missing required field or another
@@ -153,7 +153,7 @@ impl ProcessorParams {
     }
 }
 
-/// Which parity tier the replay enforces (DESIGN.md section 3).
+/// Which parity tier the replay enforces (docs/DESIGN.md, "Parity tiers").
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Parity {
     pub tier: Tier,

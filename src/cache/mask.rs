@@ -1,7 +1,9 @@
 //! Attention masks as mlx-lm builds them (models/base.py create_causal_mask and
 //! models/cache.py create_attention_mask).
 
-use mlx::{fast::SdpaMask, Array, Dtype, Result};
+use mlx::{fast::SdpaMask, Array, Dtype};
+
+use crate::Result;
 
 /// What a cache's make_mask returns: nothing, the string "causal", or a boolean array
 /// (True = attend).

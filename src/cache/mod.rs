@@ -1,6 +1,9 @@
 //! Per-layer caches, each a faithful copy of its mlx-lm class (models/cache.py), because the
-//! cache layout decides which keys a query sees and so the bits of every later logit.
+//! cache layout decides which keys a query sees and so the bits of every later logit. The
+//! rollback contract (`rollback`) says how each kind takes a speculative round back; prompt
+//! cache files (`prompt_file`) are mlx-lm's format.
 
+mod gated_delta;
 mod kv;
 mod mask;
 mod prompt_file;
@@ -9,15 +12,18 @@ mod recurrent;
 mod rollback;
 mod rotating;
 
+pub use gated_delta::{gated_delta_update, normalize_qk, Recurrence, RecurrentStep};
 pub use kv::KvCache;
 pub use mask::{create_causal_mask, Mask};
 pub use prompt_file::{load_prompt_cache, save_prompt_cache, PromptFileError};
-pub use quantized::QuantizedKvCache;
-pub use recurrent::RecurrentCache;
+pub use quantized::{Packed3, QuantizedKvCache};
+pub use recurrent::{RecurrentCache, RecurrentState};
 pub use rollback::{begin_round, end_round, rollback_plan, Rollback};
 pub use rotating::RotatingKvCache;
 
-use mlx::{Array, Result};
+use mlx::Array;
+
+use crate::{error::contract, Error, Result};
 
 /// Allocation granularity of the growable caches (mlx-lm's `step`).
 pub(crate) const STEP: i32 = 256;
@@ -39,8 +45,8 @@ pub enum KeysValues {
     },
     /// (packed, scales, biases) triples, as mx.quantize returns them.
     Quantized {
-        keys: [Array; 3],
-        values: [Array; 3],
+        keys: Packed3,
+        values: Packed3,
         group_size: i32,
         bits: i32,
     },
@@ -67,19 +73,14 @@ impl LayerCache {
 
     /// Appends this step's keys and values (B, H, S, D) and returns what attention reads.
     pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<KeysValues> {
+        let dense = |(keys, values)| KeysValues::Dense { keys, values };
         match self {
-            LayerCache::Kv(c) => {
-                let (keys, values) = c.update_and_fetch(keys, values)?;
-                Ok(KeysValues::Dense { keys, values })
-            }
-            LayerCache::Rotating(c) => {
-                let (keys, values) = c.update_and_fetch(keys, values)?;
-                Ok(KeysValues::Dense { keys, values })
-            }
+            LayerCache::Kv(c) => c.update_and_fetch(keys, values).map(dense),
+            LayerCache::Rotating(c) => c.update_and_fetch(keys, values).map(dense),
             LayerCache::QuantizedKv(c) => c.update_and_fetch(keys, values),
-            LayerCache::Recurrent(_) => Err(mlx::Error::Invalid(
-                "an attention layer was given a recurrent cache".into(),
-            )),
+            LayerCache::Recurrent(_) => {
+                Err(contract("an attention layer was given a recurrent cache"))
+            }
         }
     }
 
@@ -97,31 +98,14 @@ impl LayerCache {
     /// None for an empty or a recurrent cache. For inspection and tests.
     pub fn visible(&self) -> Result<Option<(Array, Array)>> {
         match self {
-            LayerCache::Kv(c) => match (&c.keys, &c.values) {
-                (Some(k), Some(v)) => {
+            LayerCache::Kv(c) => Ok(match &c.kv {
+                Some((k, v)) => {
                     let n = c.offset as i32;
-                    Ok(Some((kv::seq(k, 0, n)?, kv::seq(v, 0, n)?)))
+                    Some((kv::seq(k, 0, n)?, kv::seq(v, 0, n)?))
                 }
-                _ => Ok(None),
-            },
-            LayerCache::QuantizedKv(c) => match (&c.keys, &c.values) {
-                (Some(k), Some(v)) if c.offset > 0 => {
-                    let n = c.offset as i32;
-                    let deq = |t: &[Array; 3]| -> Result<Array> {
-                        let part = |i: usize| kv::seq(&t[i], 0, n);
-                        mlx::ops::dequantize(
-                            &part(0)?,
-                            &part(1)?,
-                            Some(&part(2)?),
-                            c.group_size,
-                            c.bits,
-                            "affine",
-                        )
-                    };
-                    Ok(Some((deq(k)?, deq(v)?)))
-                }
-                _ => Ok(None),
-            },
+                None => None,
+            }),
+            LayerCache::QuantizedKv(c) => c.dequantized(),
             LayerCache::Rotating(c) => c.temporal(),
             LayerCache::Recurrent(_) => Ok(None),
         }
@@ -133,9 +117,9 @@ impl LayerCache {
         match self {
             LayerCache::Kv(c) => Ok(c.trim(n)),
             LayerCache::QuantizedKv(c) => Ok(c.trim(n)),
-            LayerCache::Rotating(_) | LayerCache::Recurrent(_) => Err(mlx::Error::Invalid(
-                "only KV caches trim outside a speculative round".into(),
-            )),
+            LayerCache::Rotating(_) | LayerCache::Recurrent(_) => {
+                Err(contract("only KV caches trim outside a speculative round"))
+            }
         }
     }
 
@@ -152,21 +136,28 @@ impl LayerCache {
     /// mlx-lm's maybe_quantize_kv_cache for one layer: a KV cache whose offset reached
     /// `start` becomes a quantized one (once; other kinds are left alone, except that a
     /// rotating cache refuses as mlx-lm does).
-    pub fn maybe_quantize(&mut self, q: &KvQuantization) -> Result<()> {
+    fn maybe_quantize(&mut self, q: &KvQuantization) -> Result<()> {
         match self {
             LayerCache::Kv(c) if c.offset >= q.start => {
-                let mut quantized = c.to_quantized(q.group_size, q.bits)?;
-                quantized.round_start = c.round_start;
-                *self = LayerCache::QuantizedKv(quantized);
+                *self = LayerCache::QuantizedKv(c.to_quantized(q.group_size, q.bits)?);
                 Ok(())
             }
-            LayerCache::Rotating(c) if c.offset >= q.start => Err(mlx::Error::Invalid(
+            LayerCache::Rotating(c) if c.offset >= q.start => Err(Error::Unsupported(
                 "a rotating (sliding-window) KV cache cannot be quantized (mlx-lm: RotatingKVCache \
                  Quantization NYI)"
                     .into(),
             )),
             _ => Ok(()),
         }
+    }
+}
+
+/// mlx-lm's maybe_quantize_kv_cache over a model's caches: every KV cache that reached
+/// `q.start` tokens becomes a quantized one. Nothing happens without `q`.
+pub fn quantize_due(caches: &mut [LayerCache], q: Option<&KvQuantization>) -> Result<()> {
+    match q {
+        Some(q) => caches.iter_mut().try_for_each(|c| c.maybe_quantize(q)),
+        None => Ok(()),
     }
 }
 
@@ -179,4 +170,9 @@ pub fn default_caches(layers: usize, max_kv_size: Option<usize>) -> Vec<LayerCac
             None => LayerCache::Kv(KvCache::default()),
         })
         .collect()
+}
+
+/// Evaluates every cache's state (mlx-lm's `mx.eval([c.state for c in cache])`).
+pub fn eval_state(caches: &[LayerCache]) -> Result<()> {
+    Ok(mlx::eval(caches.iter().flat_map(LayerCache::state))?)
 }

@@ -12,7 +12,9 @@ use std::path::Path;
 
 use mlx::{Array, Dtype};
 
-use super::{KvCache, LayerCache, QuantizedKvCache, RecurrentCache, RotatingKvCache};
+use super::{
+    KvCache, LayerCache, Packed3, QuantizedKvCache, RecurrentCache, RecurrentState, RotatingKvCache,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PromptFileError {
@@ -25,7 +27,7 @@ pub enum PromptFileError {
 /// One state entry of a layer, in the order mlx-lm's `state` property lists them.
 enum Entry {
     Array(Array),
-    Triple([Array; 3]),
+    Triple(Packed3),
     Int(i64),
     None,
 }
@@ -39,12 +41,12 @@ fn class_name(c: &LayerCache) -> &'static str {
     }
 }
 
-fn opt(a: &Option<Array>) -> Entry {
-    a.clone().map_or(Entry::None, Entry::Array)
-}
-
-fn opt3(a: &Option<[Array; 3]>) -> Entry {
-    a.clone().map_or(Entry::None, Entry::Triple)
+/// A pair of buffers as two entries (None, None when the cache is still empty).
+fn pair<T: Clone>(kv: &Option<(T, T)>, entry: fn(T) -> Entry) -> [Entry; 2] {
+    match kv {
+        Some((k, v)) => [entry(k.clone()), entry(v.clone())],
+        None => [Entry::None, Entry::None],
+    }
 }
 
 /// A layer's `state` as mlx-lm would return it. ArraysCache's state is
@@ -58,32 +60,43 @@ fn state(c: &LayerCache) -> Vec<(String, Entry)> {
             .collect()
     };
     match c {
-        LayerCache::Kv(c) => top(vec![
-            opt(&c.keys),
-            opt(&c.values),
-            Entry::Int(c.offset as i64),
-        ]),
-        LayerCache::Rotating(c) => top(vec![
-            opt(&c.keys),
-            opt(&c.values),
-            Entry::Int(c.offset as i64),
-            Entry::Int(c.keep as i64),
-            Entry::Int(c.max_size as i64),
-            Entry::Int(c.idx as i64),
-        ]),
-        LayerCache::QuantizedKv(c) => top(vec![
-            opt3(&c.keys),
-            opt3(&c.values),
-            Entry::Int(c.offset as i64),
-            Entry::Int(c.group_size as i64),
-            Entry::Int(c.bits as i64),
-        ]),
-        LayerCache::Recurrent(c) => vec![
-            ("0.0".into(), opt(&c.conv)),
-            ("0.1".into(), opt(&c.state)),
-            ("1".into(), Entry::None),
-            ("2".into(), Entry::None),
-        ],
+        LayerCache::Kv(c) => {
+            let [k, v] = pair(&c.kv, Entry::Array);
+            top(vec![k, v, Entry::Int(c.offset as i64)])
+        }
+        LayerCache::Rotating(c) => {
+            let [k, v] = pair(&c.kv, Entry::Array);
+            top(vec![
+                k,
+                v,
+                Entry::Int(c.offset as i64),
+                Entry::Int(c.keep as i64),
+                Entry::Int(c.max_size as i64),
+                Entry::Int(c.idx as i64),
+            ])
+        }
+        LayerCache::QuantizedKv(c) => {
+            let [k, v] = pair(&c.kv, Entry::Triple);
+            top(vec![
+                k,
+                v,
+                Entry::Int(c.offset as i64),
+                Entry::Int(c.group_size as i64),
+                Entry::Int(c.bits as i64),
+            ])
+        }
+        LayerCache::Recurrent(c) => {
+            let [conv, state] = match &c.state {
+                Some(s) => [Entry::Array(s.conv.clone()), Entry::Array(s.state.clone())],
+                None => [Entry::None, Entry::None],
+            };
+            vec![
+                ("0.0".into(), conv),
+                ("0.1".into(), state),
+                ("1".into(), Entry::None),
+                ("2".into(), Entry::None),
+            ]
+        }
     }
 }
 
@@ -173,7 +186,7 @@ impl Reader {
     }
 
     /// A (packed, scales, biases) triple stored as "<key>.0" .. "<key>.2", or None.
-    fn triple(&mut self, key: &str) -> Result<Option<[Array; 3]>, PromptFileError> {
+    fn triple(&mut self, key: &str) -> Result<Option<Packed3>, PromptFileError> {
         if self.kinds.get(key).map(String::as_str) == Some("none") {
             return self.array(key).map(|_| None);
         }
@@ -185,6 +198,22 @@ impl Reader {
         match parts {
             [Some(w), Some(s), Some(b)] => Ok(Some([w, s, b])),
             _ => Err(self.bad(format!("{key}: incomplete quantized triple"))),
+        }
+    }
+
+    /// Two entries that are both present or both None (a cache's keys and values).
+    fn both<T>(
+        &self,
+        layer: usize,
+        a: Option<T>,
+        b: Option<T>,
+    ) -> Result<Option<(T, T)>, PromptFileError> {
+        match (a, b) {
+            (Some(a), Some(b)) => Ok(Some((a, b))),
+            (None, None) => Ok(None),
+            _ => Err(self.bad(format!(
+                "layer {layer}: one of its two state tensors is missing"
+            ))),
         }
     }
 
@@ -242,17 +271,19 @@ pub fn load_prompt_cache(
             break;
         };
         let cache = match class.as_str() {
-            "KVCache" => LayerCache::Kv(KvCache {
-                keys: r.array(&format!("{i}.0"))?,
-                values: r.array(&format!("{i}.1"))?,
-                offset: r.int(&format!("{i}.2"))?,
-                round_start: None,
-            }),
+            "KVCache" => {
+                let (k, v) = (r.array(&format!("{i}.0"))?, r.array(&format!("{i}.1"))?);
+                LayerCache::Kv(KvCache {
+                    kv: r.both(i, k, v)?,
+                    offset: r.int(&format!("{i}.2"))?,
+                    round_start: None,
+                })
+            }
             "RotatingKVCache" => {
                 let mut c =
                     RotatingKvCache::new(r.int(&format!("{i}.4"))?, r.int(&format!("{i}.3"))?);
-                c.keys = r.array(&format!("{i}.0"))?;
-                c.values = r.array(&format!("{i}.1"))?;
+                let (k, v) = (r.array(&format!("{i}.0"))?, r.array(&format!("{i}.1"))?);
+                c.kv = r.both(i, k, v)?;
                 c.offset = r.int(&format!("{i}.2"))?;
                 c.idx = r.int(&format!("{i}.5"))?;
                 LayerCache::Rotating(c)
@@ -262,8 +293,8 @@ pub fn load_prompt_cache(
                     r.int(&format!("{i}.3"))? as i32,
                     r.int(&format!("{i}.4"))? as i32,
                 );
-                c.keys = r.triple(&format!("{i}.0"))?;
-                c.values = r.triple(&format!("{i}.1"))?;
+                let (k, v) = (r.triple(&format!("{i}.0"))?, r.triple(&format!("{i}.1"))?);
+                c.kv = r.both(i, k, v)?;
                 c.offset = r.int(&format!("{i}.2"))?;
                 LayerCache::QuantizedKv(c)
             }
@@ -277,7 +308,10 @@ pub fn load_prompt_cache(
                         )));
                     }
                 }
-                LayerCache::Recurrent(RecurrentCache::from_state(conv, state))
+                let state = r
+                    .both(i, conv, state)?
+                    .map(|(conv, state)| RecurrentState { conv, state });
+                LayerCache::Recurrent(RecurrentCache::from_state(state))
             }
             other => return Err(r.bad(format!("layer {i}: cache class {other} is not supported"))),
         };

@@ -4,15 +4,24 @@
 //! the snapshot and replays the kept tokens through the conv and the delta rule, which gives
 //! the bits of never having seen the rejected ones.
 
-use mlx::{ops, Array, Result};
+use mlx::{ops, Array};
 
-use crate::model::gated_delta::Recurrence;
+use super::gated_delta::{Recurrence, RecurrentStep};
+use crate::{error::contract, Result};
+
+/// What a gated-DeltaNet layer carries from token to token.
+#[derive(Clone)]
+pub struct RecurrentState {
+    /// The last K-1 conv inputs.
+    pub conv: Array,
+    /// The f32 delta-rule state.
+    pub state: Array,
+}
 
 /// State before a round, and the inputs fed during it.
 #[derive(Clone)]
 struct Round {
-    conv: Option<Array>,
-    state: Option<Array>,
+    before: Option<RecurrentState>,
     seen: usize,
     recurrence: Option<Recurrence>,
     /// (mixed_qkv, a, b) of each call in the round, in order.
@@ -21,8 +30,8 @@ struct Round {
 
 #[derive(Clone, Default)]
 pub struct RecurrentCache {
-    pub conv: Option<Array>,
-    pub state: Option<Array>,
+    /// None before the first token.
+    pub state: Option<RecurrentState>,
     /// Tokens folded into the state so far.
     pub seen: usize,
     round: Option<Round>,
@@ -31,16 +40,25 @@ pub struct RecurrentCache {
 impl RecurrentCache {
     /// A cache holding a saved state (a prompt cache file). The file does not record how many
     /// tokens the state absorbed; only attention layers' offsets matter for decoding.
-    pub fn from_state(conv: Option<Array>, state: Option<Array>) -> RecurrentCache {
+    pub fn from_state(state: Option<RecurrentState>) -> RecurrentCache {
         RecurrentCache {
-            conv,
             state,
             ..RecurrentCache::default()
         }
     }
 
     pub fn state(&self) -> Vec<&Array> {
-        self.conv.iter().chain(self.state.iter()).collect()
+        self.state
+            .iter()
+            .flat_map(|s| [&s.conv, &s.state])
+            .collect()
+    }
+
+    fn run(&mut self, recurrence: &Recurrence, qkv: &Array, a: &Array, b: &Array) -> Result<Array> {
+        let RecurrentStep { y, conv, state } = recurrence.run(self.state.as_ref(), qkv, a, b)?;
+        self.state = Some(RecurrentState { conv, state });
+        self.seen += qkv.dim(1) as usize;
+        Ok(y)
     }
 
     /// Feeds S tokens' projected inputs through `recurrence`, updates the state, and returns
@@ -52,22 +70,17 @@ impl RecurrentCache {
         a: &Array,
         b: &Array,
     ) -> Result<Array> {
-        let step = recurrence.run(self.conv.as_ref(), self.state.as_ref(), mixed_qkv, a, b)?;
         if let Some(round) = &mut self.round {
             round.recurrence.get_or_insert_with(|| recurrence.clone());
             round.inputs.push((mixed_qkv.clone(), a.clone(), b.clone()));
         }
-        self.conv = Some(step.conv);
-        self.state = Some(step.state);
-        self.seen += mixed_qkv.dim(1) as usize;
-        Ok(step.y)
+        self.run(recurrence, mixed_qkv, a, b)
     }
 
     /// Snapshots the state before a speculative round.
     pub fn begin_round(&mut self) {
         self.round = Some(Round {
-            conv: self.conv.clone(),
-            state: self.state.clone(),
+            before: self.state.clone(),
             seen: self.seen,
             recurrence: None,
             inputs: Vec::new(),
@@ -80,30 +93,26 @@ impl RecurrentCache {
         let round = self
             .round
             .take()
-            .ok_or_else(|| mlx::Error::Invalid("end_round without begin_round".into()))?;
+            .ok_or_else(|| contract("end_round without begin_round"))?;
         let fed = self.seen - round.seen;
         if reject > fed {
-            return Err(mlx::Error::Invalid(format!(
+            return Err(contract(format!(
                 "cannot reject {reject} of the {fed} tokens of the round"
             )));
         }
         if reject == 0 {
             return Ok(0);
         }
-        self.conv = round.conv;
-        self.state = round.state;
+        self.state = round.before;
         self.seen = round.seen;
         let keep = (fed - reject) as i32;
         if let (Some(rec), true) = (&round.recurrence, keep > 0) {
-            let cat = |pick: fn(&(Array, Array, Array)) -> &Array| -> Result<Array> {
+            let cat = |pick: fn(&(Array, Array, Array)) -> &Array| -> mlx::Result<Array> {
                 let parts: Vec<&Array> = round.inputs.iter().map(pick).collect();
                 ops::concatenate(&parts, 1)?.slice_axis(1, 0, keep)
             };
             let (qkv, a, b) = (cat(|i| &i.0)?, cat(|i| &i.1)?, cat(|i| &i.2)?);
-            let step = rec.run(self.conv.as_ref(), self.state.as_ref(), &qkv, &a, &b)?;
-            self.conv = Some(step.conv);
-            self.state = Some(step.state);
-            self.seen += keep as usize;
+            self.run(rec, &qkv, &a, &b)?;
         }
         Ok(reject)
     }

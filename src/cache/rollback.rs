@@ -1,11 +1,10 @@
-//! The rollback contract (DESIGN.md section 4). Before a speculative round the caller asks each
+//! The rollback contract (docs/DESIGN.md, "Caches and rollback"). Before a speculative round the caller asks each
 //! cache whether the round's tokens could be taken back; the answer is trim, snapshot + replay,
 //! or a refusal before the round — never a silent no-op after it (mlx-lm's trim_prompt_cache
 //! returns 0 and trims nothing once a sliding window has wrapped, mlx-lm #1914).
 
-use mlx::Result;
-
 use super::LayerCache;
+use crate::{error::contract, Result};
 
 /// How a cache would take back the rejected tail of a round.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,11 +44,10 @@ impl LayerCache {
     /// Closes the round keeping all but the last `reject` tokens appended during it. Fails —
     /// rather than leaving stale entries — when that cannot be done exactly.
     pub fn end_round(&mut self, reject: usize) -> Result<usize> {
-        let bad = |m: String| mlx::Error::Invalid(m);
         let checked = |start: Option<usize>, offset: usize| -> Result<()> {
-            let start = start.ok_or_else(|| bad("end_round without begin_round".into()))?;
+            let start = start.ok_or_else(|| contract("end_round without begin_round"))?;
             if reject > offset - start {
-                return Err(bad(format!(
+                return Err(contract(format!(
                     "cannot reject {reject} of the {} tokens of the round",
                     offset - start
                 )));
@@ -69,7 +67,7 @@ impl LayerCache {
                 let start = c.round_start.take();
                 checked(start, c.offset)?;
                 if reject > 0 && c.offset > c.max_size {
-                    return Err(bad(format!(
+                    return Err(contract(format!(
                         "the rotating cache wrapped during the round ({} tokens in a window of {}); \
                          its evicted entries cannot be restored",
                         c.offset, c.max_size

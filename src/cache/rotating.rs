@@ -2,16 +2,17 @@
 //! slots whose first `keep` slots are never overwritten. Multi-token updates re-order it in
 //! time and let it grow to `max_size - 1 + S` so every new query sees a full window.
 
-use mlx::{ops, Array, Dtype, Result};
+use mlx::{ops, Array, Dtype};
 
-use super::kv::{seq, write_seq};
+use super::kv::{seq, write_seq, zeros_like_steps};
 use super::mask::create_causal_mask;
 use super::{Mask, STEP};
+use crate::Result;
 
 #[derive(Clone)]
 pub struct RotatingKvCache {
-    pub(crate) keys: Option<Array>,
-    pub(crate) values: Option<Array>,
+    /// The (keys, values) ring buffers; None before the first update.
+    pub(crate) kv: Option<(Array, Array)>,
     /// Tokens seen in total.
     pub offset: usize,
     pub max_size: usize,
@@ -25,8 +26,7 @@ pub struct RotatingKvCache {
 impl RotatingKvCache {
     pub fn new(max_size: usize, keep: usize) -> RotatingKvCache {
         RotatingKvCache {
-            keys: None,
-            values: None,
+            kv: None,
             offset: 0,
             max_size,
             keep,
@@ -36,11 +36,11 @@ impl RotatingKvCache {
     }
 
     fn len(&self) -> usize {
-        self.keys.as_ref().map_or(0, |k| k.dim(2) as usize)
+        self.kv.as_ref().map_or(0, |(k, _)| k.dim(2) as usize)
     }
 
     /// `_trim`: keep the first `keep` slots, drop the next `trim_size`, append `append`.
-    fn trim_buffer(&self, trim_size: i32, v: &Array, append: Option<&Array>) -> Result<Array> {
+    fn trim_buffer(&self, trim_size: i32, v: &Array, append: Option<&Array>) -> mlx::Result<Array> {
         let keep = self.keep as i32;
         let mut parts = if trim_size > 0 {
             vec![seq(v, 0, keep)?, seq(v, trim_size + keep, v.dim(2))?]
@@ -54,7 +54,7 @@ impl RotatingKvCache {
     }
 
     /// `_temporal_order`: the buffer in time order, unused tail sliced off.
-    fn temporal_order(&self, v: &Array) -> Result<Array> {
+    fn temporal_order(&self, v: &Array) -> mlx::Result<Array> {
         let (idx, keep) = (self.idx as i32, self.keep as i32);
         let n = v.dim(2);
         if idx == n {
@@ -68,69 +68,64 @@ impl RotatingKvCache {
     }
 
     fn update_concat(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        match (self.keys.take(), self.values.take()) {
-            (Some(k), Some(v)) => {
+        let kv = match self.kv.take() {
+            Some((k, v)) => {
                 let k = self.temporal_order(&k)?;
                 let v = self.temporal_order(&v)?;
                 self.idx = k.dim(2) as usize;
                 let trim_size = self.idx as i32 - self.max_size as i32 + 1;
-                self.keys = Some(self.trim_buffer(trim_size, &k, Some(keys))?);
-                self.values = Some(self.trim_buffer(trim_size, &v, Some(values))?);
+                (
+                    self.trim_buffer(trim_size, &k, Some(keys))?,
+                    self.trim_buffer(trim_size, &v, Some(values))?,
+                )
             }
-            _ => {
-                self.keys = Some(keys.clone());
-                self.values = Some(values.clone());
-            }
-        }
+            None => (keys.clone(), values.clone()),
+        };
         self.offset += keys.dim(2) as usize;
-        self.idx = self.len();
-        Ok((self.keys.clone().unwrap(), self.values.clone().unwrap()))
+        self.idx = kv.0.dim(2) as usize;
+        self.kv = Some(kv.clone());
+        Ok(kv)
     }
 
     fn update_in_place(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        let ks = keys.shape();
-        let s = ks[2] as usize;
+        let s = keys.dim(2) as usize;
         let prev = self.offset;
-        if self.keys.is_none() || (prev >= self.len() && self.len() < self.max_size) {
+        if self.kv.is_none() || (prev >= self.len() && self.len() < self.max_size) {
             let new_size = (STEP as usize).min(self.max_size - prev) as i32;
-            let new_k = Array::zeros(&[ks[0], ks[1], new_size, ks[3]], keys.dtype())?;
-            let new_v = Array::zeros(&[ks[0], ks[1], new_size, values.dim(3)], values.dtype())?;
-            match (self.keys.take(), self.values.take()) {
-                (Some(k), Some(v)) => {
-                    self.keys = Some(ops::concatenate(&[&k, &new_k], 2)?);
-                    self.values = Some(ops::concatenate(&[&v, &new_v], 2)?);
-                }
-                _ => {
-                    self.keys = Some(new_k);
-                    self.values = Some(new_v);
-                }
-            }
+            let (new_k, new_v) = zeros_like_steps(keys, values, new_size)?;
+            self.kv = Some(match self.kv.take() {
+                Some((k, v)) => (
+                    ops::concatenate(&[&k, &new_k], 2)?,
+                    ops::concatenate(&[&v, &new_v], 2)?,
+                ),
+                None => (new_k, new_v),
+            });
             self.idx = prev;
         }
-        let trim_size = self.len() as i32 - self.max_size as i32;
+        let (mut k, mut v) = self.kv.take().expect("allocated above");
+        let trim_size = k.dim(2) - self.max_size as i32;
         if trim_size > 0 {
-            let (k, v) = (self.keys.take().unwrap(), self.values.take().unwrap());
-            self.keys = Some(self.trim_buffer(trim_size, &k, None)?);
-            self.values = Some(self.trim_buffer(trim_size, &v, None)?);
+            k = self.trim_buffer(trim_size, &k, None)?;
+            v = self.trim_buffer(trim_size, &v, None)?;
             self.idx = self.max_size;
         }
         if self.idx == self.max_size {
             self.idx = self.keep;
         }
-        let (k, v) = (self.keys.take().unwrap(), self.values.take().unwrap());
-        self.keys = Some(write_seq(&k, keys, self.idx as i32)?);
-        self.values = Some(write_seq(&v, values, self.idx as i32)?);
+        let (k, v) = (
+            write_seq(&k, keys, self.idx as i32)?,
+            write_seq(&v, values, self.idx as i32)?,
+        );
         self.offset += s;
         self.idx += s;
-        let (k, v) = (self.keys.as_ref().unwrap(), self.values.as_ref().unwrap());
-        if (self.offset as i32) < k.dim(2) {
-            Ok((
-                seq(k, 0, self.offset as i32)?,
-                seq(v, 0, self.offset as i32)?,
-            ))
+        let fetched = if (self.offset as i32) < k.dim(2) {
+            let n = self.offset as i32;
+            (seq(&k, 0, n)?, seq(&v, 0, n)?)
         } else {
-            Ok((k.clone(), v.clone()))
-        }
+            (k.clone(), v.clone())
+        };
+        self.kv = Some((k, v));
+        Ok(fetched)
     }
 
     pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
@@ -174,21 +169,19 @@ impl RotatingKvCache {
 
     /// Keys and values in temporal order, as a multi-token update would see them.
     pub fn temporal(&self) -> Result<Option<(Array, Array)>> {
-        match (&self.keys, &self.values) {
-            (Some(k), Some(v)) => {
-                let n = (self.offset as i32).min(k.dim(2));
-                let (k, v) = (self.temporal_order(k)?, self.temporal_order(v)?);
-                Ok(Some((
-                    seq(&k, 0, n.min(k.dim(2)))?,
-                    seq(&v, 0, n.min(v.dim(2)))?,
-                )))
-            }
-            _ => Ok(None),
-        }
+        let Some((k, v)) = &self.kv else {
+            return Ok(None);
+        };
+        let n = (self.offset as i32).min(k.dim(2));
+        let (k, v) = (self.temporal_order(k)?, self.temporal_order(v)?);
+        Ok(Some((
+            seq(&k, 0, n.min(k.dim(2)))?,
+            seq(&v, 0, n.min(v.dim(2)))?,
+        )))
     }
 
     pub fn state(&self) -> Vec<&Array> {
-        self.keys.iter().chain(self.values.iter()).collect()
+        self.kv.iter().flat_map(|(k, v)| [k, v]).collect()
     }
 
     /// Whether trimming is still exact: only before the buffer has wrapped.
@@ -206,7 +199,7 @@ impl RotatingKvCache {
 }
 
 /// `mx.roll(x, shift)` for a 1-D array.
-fn roll(x: &Array, shift: usize) -> Result<Array> {
+fn roll(x: &Array, shift: usize) -> mlx::Result<Array> {
     let n = x.dim(0) as usize;
     let shift = (shift % n) as i32;
     if shift == 0 {

@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Args;
-use verity::accept::run_suite;
-use verity::replay::Models;
-use verity_harness::accept::{Baseline, Suite};
+use verity::parity::acceptance::run_suite;
+use verity::parity::Models;
+use verity_harness::acceptance::{Baseline, Suite};
 use verity_harness::stats::{regressions, SpecStats, Tolerance};
 
 #[derive(Args)]

@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use verity::bundle::ModelBundle;
 use verity::cache::save_prompt_cache;
 use verity::generate::cache_prompt;
-use verity::replay::Loaded;
 
 use super::generate::CacheArgs;
 
@@ -34,7 +34,7 @@ pub struct CachePromptArgs {
 }
 
 pub fn cache_prompt_cmd(a: CachePromptArgs) -> anyhow::Result<ExitCode> {
-    let loaded = Loaded::load(&a.model)?;
+    let bundle = ModelBundle::load(&a.model)?;
     let tokens = match (&a.tokens, &a.prompt) {
         (Some(t), _) => t.clone(),
         (None, Some(p)) => {
@@ -45,16 +45,12 @@ pub fn cache_prompt_cmd(a: CachePromptArgs) -> anyhow::Result<ExitCode> {
                     .read_to_string(&mut text)
                     .context("reading the prompt from stdin")?;
             }
-            loaded.tokenizer.encode(&text, true)?
+            bundle.tokenizer.encode(&text, true)?
         }
         (None, None) => bail!("give --prompt or --tokens"),
     };
     let start = Instant::now();
-    let caches = cache_prompt(
-        loaded.model.model.as_ref(),
-        &tokens,
-        &a.cache.prompt_params()?,
-    )?;
+    let caches = cache_prompt(bundle.model(), &tokens, &a.cache.prompt_params()?)?;
     let metadata = BTreeMap::from([
         ("model".to_string(), a.model.display().to_string()),
         (

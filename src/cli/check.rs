@@ -8,7 +8,8 @@ use anyhow::{bail, Context};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use verity::replay::{self, Models};
+use verity::parity::replay;
+use verity::parity::Models;
 use verity_harness::compare::parity_on;
 use verity_harness::report::{divergence_report, suite_table, Counts};
 use verity_harness::trace::{find_traces, Trace};
@@ -104,10 +105,10 @@ fn run_traces(
     for trace in traces {
         bar.set_message(trace.id.clone());
         let outcome = match replay::replay(&trace, &mut models) {
-            Ok((run, loaded)) => {
+            Ok((run, bundle)) => {
                 let verdict = compare(&trace, &run, device.name());
                 let report = verdict.divergence().map(|_| {
-                    let decode = |ids: &[u32]| loaded.decode(ids);
+                    let decode = |ids: &[u32]| bundle.decode(ids);
                     divergence_report(&trace, &run, &verdict, device.name(), &decode)
                 });
                 Outcome {

@@ -1,7 +1,6 @@
 //! `verity generate`: mlx_lm.generate's flags and behaviour (chat template on by default, text
 //! streamed to stdout, speed and peak memory on stderr).
 
-use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -9,15 +8,15 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use serde_json::json;
-use verity::cache::{load_prompt_cache, KvQuantization};
-use verity::generate::{GenerateParams, GeneratedToken, Generation};
-use verity::grammar::{GrammarSpec, TokenEnv};
-use verity::replay::Loaded;
-use verity::spec::{
-    generate_speculative_constrained, Control, DraftModel, DraftSource, NgramLookup,
+use verity::bundle::ModelBundle;
+use verity::cache::{load_prompt_cache, KvQuantization, LayerCache};
+use verity::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
+use verity::grammar::{Constraint, Grammar};
+use verity::sample::{ProcessorParams, SamplerParams};
+use verity::speculative::{
+    generate_speculative, Control, DraftModel, DraftSource, NgramLookup, SpeculationStats,
 };
-use verity_harness::trace::{FinishReason, ProcessorParams, SamplerParams};
+use verity::tokenizer::{StreamingDetokenizer, UserTurn};
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -151,40 +150,49 @@ fn parse_bias(s: &str) -> Result<(u32, f64), String> {
 }
 
 pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
-    let loaded = Loaded::load(&a.model)?;
-    let mut text = a.prompt.clone();
+    let bundle = ModelBundle::load(&a.model)?;
+    let prompt = prompt_tokens(&a, &bundle)?;
+    let params = generate_params(&a, &bundle)?;
+    let constraint = a.grammar()?.map(|g| bundle.constraint(&g)).transpose()?;
+    let mut out = Printer::new(&bundle);
+    mlx::memory::reset_peak();
+    let stats = if a.draft_model.is_some() || a.draft_ngram {
+        speculate(&a, &bundle, &prompt, &params, constraint, &mut out)?
+    } else {
+        let caches = starting_caches(&a, &bundle, &params)?;
+        let generation = Generation::start(bundle.model(), caches, &prompt, &params, constraint)?;
+        for step in generation {
+            if out.emit(&step?) == Control::Stop {
+                break;
+            }
+        }
+        None
+    };
+    out.finish(prompt.len(), stats.as_ref())?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The prompt as mlx_lm.generate builds it: `-` reads standard input, the literal escapes \n
+/// and \t become a newline and a tab, and the chat template applies unless ignored.
+fn prompt_tokens(a: &GenerateArgs, bundle: &ModelBundle) -> anyhow::Result<Vec<u32>> {
+    let mut text = a.prompt.replace("\\n", "\n").replace("\\t", "\t");
     if text == "-" {
         text.clear();
         std::io::stdin()
             .read_to_string(&mut text)
             .context("reading the prompt from stdin")?;
     }
-    let tok = &loaded.tokenizer;
-    let use_chat = !a.ignore_chat_template && tok.has_chat_template();
-    let using_cache = a.prompt_cache_file.is_some();
-    let prompt = if use_chat {
-        let mut messages = Vec::new();
-        if let Some(system) = a.system_prompt.as_ref().filter(|_| !using_cache) {
-            messages.push(json!({"role": "system", "content": system}));
-        }
-        messages.push(json!({"role": "user", "content": text}));
-        let no_extra = serde_json::Map::new();
-        let mut rendered = tok.apply_chat_template(&messages, true, &no_extra)?;
-        if using_cache {
-            // As mlx_lm.generate: the cached prefix holds the conversation so far, so keep only
-            // what the template adds from this user turn on.
-            messages.last_mut().expect("a user message")["content"] = json!("<query>");
-            let marker = tok.apply_chat_template(&messages, true, &no_extra)?;
-            let start = marker
-                .find("<query>")
-                .expect("the template renders the message");
-            rendered = rendered[start..].to_string();
-        }
-        tok.encode(&rendered, false)?
-    } else {
-        tok.encode(&text, true)?
-    };
-    if a.cache.max_kv_size.is_some() && loaded.model.model.ignores_max_kv_size() {
+    Ok(bundle.tokenizer.encode_user_turn(&UserTurn {
+        text: &text,
+        system: a.system_prompt.as_deref(),
+        raw: a.ignore_chat_template,
+        continues_cache: a.prompt_cache_file.is_some(),
+    })?)
+}
+
+/// The request's parameters from the flags.
+fn generate_params(a: &GenerateArgs, bundle: &ModelBundle) -> anyhow::Result<GenerateParams> {
+    if a.cache.max_kv_size.is_some() && bundle.model().ignores_max_kv_size() {
         eprintln!(
             "note: this model builds its own caches; --max-kv-size is ignored (as in mlx-lm)"
         );
@@ -197,9 +205,10 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
         }
         (None, false) => None,
     };
-    let mut xtc_special_tokens = tok.encode("\n", false)?;
-    xtc_special_tokens.extend(&loaded.eos_token_ids);
-    let params = GenerateParams {
+    // mlx_lm.generate never lets XTC exclude a newline or an EOS token.
+    let mut xtc_special_tokens = bundle.tokenizer.encode("\n", false)?;
+    xtc_special_tokens.extend(&bundle.eos_token_ids);
+    Ok(GenerateParams {
         max_tokens: a.max_tokens,
         sampler: SamplerParams {
             temp: a.temp,
@@ -212,12 +221,7 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
             xtc_special_tokens,
         },
         processors: ProcessorParams {
-            logit_bias: (!a.logit_bias.is_empty()).then(|| {
-                a.logit_bias
-                    .iter()
-                    .map(|(id, b)| (id.to_string(), *b))
-                    .collect::<BTreeMap<_, _>>()
-            }),
+            logit_bias: a.logit_bias.clone(),
             repetition_penalty: a.repetition_penalty,
             repetition_context_size: a.repetition_context_size,
             presence_penalty: a.presence_penalty,
@@ -229,126 +233,154 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
         prefill_step_size: a.cache.prefill_step_size,
         max_kv_size: a.cache.max_kv_size,
         kv_quantization: a.cache.kv_quantization()?,
-        eos_token_ids: loaded.eos_token_ids.clone(),
-    };
+        eos_token_ids: bundle.eos_token_ids.clone(),
+    })
+}
 
-    mlx::memory::reset_peak();
-    let start = Instant::now();
-    let model = loaded.model.model.as_ref();
-    let mut detok = tok.detokenizer();
-    let mut stdout = std::io::stdout().lock();
-    let (mut first_token_at, mut count, mut finish) = (None, 0usize, None);
-    let mut printed: std::io::Result<()> = Ok(());
-    let mut emit = |step: &GeneratedToken| {
-        first_token_at.get_or_insert_with(Instant::now);
-        count += 1;
-        finish = step.finish;
-        if step.finish != Some(FinishReason::Stop) {
-            detok.add_token(step.token);
-            printed = write!(stdout, "{}", detok.take_segment()).and_then(|_| stdout.flush());
+impl GenerateArgs {
+    /// The output constraint the flags ask for, if any.
+    fn grammar(&self) -> anyhow::Result<Option<Grammar>> {
+        Ok(match (&self.json_schema, &self.regex, &self.grammar) {
+            (Some(f), _, _) => Some(Grammar::json_schema_file(f)?),
+            (_, Some(r), _) => Some(Grammar::Regex(r.clone())),
+            (_, _, Some(f)) => Some(Grammar::lark_file(f)?),
+            _ if !self.choice.is_empty() => Some(Grammar::Choice(self.choice.clone())),
+            _ => None,
+        })
+    }
+}
+
+/// The caches generation starts from: a prompt cache file's, or fresh ones.
+fn starting_caches(
+    a: &GenerateArgs,
+    bundle: &ModelBundle,
+    params: &GenerateParams,
+) -> anyhow::Result<Vec<LayerCache>> {
+    let model = bundle.model();
+    let Some(file) = &a.prompt_cache_file else {
+        return Ok(model.make_cache(params.max_kv_size));
+    };
+    let (caches, _) = load_prompt_cache(file)?;
+    if caches.len() != model.num_layers() {
+        bail!(
+            "{}: {} cache layers, the model has {}",
+            file.display(),
+            caches.len(),
+            model.num_layers()
+        );
+    }
+    Ok(caches)
+}
+
+/// Speculative decoding with the draft model or n-gram lookup the flags name.
+fn speculate(
+    a: &GenerateArgs,
+    bundle: &ModelBundle,
+    prompt: &[u32],
+    params: &GenerateParams,
+    constraint: Option<Constraint>,
+    out: &mut Printer,
+) -> anyhow::Result<Option<SpeculationStats>> {
+    anyhow::ensure!(
+        a.prompt_cache_file.is_none(),
+        "speculative decoding from a prompt cache file is not supported"
+    );
+    let draft = a
+        .draft_model
+        .as_deref()
+        .map(ModelBundle::load)
+        .transpose()?;
+    let mut source: Box<dyn DraftSource> = match &draft {
+        Some(d) => Box::new(DraftModel::new(d.model())),
+        None => Box::new(NgramLookup::new(a.ngram_min, a.ngram_max)),
+    };
+    let mut emit = |step: &GeneratedToken| out.emit(step);
+    let (stats, _) = generate_speculative(
+        bundle.model(),
+        source.as_mut(),
+        prompt,
+        params,
+        a.num_draft_tokens,
+        constraint,
+        &mut emit,
+    )?;
+    Ok(Some(stats))
+}
+
+/// Streams text to stdout as mlx_lm.generate does and reports speed, acceptance and peak
+/// memory on stderr.
+struct Printer {
+    detok: StreamingDetokenizer,
+    start: Instant,
+    first_token_at: Option<Instant>,
+    count: usize,
+    finish: Option<FinishReason>,
+    printed: std::io::Result<()>,
+}
+
+impl Printer {
+    fn new(bundle: &ModelBundle) -> Printer {
+        Printer {
+            detok: bundle.tokenizer.detokenizer(),
+            start: Instant::now(),
+            first_token_at: None,
+            count: 0,
+            finish: None,
+            printed: Ok(()),
         }
-        if printed.is_ok() {
+    }
+
+    /// Prints a token's text (a stopping EOS prints nothing, as in mlx-lm); stops the
+    /// generation when stdout is gone.
+    fn emit(&mut self, step: &GeneratedToken) -> Control {
+        self.first_token_at.get_or_insert_with(Instant::now);
+        self.count += 1;
+        self.finish = step.finish;
+        if step.finish != Some(FinishReason::Stop) {
+            self.detok.add_token(step.token);
+            let mut stdout = std::io::stdout().lock();
+            self.printed =
+                write!(stdout, "{}", self.detok.take_segment()).and_then(|_| stdout.flush());
+        }
+        if self.printed.is_ok() {
             Control::Continue
         } else {
             Control::Stop
         }
-    };
-    let spec = match (&a.json_schema, &a.regex, &a.grammar) {
-        (Some(f), _, _) => Some(GrammarSpec::json_schema_file(f)?),
-        (_, Some(r), _) => Some(GrammarSpec::Regex(r.clone())),
-        (_, _, Some(f)) => Some(GrammarSpec::lark_file(f)?),
-        _ if !a.choice.is_empty() => Some(GrammarSpec::Choice(a.choice.clone())),
-        _ => None,
-    };
-    let constraint = match &spec {
-        Some(spec) => {
-            let eos = tok
-                .eos_token_id()
-                .or_else(|| loaded.eos_token_ids.first().copied())
-                .unwrap_or(0);
-            let env = TokenEnv::from_dir(&a.model, eos, model.vocab_size())?;
-            Some(env.constraint(spec, &loaded.eos_token_ids)?)
-        }
-        None => None,
-    };
-    let draft = a.draft_model.as_deref().map(Loaded::load).transpose()?;
-    let stats = if draft.is_some() || a.draft_ngram {
-        anyhow::ensure!(
-            a.prompt_cache_file.is_none(),
-            "speculative decoding from a prompt cache file is not supported"
-        );
-        let mut source: Box<dyn DraftSource> = match &draft {
-            Some(d) => Box::new(DraftModel::new(d.model.model.as_ref())),
-            None => Box::new(NgramLookup::new(a.ngram_min, a.ngram_max)),
-        };
-        Some(
-            generate_speculative_constrained(
-                model,
-                source.as_mut(),
-                &prompt,
-                &params,
-                a.num_draft_tokens,
-                constraint,
-                &mut emit,
-            )?
-            .0,
-        )
-    } else {
-        let generation = match &a.prompt_cache_file {
-            Some(file) => {
-                let (caches, _) = load_prompt_cache(file)?;
-                if caches.len() != model.num_layers() {
-                    bail!(
-                        "{}: {} cache layers, the model has {}",
-                        file.display(),
-                        caches.len(),
-                        model.num_layers()
-                    );
-                }
-                Generation::start(model, caches, &prompt, &params, constraint)?
-            }
-            None => {
-                let caches = model.make_cache(params.max_kv_size);
-                Generation::start(model, caches, &prompt, &params, constraint)?
-            }
-        };
-        for step in generation {
-            if emit(&step?) == Control::Stop {
-                break;
-            }
-        }
-        None
-    };
-    printed?;
-    writeln!(stdout, "{}", detok.finalize())?;
-    let first = first_token_at.unwrap_or_else(Instant::now);
-    let prompt_secs = (first - start).as_secs_f64();
-    let gen_secs = first.elapsed().as_secs_f64();
-    eprintln!("==========");
-    eprintln!(
-        "Prompt: {} tokens, {:.3} tokens-per-sec",
-        prompt.len(),
-        prompt.len() as f64 / prompt_secs.max(1e-9)
-    );
-    eprintln!(
-        "Generation: {count} tokens, {:.3} tokens-per-sec",
-        count as f64 / gen_secs.max(1e-9)
-    );
-    if let Some(s) = stats {
-        eprintln!(
-            "Speculation: {} rounds, {}/{} drafts accepted ({:.3}), {:.3} tokens per target forward, {} refused rounds",
-            s.rounds,
-            s.accepted,
-            s.drafted,
-            s.acceptance_rate(),
-            s.tokens_per_forward(),
-            s.refused_rounds
-        );
     }
-    eprintln!(
-        "Finish: {}",
-        finish.map_or("none".into(), |f| f.to_string())
-    );
-    eprintln!("Peak memory: {:.3} GB", mlx::memory::peak() as f64 / 1e9);
-    Ok(ExitCode::SUCCESS)
+
+    fn finish(mut self, prompt_len: usize, stats: Option<&SpeculationStats>) -> anyhow::Result<()> {
+        std::mem::replace(&mut self.printed, Ok(()))?;
+        println!("{}", self.detok.finalize());
+        let first = self.first_token_at.unwrap_or_else(Instant::now);
+        let prompt_secs = (first - self.start).as_secs_f64();
+        let gen_secs = first.elapsed().as_secs_f64();
+        eprintln!("==========");
+        eprintln!(
+            "Prompt: {prompt_len} tokens, {:.3} tokens-per-sec",
+            prompt_len as f64 / prompt_secs.max(1e-9)
+        );
+        eprintln!(
+            "Generation: {} tokens, {:.3} tokens-per-sec",
+            self.count,
+            self.count as f64 / gen_secs.max(1e-9)
+        );
+        if let Some(s) = stats {
+            eprintln!(
+                "Speculation: {} rounds, {}/{} drafts accepted ({:.3}), {:.3} tokens per target forward, {} refused rounds",
+                s.rounds,
+                s.accepted,
+                s.drafted,
+                s.acceptance_rate(),
+                s.tokens_per_forward(),
+                s.refused_rounds
+            );
+        }
+        eprintln!(
+            "Finish: {}",
+            self.finish.map_or("none".into(), |f| f.to_string())
+        );
+        eprintln!("Peak memory: {:.3} GB", mlx::memory::peak() as f64 / 1e9);
+        Ok(())
+    }
 }

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use verity::grammar::corpus::{run_schema, CorpusModel, SchemaOutcome, Timings};
+use verity::parity::corpus::{run_schema, CorpusModel, SchemaOutcome, Timings};
 
 #[derive(Args)]
 pub struct CorpusArgs {
@@ -23,7 +23,7 @@ pub struct CorpusArgs {
     /// Write the expected outcome instead of diffing.
     #[arg(long)]
     write_expected: bool,
-    #[arg(long, default_value_t = verity::grammar::corpus::MAX_TOKENS)]
+    #[arg(long, default_value_t = verity::parity::corpus::MAX_TOKENS)]
     max_tokens: usize,
 }
 

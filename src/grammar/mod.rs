@@ -2,9 +2,6 @@
 //! choice list becomes a [`Constraint`] that masks the logits at every step. EOS is allowed
 //! only where the grammar may end, and a finished grammar is never asked for a mask.
 
-pub mod bound;
-pub mod corpus;
-
 use std::path::Path;
 use std::sync::Arc;
 
@@ -32,7 +29,7 @@ pub enum GrammarError {
 
 /// What output must match.
 #[derive(Clone, Debug)]
-pub enum GrammarSpec {
+pub enum Grammar {
     JsonSchema(Value),
     Regex(String),
     Lark(String),
@@ -51,45 +48,45 @@ fn compact_json(mut schema: Value) -> Value {
     schema
 }
 
-impl GrammarSpec {
+impl Grammar {
     /// Reads a JSON schema file.
-    pub fn json_schema_file(path: &Path) -> Result<GrammarSpec, GrammarError> {
+    pub fn json_schema_file(path: &Path) -> Result<Grammar, GrammarError> {
         let bad = |message: String| GrammarError::Compile {
             kind: "JSON schema",
             message: format!("{}: {message}", path.display()),
         };
         let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
-        Ok(GrammarSpec::JsonSchema(
+        Ok(Grammar::JsonSchema(
             serde_json::from_str(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?,
         ))
     }
 
     /// Reads a Lark grammar file.
-    pub fn lark_file(path: &Path) -> Result<GrammarSpec, GrammarError> {
+    pub fn lark_file(path: &Path) -> Result<Grammar, GrammarError> {
         let text = std::fs::read_to_string(path).map_err(|e| GrammarError::Compile {
             kind: "Lark grammar",
             message: format!("{}: {e}", path.display()),
         })?;
-        Ok(GrammarSpec::Lark(text))
+        Ok(Grammar::Lark(text))
     }
 
     fn kind(&self) -> &'static str {
         match self {
-            GrammarSpec::JsonSchema(_) => "JSON schema",
-            GrammarSpec::Regex(_) => "regex",
-            GrammarSpec::Lark(_) => "Lark grammar",
-            GrammarSpec::Choice(_) => "choice list",
+            Grammar::JsonSchema(_) => "JSON schema",
+            Grammar::Regex(_) => "regex",
+            Grammar::Lark(_) => "Lark grammar",
+            Grammar::Choice(_) => "choice list",
         }
     }
 
     fn to_llguidance(&self) -> TopLevelGrammar {
         match self {
-            GrammarSpec::JsonSchema(schema) => {
+            Grammar::JsonSchema(schema) => {
                 TopLevelGrammar::from_json_schema(compact_json(schema.clone()))
             }
-            GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
-            GrammarSpec::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
-            GrammarSpec::Choice(options) => {
+            Grammar::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            Grammar::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            Grammar::Choice(options) => {
                 // Lark string literals take JSON string escapes.
                 let alternatives: Vec<String> = options
                     .iter()
@@ -101,8 +98,8 @@ impl GrammarSpec {
     }
 }
 
-/// llguidance's view of a tokenizer: every token's bytes in a trie, built from tokenizer.json
-/// (with our own tokenizers build for arbitrary text, so no second tokenizers version is
+/// llguidance's view of a tokenizer: every token's bytes in a trie, built from the loaded
+/// tokenizer (whose own encoder tokenizes arbitrary text, so no second tokenizers version is
 /// compiled), and the parser factory over it. Shared by every constraint of a model.
 #[derive(Clone)]
 pub struct TokenEnv {
@@ -128,22 +125,25 @@ impl TokenizerEnv for Env {
 }
 
 impl TokenEnv {
-    /// Builds the environment for the tokenizer in `dir`; `eos` is the tokenizer's EOS token and
-    /// `model_vocab` the width of the model's logits (the mask width).
-    pub fn from_dir(dir: &Path, eos: u32, model_vocab: usize) -> Result<TokenEnv, GrammarError> {
-        let path = dir.join("tokenizer.json");
+    /// Builds the environment over `tokenizer`; `eos` is its EOS token and `model_vocab` the
+    /// width of the model's logits (the mask width).
+    pub fn new(
+        tokenizer: &Tokenizer,
+        eos: u32,
+        model_vocab: usize,
+    ) -> Result<TokenEnv, GrammarError> {
         let bad = |message: String| GrammarError::Tokenizer {
-            path: path.display().to_string(),
+            path: tokenizer.dir().join("tokenizer.json").display().to_string(),
             message,
         };
-        let json: Value =
-            serde_json::from_slice(&std::fs::read(&path).map_err(|e| bad(e.to_string()))?)
-                .map_err(|e| bad(e.to_string()))?;
+        let json = tokenizer.to_json().map_err(|e| bad(e.to_string()))?;
         let words =
             llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| bad(e.to_string()))?;
         let trie = TokTrie::from(&TokRxInfo::new(words.len() as u32, eos), &words);
-        let tokenizer = Tokenizer::from_dir(dir).map_err(|e| bad(e.to_string()))?;
-        let env: TokEnv = Arc::new(Env { trie, tokenizer });
+        let env: TokEnv = Arc::new(Env {
+            trie,
+            tokenizer: tokenizer.clone(),
+        });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| bad(e.to_string()))?;
         factory.quiet();
         Ok(TokenEnv {
@@ -152,13 +152,13 @@ impl TokenEnv {
         })
     }
 
-    /// Compiles `spec` into a fresh constraint; `eos` are all the model's EOS ids.
-    pub fn constraint(&self, spec: &GrammarSpec, eos: &[u32]) -> Result<Constraint, GrammarError> {
+    /// Compiles `grammar` into a fresh constraint; `eos` are all the model's EOS ids.
+    pub fn constraint(&self, grammar: &Grammar, eos: &[u32]) -> Result<Constraint, GrammarError> {
         let parser = self
             .factory
-            .create_parser(spec.to_llguidance())
+            .create_parser(grammar.to_llguidance())
             .map_err(|e| GrammarError::Compile {
-                kind: spec.kind(),
+                kind: grammar.kind(),
                 message: e.to_string(),
             })?;
         let matcher = Matcher::new(Ok(parser));

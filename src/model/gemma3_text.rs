@@ -2,87 +2,58 @@
 //! global), Gemma's `1 + weight` RMSNorms around attention and MLP, a GELU MLP, and the input
 //! embedding scaled by sqrt(hidden) rounded to bf16.
 
-use mlx::{Array, Dtype, Result};
+use mlx::{Array, Dtype};
 use serde::Deserialize;
 use serde_json::Value;
 
 use super::layers::{
-    Activation, Attention, Embedding, GatedMlp, Head, Linear, QkNorm, RmsNorm, Rope, Taps,
+    Activation, Attention, Embedding, GatedMlp, Head, Linear, OuterLayers, QkNorm, RmsNorm, Rope,
+    Taps,
 };
 use super::{Forward, LanguageModel};
 use crate::cache::{KvCache, LayerCache, Mask, RotatingKvCache};
 use crate::load::{Config, LoadError, QuantConfig, Weights};
+use crate::Result;
 
 #[derive(Deserialize)]
+#[serde(default)]
 struct Args {
-    #[serde(default = "d_hidden")]
     hidden_size: i32,
-    #[serde(default = "d_layers")]
     num_hidden_layers: usize,
-    #[serde(default = "d_intermediate")]
     intermediate_size: i32,
-    #[serde(default = "d_heads")]
     num_attention_heads: i32,
-    #[serde(default = "d_head_dim")]
     head_dim: i32,
-    #[serde(default = "d_eps")]
     rms_norm_eps: f64,
-    #[serde(default = "d_vocab")]
     vocab_size: i32,
-    #[serde(default = "d_kv_heads")]
     num_key_value_heads: i32,
-    #[serde(default = "d_rope_theta")]
     rope_theta: f64,
-    #[serde(default = "d_rope_local")]
     rope_local_base_freq: f64,
-    #[serde(default = "d_query_scalar")]
     query_pre_attn_scalar: f64,
-    #[serde(default = "d_window")]
     sliding_window: usize,
-    #[serde(default = "d_pattern")]
     sliding_window_pattern: usize,
     rope_scaling: Option<Value>,
 }
 
-// The Python dataclass defaults (gemma3_text.ModelArgs).
-fn d_hidden() -> i32 {
-    1152
-}
-fn d_layers() -> usize {
-    26
-}
-fn d_intermediate() -> i32 {
-    6912
-}
-fn d_heads() -> i32 {
-    4
-}
-fn d_head_dim() -> i32 {
-    256
-}
-fn d_eps() -> f64 {
-    1.0e-6
-}
-fn d_vocab() -> i32 {
-    262144
-}
-fn d_kv_heads() -> i32 {
-    1
-}
-fn d_rope_theta() -> f64 {
-    1_000_000.0
-}
-fn d_rope_local() -> f64 {
-    10_000.0
-}
-fn d_query_scalar() -> f64 {
-    256.0
-}
-fn d_window() -> usize {
-    512
-}
-fn d_pattern() -> usize {
-    6
+/// The Python dataclass defaults (gemma3_text.ModelArgs).
+impl Default for Args {
+    fn default() -> Args {
+        Args {
+            hidden_size: 1152,
+            num_hidden_layers: 26,
+            intermediate_size: 6912,
+            num_attention_heads: 4,
+            head_dim: 256,
+            rms_norm_eps: 1.0e-6,
+            vocab_size: 262144,
+            num_key_value_heads: 1,
+            rope_theta: 1_000_000.0,
+            rope_local_base_freq: 10_000.0,
+            query_pre_attn_scalar: 256.0,
+            sliding_window: 512,
+            sliding_window_pattern: 6,
+            rope_scaling: None,
+        }
+    }
 }
 
 struct Block {
@@ -96,7 +67,7 @@ struct Block {
 
 /// The compiled `clip_residual`: a plain sum, except that float16 sums are formed in f32 and
 /// clipped to the float16 range.
-fn clip_residual(x: &Array, y: &Array) -> Result<Array> {
+fn clip_residual(x: &Array, y: &Array) -> mlx::Result<Array> {
     if x.dtype() != Dtype::Float16 {
         return x.add(y);
     }
@@ -114,15 +85,16 @@ impl Block {
         let r = self
             .mlp
             .forward(&self.pre_feedforward_layernorm.forward(&h)?)?;
-        clip_residual(&h, &self.post_feedforward_layernorm.forward(&r)?)
+        Ok(clip_residual(
+            &h,
+            &self.post_feedforward_layernorm.forward(&r)?,
+        )?)
     }
 }
 
 pub struct Model {
-    embed_tokens: Embedding,
+    outer: OuterLayers,
     layers: Vec<Block>,
-    norm: RmsNorm,
-    head: Head,
     embed_scale: f32,
     window: usize,
     pattern: usize,
@@ -202,9 +174,17 @@ impl Model {
         // Python rounds `hidden_size**0.5` to bf16 (mx.array(.., mx.bfloat16)) at every call.
         let embed_scale = (a.hidden_size as f64).sqrt() as f32;
         Ok(Model {
-            embed_tokens: Embedding::load(w, q, "model.embed_tokens", a.vocab_size, a.hidden_size)?,
-            norm: RmsNorm::load_offset(w, "model.norm", a.hidden_size, eps)?,
-            head,
+            outer: OuterLayers {
+                embed_tokens: Embedding::load(
+                    w,
+                    q,
+                    "model.embed_tokens",
+                    a.vocab_size,
+                    a.hidden_size,
+                )?,
+                norm: RmsNorm::load_offset(w, "model.norm", a.hidden_size, eps)?,
+                head,
+            },
             layers,
             embed_scale,
             window: a.sliding_window,
@@ -224,7 +204,7 @@ impl LanguageModel for Model {
         caches: &mut [LayerCache],
         taps: &[usize],
     ) -> Result<Forward> {
-        let h = self.embed_tokens.forward(inputs)?;
+        let h = self.outer.embed_tokens.forward(inputs)?;
         let scale = Array::scalar(self.embed_scale, Dtype::Bfloat16)?.astype(h.dtype())?;
         let mut h = h.multiply(&scale)?;
         let n = h.dim(1) as usize;
@@ -234,7 +214,7 @@ impl LanguageModel for Model {
         } else {
             Mask::None
         };
-        let mut taps = Taps::new(taps);
+        let mut taps = Taps::new(taps, self.layers.len());
         for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
             let mask = if self.is_global(i) {
                 &global_mask
@@ -244,12 +224,7 @@ impl LanguageModel for Model {
             h = layer.forward(&h, mask, cache)?;
             taps.capture(i, &h);
         }
-        let h = self.norm.forward(&h)?;
-        taps.capture(self.layers.len(), &h);
-        Ok(Forward {
-            logits: self.head.logits(&self.embed_tokens, &h)?,
-            hidden: taps.into_hidden(),
-        })
+        self.outer.finish(&h, taps)
     }
 
     fn make_cache(&self, _max_kv_size: Option<usize>) -> Vec<LayerCache> {
@@ -265,7 +240,7 @@ impl LanguageModel for Model {
     }
 
     fn vocab_size(&self) -> usize {
-        self.embed_tokens.vocab()
+        self.outer.vocab()
     }
 
     fn num_layers(&self) -> usize {

@@ -5,7 +5,8 @@ use mlx::fast::{self, RopeFreqs};
 use mlx::{compiled, ops, Array, Dtype, Result};
 use serde_json::Value;
 
-use crate::cache::{KeysValues, LayerCache, Mask};
+use super::Forward;
+use crate::cache::{KeysValues, LayerCache, Mask, Packed3};
 use crate::load::{LoadError, QuantConfig, QuantParams, Weights};
 
 /// A quantized weight: packed values plus per-group scales (and biases in affine mode).
@@ -17,28 +18,15 @@ struct Packed {
 }
 
 impl Packed {
-    fn load(
-        w: &mut Weights,
-        path: &str,
-        params: QuantParams,
-    ) -> std::result::Result<Packed, LoadError> {
-        Ok(Packed {
-            weight: w.take(&format!("{path}.weight"))?,
-            scales: w.take(&format!("{path}.scales"))?,
-            biases: w.take_optional(&format!("{path}.biases")),
-            params,
-        })
-    }
-
-    /// `mx.quantized_matmul(x, w, scales, biases, transpose, group_size, bits, mode)`.
-    fn matmul(&self, x: &Array, transpose: bool) -> Result<Array> {
+    /// `mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits, mode)`.
+    fn matmul(&self, x: &Array) -> Result<Array> {
         let p = &self.params;
         ops::quantized_matmul(
             x,
             &self.weight,
             &self.scales,
             self.biases.as_ref(),
-            transpose,
+            true,
             p.group_size,
             p.bits,
             &p.mode,
@@ -46,10 +34,45 @@ impl Packed {
     }
 }
 
+/// A (rows x cols) weight matrix as stored: dense, or packed by mlx-lm's quantization.
+enum Weight {
+    Dense(Array),
+    Packed(Packed),
+}
+
+impl Weight {
+    /// Loads `<path>.weight` (rows x cols), or its packed form when the quantization config
+    /// says the module at `path` is quantized.
+    fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        rows: i32,
+        cols: i32,
+    ) -> std::result::Result<Weight, LoadError> {
+        Ok(match q.for_module(path, cols, w)? {
+            Some(params) => Weight::Packed(Packed {
+                weight: w.take(&format!("{path}.weight"))?,
+                scales: w.take(&format!("{path}.scales"))?,
+                biases: w.take_optional(&format!("{path}.biases")),
+                params,
+            }),
+            None => Weight::Dense(w.take_shaped(&format!("{path}.weight"), &[rows, cols])?),
+        })
+    }
+
+    /// `x @ weight.T`.
+    fn matmul_t(&self, x: &Array) -> Result<Array> {
+        match self {
+            Weight::Dense(w) => x.matmul(&w.transpose(&[])?),
+            Weight::Packed(p) => p.matmul(x),
+        }
+    }
+}
+
 /// mlx.nn.Linear / QuantizedLinear.
 pub struct Linear {
-    dense: Option<Array>,
-    packed: Option<Packed>,
+    weight: Weight,
     bias: Option<Array>,
 }
 
@@ -63,48 +86,27 @@ impl Linear {
         out_dims: i32,
         bias: bool,
     ) -> std::result::Result<Linear, LoadError> {
-        let (dense, packed) = match q.for_module(path, in_dims, w)? {
-            Some(params) => (None, Some(Packed::load(w, path, params)?)),
-            None => (
-                Some(w.take_shaped(&format!("{path}.weight"), &[out_dims, in_dims])?),
-                None,
-            ),
-        };
+        let weight = Weight::load(w, q, path, out_dims, in_dims)?;
         let bias = if bias {
             Some(w.take_shaped(&format!("{path}.bias"), &[out_dims])?)
         } else {
             None
         };
-        Ok(Linear {
-            dense,
-            packed,
-            bias,
-        })
+        Ok(Linear { weight, bias })
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        if let Some(p) = &self.packed {
-            let y = p.matmul(x, true)?;
-            return match &self.bias {
-                Some(b) => y.add(b),
-                None => Ok(y),
-            };
-        }
-        let w = self
-            .dense
-            .as_ref()
-            .expect("a linear layer is dense or packed");
-        match &self.bias {
-            Some(b) => ops::addmm(b, x, &w.transpose(&[])?, 1.0, 1.0),
-            None => x.matmul(&w.transpose(&[])?),
-        }
+        Ok(match (&self.weight, &self.bias) {
+            (Weight::Dense(w), Some(b)) => ops::addmm(b, x, &w.transpose(&[])?, 1.0, 1.0)?,
+            (Weight::Packed(p), Some(b)) => p.matmul(x)?.add(b)?,
+            (weight, None) => weight.matmul_t(x)?,
+        })
     }
 }
 
 /// mlx.nn.Embedding / QuantizedEmbedding, including `as_linear` for tied output heads.
 pub struct Embedding {
-    dense: Option<Array>,
-    packed: Option<Packed>,
+    table: Weight,
 }
 
 impl Embedding {
@@ -115,56 +117,41 @@ impl Embedding {
         vocab: i32,
         dims: i32,
     ) -> std::result::Result<Embedding, LoadError> {
-        Ok(match q.for_module(path, dims, w)? {
-            Some(params) => Embedding {
-                dense: None,
-                packed: Some(Packed::load(w, path, params)?),
-            },
-            None => Embedding {
-                dense: Some(w.take_shaped(&format!("{path}.weight"), &[vocab, dims])?),
-                packed: None,
-            },
+        Ok(Embedding {
+            table: Weight::load(w, q, path, vocab, dims)?,
         })
     }
 
     /// Rows in the table: the vocabulary size.
     pub fn vocab(&self) -> usize {
-        match (&self.dense, &self.packed) {
-            (Some(w), _) => w.dim(0) as usize,
-            (None, Some(p)) => p.weight.dim(0) as usize,
-            (None, None) => 0,
+        match &self.table {
+            Weight::Dense(w) => w.dim(0) as usize,
+            Weight::Packed(p) => p.weight.dim(0) as usize,
         }
     }
 
     /// `weight[ids]` (dequantizing the gathered rows when packed).
     pub fn forward(&self, ids: &Array) -> Result<Array> {
-        if let Some(p) = &self.packed {
-            let biases = p.biases.as_ref().map(|b| b.take(ids, 0)).transpose()?;
-            let q = &p.params;
-            return ops::dequantize(
-                &p.weight.take(ids, 0)?,
-                &p.scales.take(ids, 0)?,
-                biases.as_ref(),
-                q.group_size,
-                q.bits,
-                &q.mode,
-            );
-        }
-        self.dense.as_ref().expect("dense or packed").take(ids, 0)
+        Ok(match &self.table {
+            Weight::Dense(w) => w.take(ids, 0)?,
+            Weight::Packed(p) => {
+                let biases = p.biases.as_ref().map(|b| b.take(ids, 0)).transpose()?;
+                let q = &p.params;
+                ops::dequantize(
+                    &p.weight.take(ids, 0)?,
+                    &p.scales.take(ids, 0)?,
+                    biases.as_ref(),
+                    q.group_size,
+                    q.bits,
+                    &q.mode,
+                )?
+            }
+        })
     }
 
     /// `x @ weight.T`: the embedding used as the output projection.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
-        if let Some(p) = &self.packed {
-            return p.matmul(x, true);
-        }
-        x.matmul(
-            &self
-                .dense
-                .as_ref()
-                .expect("dense or packed")
-                .transpose(&[])?,
-        )
+        self.table.matmul_t(x)
     }
 }
 
@@ -296,7 +283,7 @@ pub struct Attention {
 }
 
 impl Attention {
-    pub fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
+    pub fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> crate::Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
         let heads = |y: Array, n: i32| y.reshape(&[b, l, n, -1]);
         let (mut q, mut k) = (
@@ -319,8 +306,9 @@ impl Attention {
         let k = self.rope.forward(&k, offset)?;
         let kv = cache.update_and_fetch(&k, &v)?;
         let out = attend(&q, &kv, self.scale, mask)?;
-        self.o_proj
-            .forward(&out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)
+        Ok(self
+            .o_proj
+            .forward(&out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?)
     }
 }
 
@@ -343,8 +331,8 @@ pub fn attend(q: &Array, kv: &KeysValues, scale: f32, mask: &Mask) -> Result<Arr
 /// models/base.py quantized_scaled_dot_product_attention, op for op.
 fn quantized_attention(
     queries: &Array,
-    keys: &[Array; 3],
-    values: &[Array; 3],
+    keys: &Packed3,
+    values: &Packed3,
     scale: f32,
     mask: &Mask,
     group_size: i32,
@@ -355,7 +343,7 @@ fn quantized_attention(
     let n_kv_heads = keys[0].dim(-3);
     let n_repeats = n_q_heads / n_kv_heads;
     let mut q = queries.multiply_scalar(scale)?;
-    let expand = |t: &[Array; 3]| -> Result<[Array; 3]> {
+    let expand = |t: &Packed3| -> Result<Packed3> {
         Ok([
             t[0].expand_dims(&[-3])?,
             t[1].expand_dims(&[-3])?,
@@ -368,7 +356,7 @@ fn quantized_attention(
     } else {
         (keys.clone(), values.clone())
     };
-    let qmm = |x: &Array, t: &[Array; 3], transpose: bool| {
+    let qmm = |x: &Array, t: &Packed3, transpose: bool| {
         ops::quantized_matmul(
             x,
             &t[0],
@@ -475,12 +463,32 @@ pub enum Head {
     Separate(Linear),
 }
 
-impl Head {
-    pub fn logits(&self, embed_tokens: &Embedding, h: &Array) -> Result<Array> {
-        match self {
-            Head::Tied => embed_tokens.as_linear(h),
-            Head::Separate(lm_head) => lm_head.forward(h),
-        }
+/// What every decoder here has around its layers: the token embedding, the final norm, and the
+/// output head.
+pub struct OuterLayers {
+    pub embed_tokens: Embedding,
+    pub norm: RmsNorm,
+    pub head: Head,
+}
+
+impl OuterLayers {
+    /// Rows of the embedding: the width of the logits.
+    pub fn vocab(&self) -> usize {
+        self.embed_tokens.vocab()
+    }
+
+    /// The final norm over the last layer's output `h`, the final tap, and the logits.
+    pub fn finish(&self, h: &Array, mut taps: Taps<'_>) -> crate::Result<Forward> {
+        let h = self.norm.forward(h)?;
+        taps.capture(taps.final_index, &h);
+        let logits = match &self.head {
+            Head::Tied => self.embed_tokens.as_linear(&h)?,
+            Head::Separate(lm_head) => lm_head.forward(&h)?,
+        };
+        Ok(Forward {
+            logits,
+            hidden: taps.into_hidden(),
+        })
     }
 }
 
@@ -489,13 +497,16 @@ impl Head {
 pub struct Taps<'a> {
     wanted: &'a [usize],
     got: Vec<Option<Array>>,
+    /// The tap index of the final normed state (the layer count).
+    final_index: usize,
 }
 
 impl<'a> Taps<'a> {
-    pub fn new(wanted: &'a [usize]) -> Taps<'a> {
+    pub fn new(wanted: &'a [usize], layers: usize) -> Taps<'a> {
         Taps {
             wanted,
             got: vec![None; wanted.len()],
+            final_index: layers,
         }
     }
 
@@ -508,7 +519,7 @@ impl<'a> Taps<'a> {
         }
     }
 
-    pub fn into_hidden(self) -> Vec<Array> {
+    fn into_hidden(self) -> Vec<Array> {
         self.got.into_iter().flatten().collect()
     }
 }

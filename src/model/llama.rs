@@ -1,16 +1,18 @@
 //! mlx_lm/models/llama.py: pre-norm decoder with grouped-query attention, SwiGLU MLP, optional
 //! sliding-window layers, tied or separate output head. qwen3 reuses it with q/k norms.
 
-use mlx::{Array, Result};
+use mlx::Array;
 use serde::Deserialize;
 use serde_json::Value;
 
 use super::layers::{
-    Activation, Attention, Embedding, GatedMlp, Head, Linear, QkNorm, RmsNorm, Rope, Taps,
+    Activation, Attention, Embedding, GatedMlp, Head, Linear, OuterLayers, QkNorm, RmsNorm, Rope,
+    Taps,
 };
 use super::{Forward, LanguageModel};
 use crate::cache::{default_caches, KvCache, LayerCache, Mask, RotatingKvCache};
 use crate::load::{Config, LoadError, QuantConfig, Weights};
+use crate::Result;
 
 #[derive(Deserialize)]
 struct Args {
@@ -63,12 +65,13 @@ impl Block {
         let r = self
             .mlp
             .forward(&self.post_attention_layernorm.forward(&h)?)?;
-        h.add(&r)
+        Ok(h.add(&r)?)
     }
 }
 
-/// The shape of a llama-family model, as the loaders of llama and qwen3 describe it.
-pub(crate) struct Spec<'a> {
+/// The shape of a llama-family model, as the loaders of llama and qwen3 read it from their
+/// configs.
+pub(crate) struct Shape<'a> {
     pub hidden: i32,
     pub layers: usize,
     pub intermediate: i32,
@@ -89,10 +92,8 @@ pub(crate) struct Spec<'a> {
 }
 
 pub struct Model {
-    embed_tokens: Embedding,
+    outer: OuterLayers,
     layers: Vec<Block>,
-    norm: RmsNorm,
-    head: Head,
     sliding_window: Option<usize>,
     fa_idx: usize,
     swa_idx: Option<usize>,
@@ -120,7 +121,7 @@ impl Model {
             w.take_optional("lm_head.weight");
         }
         Model::build(
-            Spec {
+            Shape {
                 hidden: a.hidden_size,
                 layers: a.num_hidden_layers,
                 intermediate: a.intermediate_size,
@@ -147,7 +148,7 @@ impl Model {
     }
 
     pub(crate) fn build(
-        s: Spec<'_>,
+        s: Shape<'_>,
         w: &mut Weights,
         q: &QuantConfig,
     ) -> std::result::Result<Model, LoadError> {
@@ -230,12 +231,14 @@ impl Model {
             });
         }
         Ok(Model {
-            embed_tokens: Embedding::load(w, q, "model.embed_tokens", s.vocab, s.hidden)?,
-            norm: RmsNorm::load(w, "model.norm", s.hidden, s.eps)?,
-            head: if s.tied {
-                Head::Tied
-            } else {
-                Head::Separate(Linear::load(w, q, "lm_head", s.hidden, s.vocab, false)?)
+            outer: OuterLayers {
+                embed_tokens: Embedding::load(w, q, "model.embed_tokens", s.vocab, s.hidden)?,
+                norm: RmsNorm::load(w, "model.norm", s.hidden, s.eps)?,
+                head: if s.tied {
+                    Head::Tied
+                } else {
+                    Head::Separate(Linear::load(w, q, "lm_head", s.hidden, s.vocab, false)?)
+                },
             },
             layers,
             sliding_window: s.sliding_window,
@@ -253,25 +256,20 @@ impl LanguageModel for Model {
         caches: &mut [LayerCache],
         taps: &[usize],
     ) -> Result<Forward> {
-        let mut h = self.embed_tokens.forward(inputs)?;
+        let mut h = self.outer.embed_tokens.forward(inputs)?;
         let n = h.dim(1) as usize;
         let fa_mask = caches[self.fa_idx].make_mask(n, None)?;
         let swa_mask = match self.swa_idx {
             Some(i) => caches[i].make_mask(n, self.sliding_window)?,
             None => Mask::None,
         };
-        let mut taps = Taps::new(taps);
+        let mut taps = Taps::new(taps, self.layers.len());
         for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
             let mask = if layer.sliding { &swa_mask } else { &fa_mask };
             h = layer.forward(&h, mask, cache)?;
             taps.capture(i, &h);
         }
-        let h = self.norm.forward(&h)?;
-        taps.capture(self.layers.len(), &h);
-        Ok(Forward {
-            logits: self.head.logits(&self.embed_tokens, &h)?,
-            hidden: taps.into_hidden(),
-        })
+        self.outer.finish(&h, taps)
     }
 
     fn make_cache(&self, max_kv_size: Option<usize>) -> Vec<LayerCache> {
@@ -288,7 +286,7 @@ impl LanguageModel for Model {
     }
 
     fn vocab_size(&self) -> usize {
-        self.embed_tokens.vocab()
+        self.outer.vocab()
     }
 
     fn num_layers(&self) -> usize {

@@ -1,6 +1,5 @@
 //! Model families, one file per family mirroring mlx-lm's model files, over shared layers.
 
-pub mod gated_delta;
 pub mod gemma3_text;
 pub mod layers;
 pub mod llama;
@@ -10,10 +9,11 @@ pub mod qwen3_next;
 
 use std::path::Path;
 
-use mlx::{Array, Result};
+use mlx::Array;
 
 use crate::cache::LayerCache;
 use crate::load::{load_config, Config, LoadError, QuantConfig, Weights};
+use crate::Result;
 
 /// What one forward pass returns.
 pub struct Forward {
@@ -54,17 +54,9 @@ pub const MODEL_TYPES: &[&str] = &[
     "qwen3_5",
 ];
 
-/// A loaded model folder.
-pub struct LoadedModel {
-    pub model: Box<dyn LanguageModel>,
-    pub config: Config,
-    /// config.json's eos_token_id (after generation_config.json), in order.
-    pub config_eos: Vec<u32>,
-}
-
-/// Loads a model folder: config, weights (evaluated once, as mlx-lm does unless lazy), and
-/// the family's sanitize step. Any unused tensor is an error.
-pub fn load(dir: &Path) -> std::result::Result<LoadedModel, LoadError> {
+/// Loads a model folder's config and weights (evaluated once, as mlx-lm does unless lazy)
+/// through the family's sanitize step. Any unused tensor is an error.
+pub fn load(dir: &Path) -> std::result::Result<(Box<dyn LanguageModel>, Config), LoadError> {
     let config = load_config(dir)?;
     let model_type = config.model_type()?.to_string();
     let mut weights = Weights::load(dir)?;
@@ -84,10 +76,5 @@ pub fn load(dir: &Path) -> std::result::Result<LoadedModel, LoadError> {
         }
     };
     weights.finish()?;
-    let config_eos = config.eos_token_ids()?;
-    Ok(LoadedModel {
-        model,
-        config,
-        config_eos,
-    })
+    Ok((model, config))
 }

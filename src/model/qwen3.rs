@@ -5,7 +5,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::layers::Rope;
-use super::llama::{Model, Spec};
+use super::llama::{Model, Shape};
 use crate::load::{Config, LoadError, QuantConfig, Weights};
 
 #[derive(Deserialize)]
@@ -45,7 +45,7 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> Result<Model, 
         w.take_optional("lm_head.weight");
     }
     Model::build(
-        Spec {
+        Shape {
             hidden: a.hidden_size,
             layers: a.num_hidden_layers,
             intermediate: a.intermediate_size,

@@ -6,86 +6,56 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::layers::Rope;
-use super::qwen3_next::{Model, Projections, Spec};
+use super::qwen3_next::{Model, Projections, Shape};
 use crate::load::{Config, LoadError, QuantConfig, Weights};
 
 #[derive(Deserialize)]
+#[serde(default)]
 struct TextArgs {
-    #[serde(default = "d_hidden")]
     hidden_size: i32,
-    #[serde(default = "d_intermediate")]
     intermediate_size: i32,
-    #[serde(default = "d_layers")]
     num_hidden_layers: usize,
-    #[serde(default = "d_heads")]
     num_attention_heads: i32,
-    #[serde(default = "d_eps")]
     rms_norm_eps: f64,
-    #[serde(default = "d_vocab")]
     vocab_size: i32,
-    #[serde(default = "d_kv_heads")]
     num_key_value_heads: i32,
-    #[serde(default = "d_v_heads")]
     linear_num_value_heads: i32,
-    #[serde(default = "d_k_heads")]
     linear_num_key_heads: i32,
-    #[serde(default = "d_k_dim")]
     linear_key_head_dim: i32,
-    #[serde(default = "d_v_dim")]
     linear_value_head_dim: i32,
-    #[serde(default = "d_conv")]
     linear_conv_kernel_dim: i32,
-    #[serde(default)]
     tie_word_embeddings: bool,
-    #[serde(default)]
     attention_bias: bool,
     head_dim: Option<i32>,
-    #[serde(default = "d_interval")]
     full_attention_interval: usize,
-    #[serde(default)]
     num_experts: usize,
     rope_parameters: Option<Map<String, Value>>,
 }
 
-// The Python dataclass defaults (qwen3_5.TextModelArgs).
-fn d_hidden() -> i32 {
-    4096
-}
-fn d_intermediate() -> i32 {
-    14336
-}
-fn d_layers() -> usize {
-    32
-}
-fn d_heads() -> i32 {
-    32
-}
-fn d_eps() -> f64 {
-    1e-6
-}
-fn d_vocab() -> i32 {
-    151936
-}
-fn d_kv_heads() -> i32 {
-    8
-}
-fn d_v_heads() -> i32 {
-    64
-}
-fn d_k_heads() -> i32 {
-    16
-}
-fn d_k_dim() -> i32 {
-    192
-}
-fn d_v_dim() -> i32 {
-    128
-}
-fn d_conv() -> i32 {
-    4
-}
-fn d_interval() -> usize {
-    4
+/// The Python dataclass defaults (qwen3_5.TextModelArgs).
+impl Default for TextArgs {
+    fn default() -> TextArgs {
+        TextArgs {
+            hidden_size: 4096,
+            intermediate_size: 14336,
+            num_hidden_layers: 32,
+            num_attention_heads: 32,
+            rms_norm_eps: 1e-6,
+            vocab_size: 151936,
+            num_key_value_heads: 8,
+            linear_num_value_heads: 64,
+            linear_num_key_heads: 16,
+            linear_key_head_dim: 192,
+            linear_value_head_dim: 128,
+            linear_conv_kernel_dim: 4,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            head_dim: None,
+            full_attention_interval: 4,
+            num_experts: 0,
+            rope_parameters: None,
+        }
+    }
 }
 
 /// The norms mlx-lm shifts by +1 in HF-layout checkpoints (the gated DeltaNet norm excluded).
@@ -165,7 +135,7 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> Result<Model, 
     .map_err(|m| config.error(m))?;
     sanitize(w, a.tie_word_embeddings)?;
     Model::build(
-        Spec {
+        Shape {
             hidden: a.hidden_size,
             layers: a.num_hidden_layers,
             intermediate: a.intermediate_size,

@@ -2,15 +2,18 @@
 //! `full_attention_interval`-th layer, gated full attention with partial RoPE. qwen3_5 reuses
 //! these layers (its Python file imports them from here) with split input projections.
 
-use mlx::{compiled, ops, Array, Result};
+use mlx::{compiled, ops, Array};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::gated_delta::Recurrence;
-use super::layers::{attend, Activation, Embedding, GatedMlp, Head, Linear, RmsNorm, Rope, Taps};
+use super::layers::{
+    attend, Activation, Embedding, GatedMlp, Head, Linear, OuterLayers, RmsNorm, Rope, Taps,
+};
 use super::{Forward, LanguageModel};
-use crate::cache::{KvCache, LayerCache, Mask, RecurrentCache};
+use crate::cache::{KvCache, LayerCache, Mask, Recurrence, RecurrentCache};
+use crate::error::contract;
 use crate::load::{Config, LoadError, QuantConfig, Weights};
+use crate::Result;
 
 #[derive(Deserialize)]
 struct Args {
@@ -52,8 +55,9 @@ pub(crate) enum Projections {
     Split,
 }
 
-/// The shape of a hybrid model, as qwen3_next and qwen3_5 describe it.
-pub(crate) struct Spec<'a> {
+/// The shape of a hybrid model, as the loaders of qwen3_next and qwen3_5 read it from their
+/// configs.
+pub(crate) struct Shape<'a> {
     pub hidden: i32,
     pub layers: usize,
     pub intermediate: i32,
@@ -115,7 +119,7 @@ impl GatedAttention {
         let out = attend(&queries, &kv, self.scale, mask)?
             .transpose(&[0, 2, 1, 3])?
             .reshape(&[b, l, -1])?;
-        self.o_proj.forward(&out.multiply(&gate.sigmoid()?)?)
+        Ok(self.o_proj.forward(&out.multiply(&gate.sigmoid()?)?)?)
     }
 }
 
@@ -143,7 +147,7 @@ struct GatedDeltaNet {
 
 impl GatedDeltaNet {
     /// The conv input rows, z, b and a for this step.
-    fn project(&self, x: &Array) -> Result<(Array, Array, Array, Array)> {
+    fn project(&self, x: &Array) -> mlx::Result<(Array, Array, Array, Array)> {
         let (bsz, s) = (x.dim(0), x.dim(1));
         let r = &self.recurrence;
         let (nk, dn, nv, dv) = (r.k_heads, r.k_dim, r.v_heads, r.v_dim);
@@ -179,7 +183,7 @@ impl GatedDeltaNet {
         // Qwen3NextRMSNormGated: precise_swiglu(out, z, rms_norm(out)).
         let normed = self.norm.forward(&out)?;
         let out = compiled::precise_swiglu(&out, &z, &normed)?;
-        self.out_proj.forward(&out.reshape(&[bsz, s, -1])?)
+        Ok(self.out_proj.forward(&out.reshape(&[bsz, s, -1])?)?)
     }
 }
 
@@ -196,10 +200,8 @@ struct DecoderLayer {
 }
 
 pub struct Model {
-    embed_tokens: Embedding,
+    outer: OuterLayers,
     layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    head: Head,
     fa_idx: usize,
 }
 
@@ -221,7 +223,7 @@ impl Model {
             w.take_optional("lm_head.weight");
         }
         Model::build(
-            Spec {
+            Shape {
                 hidden: a.hidden_size,
                 layers: a.num_hidden_layers,
                 intermediate: a.intermediate_size,
@@ -249,7 +251,7 @@ impl Model {
     }
 
     pub(crate) fn build(
-        s: Spec<'_>,
+        s: Shape<'_>,
         w: &mut Weights,
         q: &QuantConfig,
     ) -> std::result::Result<Model, LoadError> {
@@ -348,19 +350,27 @@ impl Model {
             });
         }
         Ok(Model {
-            embed_tokens: Embedding::load(w, q, &format!("{pre}model.embed_tokens"), s.vocab, h)?,
-            norm: RmsNorm::load(w, &format!("{pre}model.norm"), h, eps)?,
-            head: if s.tied {
-                Head::Tied
-            } else {
-                Head::Separate(Linear::load(
+            outer: OuterLayers {
+                embed_tokens: Embedding::load(
                     w,
                     q,
-                    &format!("{pre}lm_head"),
-                    h,
+                    &format!("{pre}model.embed_tokens"),
                     s.vocab,
-                    false,
-                )?)
+                    h,
+                )?,
+                norm: RmsNorm::load(w, &format!("{pre}model.norm"), h, eps)?,
+                head: if s.tied {
+                    Head::Tied
+                } else {
+                    Head::Separate(Linear::load(
+                        w,
+                        q,
+                        &format!("{pre}lm_head"),
+                        h,
+                        s.vocab,
+                        false,
+                    )?)
+                },
             },
             layers,
             fa_idx: s.interval - 1,
@@ -375,18 +385,16 @@ impl LanguageModel for Model {
         caches: &mut [LayerCache],
         taps: &[usize],
     ) -> Result<Forward> {
-        let mut h = self.embed_tokens.forward(inputs)?;
+        let mut h = self.outer.embed_tokens.forward(inputs)?;
         let fa_mask = caches[self.fa_idx].make_mask(h.dim(1) as usize, None)?;
-        let mut taps = Taps::new(taps);
+        let mut taps = Taps::new(taps, self.layers.len());
         for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
             let x = layer.input_layernorm.forward(&h)?;
             let r = match (&layer.mixer, cache) {
                 (Mixer::Linear(m), LayerCache::Recurrent(c)) => m.forward(&x, c)?,
                 (Mixer::Attention(m), c) => m.forward(&x, &fa_mask, c)?,
                 (Mixer::Linear(_), _) => {
-                    return Err(mlx::Error::Invalid(format!(
-                        "layer {i} needs a recurrent cache"
-                    )))
+                    return Err(contract(format!("layer {i} needs a recurrent cache")))
                 }
             };
             let h1 = h.add(&r)?;
@@ -397,12 +405,7 @@ impl LanguageModel for Model {
             )?;
             taps.capture(i, &h);
         }
-        let h = self.norm.forward(&h)?;
-        taps.capture(self.layers.len(), &h);
-        Ok(Forward {
-            logits: self.head.logits(&self.embed_tokens, &h)?,
-            hidden: taps.into_hidden(),
-        })
+        self.outer.finish(&h, taps)
     }
 
     fn make_cache(&self, _max_kv_size: Option<usize>) -> Vec<LayerCache> {
@@ -416,7 +419,7 @@ impl LanguageModel for Model {
     }
 
     fn vocab_size(&self) -> usize {
-        self.embed_tokens.vocab()
+        self.outer.vocab()
     }
 
     fn num_layers(&self) -> usize {

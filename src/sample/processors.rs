@@ -1,8 +1,10 @@
 //! `make_logits_processors`: logit bias, then repetition, presence and frequency penalties
 //! over the last `context_size` tokens of the history, each as mlx-lm computes it.
 
-use mlx::{ops, Array, Error, Result};
-use verity_harness::trace::ProcessorParams;
+use mlx::{ops, Array};
+
+use super::ProcessorParams;
+use crate::{Error, Result};
 
 enum Processor {
     /// `logits.at[:, ids].add(values)`.
@@ -24,16 +26,9 @@ impl LogitsProcessors {
     /// mlx-lm, and changes no value).
     pub fn new(p: &ProcessorParams) -> Result<LogitsProcessors> {
         let mut list = Vec::new();
-        if let Some(bias) = p.logit_bias.as_ref().filter(|b| !b.is_empty()) {
-            let mut ids = Vec::with_capacity(bias.len());
-            let mut values = Vec::with_capacity(bias.len());
-            for (k, v) in bias {
-                let id: i32 = k.parse().map_err(|_| {
-                    Error::Invalid(format!("logit_bias key {k:?} is not a token id"))
-                })?;
-                ids.push(id);
-                values.push(*v as f32);
-            }
+        if !p.logit_bias.is_empty() {
+            let ids: Vec<i32> = p.logit_bias.iter().map(|&(id, _)| id as i32).collect();
+            let values: Vec<f32> = p.logit_bias.iter().map(|&(_, b)| b as f32).collect();
             let n = ids.len() as i32;
             list.push(Processor::Bias {
                 ids: Array::from_slice(&ids, &[n])?,
@@ -43,7 +38,7 @@ impl LogitsProcessors {
         let active = |v: Option<f64>| v.filter(|&x| x != 0.0).map(|x| x as f32);
         if let Some(penalty) = active(p.repetition_penalty) {
             if penalty < 0.0 {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Params(format!(
                     "penalty must be a non-negative float, got {penalty}"
                 )));
             }
@@ -109,13 +104,13 @@ impl LogitsProcessors {
 }
 
 /// `tokens[-context:]`.
-fn last(history: &Array, context: usize) -> Result<Array> {
+fn last(history: &Array, context: usize) -> mlx::Result<Array> {
     let n = history.dim(0);
     history.slice_axis(0, (n - context as i32).max(0), n)
 }
 
 /// `logits[:, ids] = values` for (1, V) logits and (1, n) values.
-fn set_columns(logits: &Array, ids: &Array, values: &Array) -> Result<Array> {
+fn set_columns(logits: &Array, ids: &Array, values: &Array) -> mlx::Result<Array> {
     let n = ids.dim(0);
     let updates = values.transpose(&[])?.reshape(&[n, 1, 1])?;
     ops::scatter(logits, &[ids], &updates, &[1])
@@ -129,8 +124,8 @@ mod tests {
         ProcessorParams::none()
     }
 
-    /// oracle-digest.md section 3.4, verified against mlx-lm: logits [1, -2, 3, .5], history
-    /// [0, 1, 1, 3], repetition penalty 2 -> [.5, -4, 3, .25].
+    /// docs/oracle-notes.md, "Logits processors", checked against mlx-lm: logits
+    /// [1, -2, 3, .5], history [0, 1, 1, 3], repetition penalty 2 -> [.5, -4, 3, .25].
     #[test]
     fn repetition_penalizes_each_distinct_token_once() {
         let p = ProcessorParams {
@@ -195,16 +190,15 @@ mod tests {
     }
 
     #[test]
-    fn zero_penalties_add_no_processor_and_bad_bias_keys_are_errors() {
+    fn zero_penalties_add_no_processor_and_negative_repetition_is_an_error() {
         let p = ProcessorParams {
             repetition_penalty: Some(0.0),
             frequency_penalty: Some(0.0),
             ..params()
         };
         assert!(LogitsProcessors::new(&p).unwrap().is_empty());
-        let bias = [("x".to_string(), 1.0)].into_iter().collect();
         let err = LogitsProcessors::new(&ProcessorParams {
-            logit_bias: Some(bias),
+            repetition_penalty: Some(-1.0),
             ..params()
         });
         assert!(err.is_err());

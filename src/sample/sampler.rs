@@ -3,18 +3,20 @@
 //! it. Filtered entries become -inf; temperature is applied last.
 
 use mlx::random::{self, KeySequence};
-use mlx::{ops, Array, Dtype, Error, Result};
-use verity_harness::trace::SamplerParams;
+use mlx::{ops, Array, Dtype};
+
+use super::SamplerParams;
+use crate::{Error, Result};
 
 pub struct Sampler {
     p: SamplerParams,
 }
 
 fn invalid(message: String) -> Error {
-    Error::Invalid(message)
+    Error::Params(message)
 }
 
-fn neg_inf_like(a: &Array) -> Result<Array> {
+fn neg_inf_like(a: &Array) -> mlx::Result<Array> {
     Array::scalar(f32::NEG_INFINITY, a.dtype())
 }
 
@@ -70,7 +72,7 @@ impl Sampler {
     /// takes the next key of `keys`, in mlx-lm's program order (XTC's, then categorical's).
     pub fn sample(&self, logprobs: &Array, keys: Option<&mut KeySequence>) -> Result<Array> {
         if self.is_greedy() {
-            return ops::argmax(logprobs, -1, false);
+            return Ok(ops::argmax(logprobs, -1, false)?);
         }
         let keys =
             keys.ok_or_else(|| invalid("sampling at temperature > 0 needs a seed".into()))?;
@@ -96,12 +98,12 @@ impl Sampler {
         }
         // categorical_sampling: `categorical(logits * (1.0 / temp))`, 1/temp in double.
         let scaled = lp.multiply_scalar((1.0 / p.temp) as f32)?;
-        random::categorical(&scaled, -1, &keys.next_key()?)
+        Ok(random::categorical(&scaled, -1, &keys.next_key()?)?)
     }
 }
 
 /// apply_top_p: keep the smallest set of top tokens whose mass reaches `top_p` (ties kept).
-fn top_p(lp: &Array, top_p: f64) -> Result<Array> {
+fn top_p(lp: &Array, top_p: f64) -> mlx::Result<Array> {
     let sorted = ops::sort(lp, -1)?;
     let probs = sorted.astype(Dtype::Float32)?.exp()?;
     let mass_above = ops::cumsum(&probs, -1, true, false)?;
@@ -117,7 +119,7 @@ fn top_p(lp: &Array, top_p: f64) -> Result<Array> {
 
 /// apply_min_p: drop tokens less likely than `min_p` times the top one, keeping at least
 /// `keep` tokens.
-fn min_p(lp: &Array, min_p: f64, keep: usize) -> Result<Array> {
+fn min_p(lp: &Array, min_p: f64, keep: usize) -> mlx::Result<Array> {
     let top = lp.max(&[-1], true)?;
     let scaled = top.add_scalar(min_p.ln() as f32)?;
     let mut remove = lp.less(&scaled)?;
@@ -133,7 +135,7 @@ fn min_p(lp: &Array, min_p: f64, keep: usize) -> Result<Array> {
 
 /// apply_xtc: with probability `prob`, exclude every token above `threshold` except the least
 /// likely of them (special tokens are never excluded). Draws one uniform with `key`.
-fn xtc(lp: &Array, prob: f64, threshold: f64, special: &[u32], key: &Array) -> Result<Array> {
+fn xtc(lp: &Array, prob: f64, threshold: f64, special: &[u32], key: &Array) -> mlx::Result<Array> {
     let probs = ops::softmax(lp, &[-1], false)?;
     let inf = Array::scalar(f32::INFINITY, probs.dtype())?;
     let above = probs.greater(&ops::scalar_like(threshold as f32, &probs)?)?;
@@ -162,5 +164,5 @@ fn top_k(lp: &Array, k: usize) -> Result<Array> {
     }
     let idx = ops::argpartition(&lp.negative()?, k as i32 - 1, -1)?;
     let idx = idx.slice_axis(-1, k as i32, idx.dim(-1))?;
-    ops::put_along_axis(lp, &idx, &neg_inf_like(lp)?, -1)
+    Ok(ops::put_along_axis(lp, &idx, &neg_inf_like(lp)?, -1)?)
 }

@@ -1,6 +1,44 @@
-//! What the libtest-mimic suites share.
+//! What the integration tests share: the repository root, golden traces and fixture models,
+//! the trial arguments of the libtest-mimic suites, and proptest case counts per profile.
+//! Each test binary uses its own part of it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
 
 use libtest_mimic::Arguments;
+use verity::bundle::ModelBundle;
+use verity::generate::GenerateParams;
+use verity::parity::replay;
+use verity_harness::trace::Trace;
+
+/// The repository root (fixtures ship with the repo; a missing one is a failure).
+pub fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A fixture model folder under golden/models.
+pub fn model_dir(name: &str) -> PathBuf {
+    root().join("golden/models").join(name)
+}
+
+/// A fixture model, tokenizer included.
+pub fn bundle(name: &str) -> ModelBundle {
+    ModelBundle::load(&model_dir(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// The committed CPU golden trace `id` (e.g. "qwen3-target/greedy/code").
+pub fn golden(id: &str) -> Trace {
+    Trace::load(&root().join(format!("golden/traces/{id}.json"))).unwrap()
+}
+
+/// The prompt and parameters of a golden trace (a realistic input), cut to `max_tokens`.
+pub fn golden_input(id: &str, max_tokens: usize) -> (Vec<u32>, GenerateParams) {
+    let trace = golden(id);
+    let eos = trace.eos_token_ids.clone().unwrap_or_default();
+    let mut params = replay::params(&trace, eos).unwrap();
+    params.max_tokens = max_tokens;
+    (trace.prompt.tokens, params)
+}
 
 /// The command-line arguments, with the trials run one at a time on the main thread whatever
 /// `--test-threads` says. MLX work stays on one thread (the one-engine-thread rule), and that
@@ -12,4 +50,19 @@ pub fn main_thread_args() -> Arguments {
     let mut args = Arguments::from_args();
     args.test_threads = Some(1);
     args
+}
+
+/// Proptest cases for a property: `PROPTEST_CASES` if set, `fuzz` under the nextest `fuzz`
+/// profile, else `default` (sized so the default profile stays fast on 2 cores).
+pub fn proptest_cases(default: u32, fuzz: u32) -> u32 {
+    if let Some(n) = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        return n;
+    }
+    match std::env::var("NEXTEST_PROFILE").as_deref() {
+        Ok("fuzz") => fuzz,
+        _ => default,
+    }
 }

@@ -1,19 +1,10 @@
-//! Speculative decoding: ONE verify/accept executor ([`executor`]) fed by draft sources through
-//! the [`DraftSource`] seam. The executor never names a model family or a cache type; it asks
-//! the rollback contract (crate::cache::Rollback) before every round.
-
-pub mod draft_model;
-pub mod executor;
-pub mod ngram;
+//! The seam between the executor and a draft source: what a source is told and what it may use.
 
 use mlx::Array;
 
 use crate::generate::GenerateParams;
-use crate::sample::StepSampler;
-
-pub use draft_model::DraftModel;
-pub use executor::{generate_speculative, generate_speculative_constrained, Control};
-pub use ngram::NgramLookup;
+use crate::sample::{Masking, StepSampler};
+use crate::Result;
 
 /// What a draft source may use while drafting: the request's sampler (its random key sequence
 /// is shared with the target, in mlx-lm's order) and generation parameters.
@@ -28,10 +19,10 @@ impl DraftContext<'_> {
     /// Samples one token from a draft model's (1, V) logits as the target would sample after
     /// the last emitted token and `drafted`: processors, logprobs, sampler. Drafts are not
     /// constrained by a grammar; the target's verify walk is.
-    pub fn sample(&mut self, logits: &Array, drafted: &[u32]) -> mlx::Result<Array> {
+    pub fn sample(&mut self, logits: &Array, drafted: &[u32]) -> Result<Array> {
         let mut fed = vec![self.last];
         fed.extend(drafted);
-        let logits = self.sampler.process_draft(&fed, logits)?;
+        let logits = self.sampler.process(logits, &fed, Masking::Unconstrained)?;
         let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
         self.sampler.sample(&logprobs)
     }
@@ -40,13 +31,13 @@ impl DraftContext<'_> {
 /// A source of draft tokens, one per request.
 pub trait DraftSource {
     /// Called once with the whole prompt before the first round.
-    fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> mlx::Result<()>;
+    fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> Result<()>;
 
     /// Proposes up to `n` tokens to follow the committed sequence. The returned length is
     /// authoritative: fewer (or none) is fine.
-    fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> mlx::Result<Vec<u32>>;
+    fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> Result<Vec<u32>>;
 
     /// The round's outcome: of the `drafted` proposals the first `accepted` were emitted,
     /// followed by the target's own token `next` (None when the request ended first).
-    fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> mlx::Result<()>;
+    fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> Result<()>;
 }

@@ -6,9 +6,10 @@
 use mlx::Array;
 
 use super::{DraftContext, DraftSource};
-use crate::cache::{begin_round, end_round, rollback_plan, LayerCache, Rollback};
-use crate::generate::{prefill, token_array};
+use crate::cache::{begin_round, end_round, quantize_due, rollback_plan, LayerCache, Rollback};
+use crate::generate::{last_logits, prefill, token_array};
 use crate::model::LanguageModel;
+use crate::{Error, Result};
 
 pub struct DraftModel<'m> {
     model: &'m dyn LanguageModel,
@@ -30,27 +31,22 @@ impl<'m> DraftModel<'m> {
     }
 
     /// The model's next-token logits (1, V) after feeding `tokens`.
-    fn step(&mut self, tokens: &[u32], ctx: &DraftContext<'_>) -> mlx::Result<Array> {
+    fn step(&mut self, tokens: &[u32], ctx: &DraftContext<'_>) -> Result<Array> {
         let out = self.model.forward(
             &token_array(tokens)?.expand_dims(&[0])?,
             &mut self.caches,
             &[],
         )?;
-        if let Some(q) = &ctx.params.kv_quantization {
-            self.caches
-                .iter_mut()
-                .try_for_each(|c| c.maybe_quantize(q))?;
-        }
-        let l = out.logits.dim(1);
-        out.logits.slice_axis(1, l - 1, l)?.squeeze(&[1])
+        quantize_due(&mut self.caches, ctx.params.kv_quantization.as_ref())?;
+        Ok(last_logits(&out.logits)?)
     }
 }
 
 impl DraftSource for DraftModel<'_> {
-    fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> mlx::Result<()> {
+    fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> Result<()> {
         let (last, head) = prompt
             .split_last()
-            .ok_or_else(|| mlx::Error::Invalid("empty prompt".into()))?;
+            .ok_or_else(|| Error::Params("the prompt is empty".into()))?;
         prefill(
             self.model,
             &mut self.caches,
@@ -62,7 +58,7 @@ impl DraftSource for DraftModel<'_> {
         Ok(())
     }
 
-    fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> mlx::Result<Vec<u32>> {
+    fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> Result<Vec<u32>> {
         let fed = self.pending.len() + n.saturating_sub(1);
         if n == 0 || matches!(rollback_plan(&self.caches, fed), Rollback::Refuse(_)) {
             return Ok(Vec::new());
@@ -81,7 +77,7 @@ impl DraftSource for DraftModel<'_> {
         Ok(drafts)
     }
 
-    fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> mlx::Result<()> {
+    fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> Result<()> {
         let Some((drafts, fed)) = self.round.take() else {
             // Nothing drafted this round: the target's token joins what is still to be fed.
             self.pending.extend(next);

@@ -1,8 +1,11 @@
 //! mlx_lm/models/gated_delta.py on the CPU path: q/k normalization and the gated delta rule as
 //! a sequential loop of compiled single-token steps (the path Python takes off Metal), plus the
-//! causal conv in front of it, packaged as a [`Recurrence`] a recurrent cache can replay.
+//! causal conv in front of it, packaged as a [`Recurrence`] a recurrent cache can replay. It
+//! lives with the cache rather than the models because a rollback replays it without a model.
 
 use mlx::{compiled, fast, ops, Array, Dtype, Result};
+
+use super::RecurrentState;
 
 /// The recurrent part of a gated-DeltaNet layer: causal depthwise conv over the last K inputs,
 /// then the gated delta rule. Cloning is cheap (arrays share their buffers); a recurrent cache
@@ -35,18 +38,17 @@ impl Recurrence {
     }
 
     /// Feeds S tokens' projected inputs — `mixed_qkv` (B, S, conv_dim), `a` and `b` (B, S, Hv)
-    /// — through the conv and the delta rule, starting from `conv` / `state` (zeros if None).
+    /// — through the conv and the delta rule, starting from `from` (zeros if None).
     pub fn run(
         &self,
-        conv: Option<&Array>,
-        state: Option<&Array>,
+        from: Option<&RecurrentState>,
         mixed_qkv: &Array,
         a: &Array,
         b: &Array,
     ) -> Result<RecurrentStep> {
         let (bsz, s) = (mixed_qkv.dim(0), mixed_qkv.dim(1));
-        let conv_state = match conv {
-            Some(c) => c.clone(),
+        let conv_state = match from {
+            Some(f) => f.conv.clone(),
             None => Array::zeros(
                 &[bsz, self.conv_kernel - 1, self.conv_dim()],
                 mixed_qkv.dtype(),
@@ -71,6 +73,7 @@ impl Recurrence {
         let k = parts[1].reshape(&[bsz, s, self.k_heads, self.k_dim])?;
         let v = parts[2].reshape(&[bsz, s, self.v_heads, self.v_dim])?;
         let (q, k) = normalize_qk(&q, &k, self.k_dim)?;
+        let state = from.map(|f| &f.state);
         let (y, state) = gated_delta_update(&q, &k, &v, a, b, &self.a_log, &self.dt_bias, state)?;
         Ok(RecurrentStep { y, conv, state })
     }

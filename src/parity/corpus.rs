@@ -11,12 +11,11 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::bound::{bounded_for_generation, Bounds};
-use super::{GrammarSpec, TokenEnv};
-use crate::generate::{GenerateParams, Generation};
-use crate::model::LanguageModel;
-use crate::replay::{Loaded, ReplayError};
-use crate::tokenizer::Tokenizer;
-use verity_harness::trace::FinishReason;
+use crate::bundle::ModelBundle;
+use crate::generate::{FinishReason, GenerateParams, Generation};
+use crate::grammar::{Constraint, Grammar};
+use crate::tokenizer::UserTurn;
+use crate::Result;
 
 /// One schema's outcome.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -48,8 +47,7 @@ pub const MAX_TOKENS: usize = 4096;
 /// The model side of a corpus run: the model folder's tokenizer (for llguidance and for
 /// tokenizing instances) and the model generating under each schema from a fixed chat prompt.
 pub struct CorpusModel {
-    loaded: Loaded,
-    env: TokenEnv,
+    bundle: ModelBundle,
     prompt: Vec<u32>,
     max_tokens: usize,
     /// Milliseconds spent building the token environment.
@@ -57,51 +55,38 @@ pub struct CorpusModel {
 }
 
 impl CorpusModel {
-    pub fn load(dir: &Path, max_tokens: usize) -> Result<CorpusModel, ReplayError> {
-        let loaded = Loaded::load(dir)?;
-        let eos = loaded
-            .tokenizer
-            .eos_token_id()
-            .or_else(|| loaded.eos_token_ids.first().copied())
-            .unwrap_or(0);
+    pub fn load(dir: &Path, max_tokens: usize) -> Result<CorpusModel> {
+        let bundle = ModelBundle::load(dir)?;
         let start = Instant::now();
-        let env = TokenEnv::from_dir(dir, eos, loaded.model.model.vocab_size())
-            .map_err(|e| ReplayError::Unsupported(dir.display().to_string(), e.to_string()))?;
+        bundle.token_env()?;
         let env_ms = start.elapsed().as_secs_f64() * 1e3;
-        let messages = [serde_json::json!({"role": "user", "content": "Reply with JSON."})];
-        let rendered =
-            loaded
-                .tokenizer
-                .apply_chat_template(&messages, true, &serde_json::Map::new())?;
-        let prompt = loaded.tokenizer.encode(&rendered, false)?;
+        let prompt = bundle.tokenizer.encode_user_turn(&UserTurn {
+            text: "Reply with JSON.",
+            ..UserTurn::default()
+        })?;
         Ok(CorpusModel {
-            loaded,
-            env,
+            bundle,
             prompt,
             max_tokens,
             env_ms,
         })
     }
 
-    fn model(&self) -> &dyn LanguageModel {
-        self.loaded.model.model.as_ref()
-    }
-
-    fn tokenizer(&self) -> &Tokenizer {
-        &self.loaded.tokenizer
+    fn constraint(&self, grammar: &Grammar) -> Result<Constraint> {
+        self.bundle.constraint(grammar)
     }
 
     fn eos(&self) -> &[u32] {
-        &self.loaded.eos_token_ids
+        &self.bundle.eos_token_ids
     }
 }
 
-/// Whether the tokens of `text` are accepted by a fresh constraint for `spec` and leave it
+/// Whether the tokens of `text` are accepted by a fresh constraint for `grammar` and leave it
 /// able to end.
-fn accepts(m: &CorpusModel, spec: &GrammarSpec, text: &str) -> bool {
+fn accepts(m: &CorpusModel, grammar: &Grammar, text: &str) -> bool {
     let (Ok(mut c), Ok(tokens)) = (
-        m.env.constraint(spec, m.eos()),
-        m.tokenizer().encode(text, false),
+        m.constraint(grammar),
+        m.bundle.tokenizer.encode(text, false),
     ) else {
         return false;
     };
@@ -136,9 +121,9 @@ pub fn run_schema(path: &Path, m: &CorpusModel, timings: &mut Timings) -> Schema
     };
     // A MaskBench file wraps the schema with its tests; a bare schema file is the schema.
     let schema = doc.get("schema").cloned().unwrap_or_else(|| doc.clone());
-    let spec = GrammarSpec::JsonSchema(schema.clone());
+    let grammar = Grammar::JsonSchema(schema.clone());
     let start = Instant::now();
-    let constraint = match m.env.constraint(&spec, m.eos()) {
+    let constraint = match m.constraint(&grammar) {
         Ok(c) => c,
         Err(e) => return outcome(name, e.to_string()),
     };
@@ -149,13 +134,13 @@ pub fn run_schema(path: &Path, m: &CorpusModel, timings: &mut Timings) -> Schema
     let bounded = [Bounds::Strict, Bounds::Lenient]
         .into_iter()
         .find_map(|b| {
-            let spec = GrammarSpec::JsonSchema(bounded_for_generation(&schema, b));
-            m.env.constraint(&spec, m.eos()).ok()
+            m.constraint(&Grammar::JsonSchema(bounded_for_generation(&schema, b)))
+                .ok()
         })
         .unwrap_or(constraint);
     let (generation, tokens) = generate(m, bounded, validator.as_ref());
     out.generation = generation;
-    time_masks(m, &spec, &tokens, timings);
+    time_masks(m, &grammar, &tokens, timings);
     let tests = doc
         .get("tests")
         .and_then(Value::as_array)
@@ -165,7 +150,7 @@ pub fn run_schema(path: &Path, m: &CorpusModel, timings: &mut Timings) -> Schema
         let valid = test.get("valid").and_then(Value::as_bool).unwrap_or(false);
         let text = serde_json::to_string(test.get("data").unwrap_or(&Value::Null))
             .expect("JSON serializes");
-        let accepted = accepts(m, &spec, &text);
+        let accepted = accepts(m, &grammar, &text);
         if valid {
             out.valid_total += 1;
             out.valid_accepted += usize::from(accepted);
@@ -204,18 +189,18 @@ fn outcome(schema: String, compile: String) -> SchemaOutcome {
 /// emitted tokens (EOS excluded).
 fn generate(
     m: &CorpusModel,
-    constraint: super::Constraint,
+    constraint: Constraint,
     validator: Option<&jsonschema::Validator>,
 ) -> (String, Vec<u32>) {
     let params = GenerateParams::greedy(m.max_tokens, m.eos().to_vec());
-    let caches = m.model().make_cache(None);
+    let model = m.bundle.model();
+    let caches = model.make_cache(None);
     let mut tokens = Vec::new();
     let mut finished = false;
-    let generation =
-        match Generation::start(m.model(), caches, &m.prompt, &params, Some(constraint)) {
-            Ok(g) => g,
-            Err(e) => return (format!("error: {e}"), tokens),
-        };
+    let generation = match Generation::start(model, caches, &m.prompt, &params, Some(constraint)) {
+        Ok(g) => g,
+        Err(e) => return (format!("error: {e}"), tokens),
+    };
     for step in generation {
         let step = match step {
             Ok(s) => s,
@@ -227,7 +212,7 @@ fn generate(
         }
     }
     if !finished {
-        let text = m.tokenizer().decode(&tokens).unwrap_or_default();
+        let text = m.bundle.decode(&tokens);
         let tail: String = text
             .chars()
             .rev()
@@ -239,7 +224,8 @@ fn generate(
         return (format!("unfinished: ...{tail}"), tokens);
     }
     let status = match m
-        .tokenizer()
+        .bundle
+        .tokenizer
         .decode(&tokens)
         .map_err(|e| e.to_string())
         .and_then(|t| serde_json::from_str::<Value>(&t).map_err(|e| format!("not JSON ({e})")))
@@ -256,8 +242,8 @@ fn generate(
 
 /// Times the mask at every step of `tokens` on a fresh constraint: the masks the generation
 /// computed, without the forward passes around them.
-fn time_masks(m: &CorpusModel, spec: &GrammarSpec, tokens: &[u32], timings: &mut Timings) {
-    let Ok(mut c) = m.env.constraint(spec, m.eos()) else {
+fn time_masks(m: &CorpusModel, grammar: &Grammar, tokens: &[u32], timings: &mut Timings) {
+    let Ok(mut c) = m.constraint(grammar) else {
         return;
     };
     for &t in tokens {

@@ -3,6 +3,7 @@
 //! works with every target, and costs nothing when it finds nothing.
 
 use super::{DraftContext, DraftSource};
+use crate::Result;
 
 pub struct NgramLookup {
     min_n: usize,
@@ -42,12 +43,12 @@ impl NgramLookup {
 }
 
 impl DraftSource for NgramLookup {
-    fn prefill(&mut self, prompt: &[u32], _ctx: &mut DraftContext<'_>) -> mlx::Result<()> {
+    fn prefill(&mut self, prompt: &[u32], _ctx: &mut DraftContext<'_>) -> Result<()> {
         self.history = prompt.to_vec();
         Ok(())
     }
 
-    fn draft(&mut self, n: usize, _ctx: &mut DraftContext<'_>) -> mlx::Result<Vec<u32>> {
+    fn draft(&mut self, n: usize, _ctx: &mut DraftContext<'_>) -> Result<Vec<u32>> {
         self.drafts = (self.min_n..=self.max_n)
             .rev()
             .find_map(|size| self.lookup(size, n).filter(|c| !c.is_empty()))
@@ -56,7 +57,7 @@ impl DraftSource for NgramLookup {
         Ok(self.drafts.clone())
     }
 
-    fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> mlx::Result<()> {
+    fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> Result<()> {
         debug_assert_eq!(drafted, self.drafts.len());
         self.history.extend(&self.drafts[..accepted]);
         self.history.extend(next);

@@ -11,15 +11,14 @@
 //! it starts and decoded without drafts (mlx-lm trims nothing and goes on, #1914).
 
 use mlx::{Array, Dtype};
-use verity_harness::stats::SpecStats;
-use verity_harness::trace::FinishReason;
 
-use super::{DraftContext, DraftSource};
-use crate::cache::{begin_round, end_round, rollback_plan, KvQuantization, LayerCache, Rollback};
-use crate::generate::{prefill, token_array, GenerateError, GenerateParams, GeneratedToken};
+use super::{DraftContext, DraftSource, SpeculationStats};
+use crate::cache::{begin_round, end_round, quantize_due, rollback_plan, LayerCache, Rollback};
+use crate::generate::{prefill, token_array, GenerateParams, GeneratedToken};
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
-use crate::sample::StepSampler;
+use crate::sample::{Masking, StepSampler};
+use crate::{Error, Result};
 
 /// What the token callback tells the executor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,30 +33,23 @@ struct Executor<'a> {
     caches: Vec<LayerCache>,
     sampler: StepSampler,
     params: &'a GenerateParams,
-    stats: SpecStats,
+    stats: SpeculationStats,
 }
 
 impl Executor<'_> {
-    fn maybe_quantize(&mut self, q: Option<&KvQuantization>) -> mlx::Result<()> {
-        match q {
-            Some(q) => self.caches.iter_mut().try_for_each(|c| c.maybe_quantize(q)),
-            None => Ok(()),
-        }
-    }
-
     /// One target forward over `input` (the last emitted token and the drafts); returns the
     /// target's token and logprobs (V,) at each position it examined. Without processors or a
     /// grammar every position is sampled in one (k+1, V) call, as mlx-lm does. Otherwise the
     /// walk goes position by position, each processed with the history it would have in plain
     /// decoding and masked by the grammar advanced over the walk so far, and stops at the first
     /// rejected draft, an EOS, or a finished grammar.
-    fn verify(&mut self, input: &[u32]) -> mlx::Result<(Vec<u32>, Vec<Array>)> {
+    fn verify(&mut self, input: &[u32]) -> Result<(Vec<u32>, Vec<Array>)> {
         let out = self.model.forward(
             &token_array(input)?.expand_dims(&[0])?,
             &mut self.caches,
             &[],
         )?;
-        self.maybe_quantize(self.params.kv_quantization.as_ref())?;
+        quantize_due(&mut self.caches, self.params.kv_quantization.as_ref())?;
         let logits = out.logits.squeeze(&[0])?;
         let positions = input.len() as i32;
         let (tokens, logprobs) = if self.sampler.has_processors() || self.sampler.is_constrained() {
@@ -66,14 +58,14 @@ impl Executor<'_> {
                 let row = logits.slice_axis(0, i, i + 1)?;
                 let mut fed = input[..1].to_vec();
                 fed.extend(&tokens);
-                let processed = self.sampler.process_after(&fed, &row)?;
+                let processed = self.sampler.process(&row, &fed, Masking::Grammar)?;
                 let lp = processed.subtract(&processed.logsumexp(&[-1], true)?)?;
                 let t = self
                     .sampler
                     .sample(&lp)?
                     .astype(Dtype::Uint32)?
                     .item::<u32>()?;
-                self.sampler.accept(t)?;
+                self.sampler.advance_grammar(t)?;
                 tokens.push(t);
                 rows.push(lp.squeeze(&[0])?);
                 let draft_matches = input.get(i as usize + 1) == Some(&t);
@@ -101,32 +93,11 @@ impl Executor<'_> {
 }
 
 /// Generates speculatively, calling `on_token` with every emitted token in order (the last one
-/// carries the finish reason). Returns the request's statistics.
+/// carries the finish reason), optionally with the target's tokens constrained to a grammar:
+/// drafts run unconstrained, the mask rides the verify walk position by position, and the
+/// grammar advances only over emitted tokens. Returns the request's statistics and the
+/// constraint in the state of the emitted tokens.
 pub fn generate_speculative(
-    model: &dyn LanguageModel,
-    source: &mut dyn DraftSource,
-    prompt: &[u32],
-    params: &GenerateParams,
-    num_draft_tokens: usize,
-    on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
-) -> Result<SpecStats, GenerateError> {
-    generate_speculative_constrained(
-        model,
-        source,
-        prompt,
-        params,
-        num_draft_tokens,
-        None,
-        on_token,
-    )
-    .map(|(stats, _)| stats)
-}
-
-/// [`generate_speculative`] with the target's tokens constrained to a grammar: drafts run
-/// unconstrained, the mask rides the verify walk position by position, and the grammar advances
-/// only over emitted tokens. The constraint comes back with the statistics, in the state of the
-/// emitted tokens.
-pub fn generate_speculative_constrained(
     model: &dyn LanguageModel,
     source: &mut dyn DraftSource,
     prompt: &[u32],
@@ -134,16 +105,18 @@ pub fn generate_speculative_constrained(
     num_draft_tokens: usize,
     constraint: Option<Constraint>,
     on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
-) -> Result<(SpecStats, Option<Constraint>), GenerateError> {
+) -> Result<(SpeculationStats, Option<Constraint>)> {
     let sampler = params.step_sampler(prompt, constraint)?;
-    let (&last, head) = prompt.split_last().ok_or(GenerateError::EmptyPrompt)?;
+    let (&last, head) = prompt
+        .split_last()
+        .ok_or_else(|| Error::Params("the prompt is empty".into()))?;
     // mlx-lm's speculative path builds the target's own caches, ignoring max_kv_size.
     let mut ex = Executor {
         model,
         caches: model.make_cache(None),
         sampler,
         params,
-        stats: SpecStats::default(),
+        stats: SpeculationStats::default(),
     };
     source.prefill(
         prompt,
@@ -202,13 +175,7 @@ pub fn generate_speculative_constrained(
             }
             emitted += 1;
             emit_count = i + 1;
-            let finish = if params.eos_token_ids.contains(&token) {
-                Some(FinishReason::Stop)
-            } else if emitted == params.max_tokens {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
+            let finish = params.finish_for(token, emitted);
             let step = GeneratedToken {
                 token,
                 logprobs: lp.clone(),
@@ -225,7 +192,7 @@ pub fn generate_speculative_constrained(
             }
         }
         // The grammar walked every examined position; take back what was not emitted.
-        ex.sampler.rollback_grammar(tokens.len() - emit_count)?;
+        ex.sampler.rewind_grammar(tokens.len() - emit_count)?;
         // The target fed y and the k drafts; it keeps y and the accepted ones.
         end_round(&mut ex.caches, k - accepted)?;
         let next = (emit_count == accepted + 1).then(|| tokens[accepted]);

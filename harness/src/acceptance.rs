@@ -1,5 +1,6 @@
 //! Acceptance suites (`golden/accept/*.toml`, format `verity-accept/1`) and their baselines:
-//! what `verity accept` runs and what a run is compared with.
+//! what `verity accept` runs and what a run is compared with. "Acceptance" here always means
+//! speculative acceptance: the share of drafted tokens the target accepted.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,73 @@
+//! A model folder loaded for use: the model, its tokenizer, the EOS set mlx-lm stops on, and
+//! (built on first use) the grammar token environment over the same tokenizer.
+
+use std::cell::OnceCell;
+use std::path::{Path, PathBuf};
+
+use crate::grammar::{Constraint, Grammar, TokenEnv};
+use crate::load::Config;
+use crate::model::{self, LanguageModel};
+use crate::tokenizer::Tokenizer;
+use crate::Result;
+
+pub struct ModelBundle {
+    pub dir: PathBuf,
+    pub model: Box<dyn LanguageModel>,
+    pub config: Config,
+    pub tokenizer: Tokenizer,
+    /// mlx-lm's TokenizerWrapper eos set: config eos ids, then the tokenizer's eos token.
+    pub eos_token_ids: Vec<u32>,
+    token_env: OnceCell<TokenEnv>,
+}
+
+impl ModelBundle {
+    /// Loads config, weights and tokenizer of a model folder.
+    pub fn load(dir: &Path) -> Result<ModelBundle> {
+        let (model, config) = model::load(dir)?;
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        let mut eos_token_ids = config.eos_token_ids()?;
+        if let Some(id) = tokenizer.eos_token_id() {
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
+        }
+        Ok(ModelBundle {
+            dir: dir.to_path_buf(),
+            model,
+            config,
+            tokenizer,
+            eos_token_ids,
+            token_env: OnceCell::new(),
+        })
+    }
+
+    pub fn model(&self) -> &dyn LanguageModel {
+        self.model.as_ref()
+    }
+
+    /// Token ids to text, for reports (an undecodable id is shown, not an error).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.tokenizer
+            .decode(ids)
+            .unwrap_or_else(|e| format!("<undecodable: {e}>"))
+    }
+
+    /// llguidance's view of the tokenizer, built once.
+    pub fn token_env(&self) -> Result<&TokenEnv> {
+        if let Some(env) = self.token_env.get() {
+            return Ok(env);
+        }
+        let eos = self
+            .tokenizer
+            .eos_token_id()
+            .or_else(|| self.eos_token_ids.first().copied())
+            .unwrap_or(0);
+        let env = TokenEnv::new(&self.tokenizer, eos, self.model.vocab_size())?;
+        Ok(self.token_env.get_or_init(|| env))
+    }
+
+    /// A fresh constraint for `grammar` over this model's tokenizer and EOS set.
+    pub fn constraint(&self, grammar: &Grammar) -> Result<Constraint> {
+        Ok(self.token_env()?.constraint(grammar, &self.eos_token_ids)?)
+    }
+}

@@ -1,0 +1,54 @@
+//! The engine's one error type. Boundary errors (a model folder, a tokenizer, a prompt cache
+//! file, a grammar) keep their own types, which name the file or input at fault, and convert
+//! into this one; the CLI prints any of them as one line and exits 2.
+
+use crate::cache::PromptFileError;
+use crate::grammar::GrammarError;
+use crate::load::LoadError;
+use crate::tokenizer::TokenizerError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An MLX call failed; MLX's own message, unchanged.
+    #[error(transparent)]
+    Mlx(#[from] mlx::Error),
+    /// A request's parameters are invalid: the message names the parameter, the value and what
+    /// is allowed.
+    #[error("{0}")]
+    Params(String),
+    /// A combination mlx-lm refuses as well (for example quantizing a rotating KV cache).
+    #[error("{0}")]
+    Unsupported(String),
+    /// A caller broke an engine contract (a round closed that was never opened, a layer given
+    /// the wrong kind of cache). Always a bug in the caller, never bad input.
+    #[error("engine contract violated: {0}")]
+    Contract(String),
+    #[error(transparent)]
+    Grammar(#[from] GrammarError),
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    PromptCache(#[from] PromptFileError),
+    /// An error with what it happened in (a trace id, a suite and k).
+    #[error("{what}: {source}")]
+    Context { what: String, source: Box<Error> },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// This error, prefixed with what it happened in.
+    pub fn context(self, what: impl Into<String>) -> Error {
+        Error::Context {
+            what: what.into(),
+            source: Box::new(self),
+        }
+    }
+}
+
+/// A contract violation, for `Err(contract(..))`.
+pub(crate) fn contract(message: impl Into<String>) -> Error {
+    Error::Contract(message.into())
+}

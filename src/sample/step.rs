@@ -1,0 +1,141 @@
+//! The step sampler: processors -> grammar mask -> logprobs -> sample, in the order mlx-lm's
+//! `_step` applies them, holding the token history the processors read, the explicit random
+//! key sequence, and the request's grammar.
+
+use mlx::random::KeySequence;
+use mlx::Array;
+
+use super::{LogitsProcessors, Sampler};
+use crate::grammar::Constraint;
+use crate::Result;
+
+/// Whether a step's logits are masked by the request's grammar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Masking {
+    /// The target's own steps: only what the grammar allows.
+    Grammar,
+    /// Draft proposals: drafts run unconstrained; the target's verify walk masks them.
+    Unconstrained,
+}
+
+pub struct StepSampler {
+    sampler: Sampler,
+    processors: LogitsProcessors,
+    keys: Option<KeySequence>,
+    /// Every token fed to the model so far (generate_step's `tokens`), when processors need it.
+    history: Option<Array>,
+    constraint: Option<Constraint>,
+}
+
+impl StepSampler {
+    /// `seed` seeds the key sequence like `mx.random.seed(seed)`; sampling without one is
+    /// refused by the sampler, since it could not be replayed.
+    pub fn new(
+        sampler: Sampler,
+        processors: LogitsProcessors,
+        seed: Option<u64>,
+        constraint: Option<Constraint>,
+    ) -> Result<StepSampler> {
+        let keys = seed.map(KeySequence::new).transpose()?;
+        Ok(StepSampler {
+            sampler,
+            processors,
+            keys,
+            history: None,
+            constraint,
+        })
+    }
+
+    /// Hands the grammar state back (after a request).
+    pub fn take_constraint(&mut self) -> Option<Constraint> {
+        self.constraint.take()
+    }
+
+    pub fn is_constrained(&self) -> bool {
+        self.constraint.is_some()
+    }
+
+    /// Whether any logits processor is active (they then need a history per position).
+    pub fn has_processors(&self) -> bool {
+        !self.processors.is_empty()
+    }
+
+    /// Whether the grammar is complete (only EOS may follow).
+    pub fn grammar_stopped(&self) -> bool {
+        self.constraint.as_ref().is_some_and(Constraint::is_stopped)
+    }
+
+    /// Advances the grammar over an emitted token.
+    pub fn advance_grammar(&mut self, token: u32) -> Result<()> {
+        match &mut self.constraint {
+            Some(c) => Ok(c.consume(token)?),
+            None => Ok(()),
+        }
+    }
+
+    /// Takes the last `n` advanced tokens back out of the grammar.
+    pub fn rewind_grammar(&mut self, n: usize) -> Result<()> {
+        match &mut self.constraint {
+            Some(c) => Ok(c.rollback(n)?),
+            None => Ok(()),
+        }
+    }
+
+    /// Appends tokens the model has just been fed to the processors' history (generate_step's
+    /// `tokens`: the uncached prompt, then every fed-back sample).
+    pub fn extend_history(&mut self, tokens: &Array) -> Result<()> {
+        if self.processors.is_empty() || tokens.size() == 0 {
+            return Ok(());
+        }
+        self.history = Some(match &self.history {
+            Some(h) => mlx::ops::concatenate(&[h, tokens], 0)?,
+            None => tokens.clone(),
+        });
+        Ok(())
+    }
+
+    /// The one way logits become samplable: (1, V) logits through the processors, as if
+    /// `unrecorded` had been fed after the recorded history (a speculative position's own
+    /// prefix; empty in plain decoding), then through the grammar mask unless `masking` says
+    /// the step is a draft's. Processors see nothing before any history, as in mlx-lm.
+    pub fn process(
+        &mut self,
+        logits: &Array,
+        unrecorded: &[u32],
+        masking: Masking,
+    ) -> Result<Array> {
+        let processed = match self.history_with(unrecorded)? {
+            Some(history) if !self.processors.is_empty() => {
+                self.processors.apply(&history, logits)?
+            }
+            _ => logits.clone(),
+        };
+        match (&mut self.constraint, masking) {
+            (Some(c), Masking::Grammar) => Ok(c.mask(&processed)?),
+            _ => Ok(processed),
+        }
+    }
+
+    /// The recorded history followed by `unrecorded`, or None while both are empty.
+    fn history_with(&self, unrecorded: &[u32]) -> Result<Option<Array>> {
+        if unrecorded.is_empty() || self.processors.is_empty() {
+            return Ok(self.history.clone());
+        }
+        let ids: Vec<i32> = unrecorded.iter().map(|&t| t as i32).collect();
+        let extra = Array::from_slice(&ids, &[ids.len() as i32])?;
+        Ok(Some(match &self.history {
+            Some(h) => mlx::ops::concatenate(&[h, &extra], 0)?,
+            None => extra,
+        }))
+    }
+
+    /// `logits - logsumexp(logits, keepdims=True)` over all axes, as generate_step writes it.
+    pub fn logprobs(logits: &Array) -> Result<Array> {
+        Ok(logits.subtract(&logits.logsumexp(&[], true)?)?)
+    }
+
+    /// Samples one token per row of `logprobs`.
+    pub fn sample(&mut self, logprobs: &Array) -> Result<Array> {
+        self.sampler.sample(logprobs, self.keys.as_mut())
+    }
+}

@@ -1,0 +1,15 @@
+//! Speculative decoding: ONE verify/accept executor ([`executor`]) fed by draft sources through
+//! the [`DraftSource`] seam ([`source`]). The executor never names a model family or a cache
+//! type; it asks the rollback contract (crate::cache::Rollback) before every round.
+
+pub mod draft_model;
+pub mod executor;
+pub mod ngram;
+pub mod source;
+pub mod stats;
+
+pub use draft_model::DraftModel;
+pub use executor::{generate_speculative, Control};
+pub use ngram::NgramLookup;
+pub use source::{DraftContext, DraftSource};
+pub use stats::SpeculationStats;
