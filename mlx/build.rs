@@ -1,6 +1,6 @@
 //! Finds MLX and builds the C++ shim against it.
 //!
-//! The engine must run the very libmlx build the Python oracle runs (DESIGN.md section 1), so the
+//! The engine must run the very libmlx build the Python oracle runs (docs/DESIGN.md, section 1), so the
 //! MLX version is pinned here, once: `MLX_DIR` may point at an installed wheel's `mlx` folder
 //! (it must hold that version); otherwise the pinned wheel (`mlx-cpu` on Linux, `mlx-metal` on
 //! macOS) is installed with pip into a cache under the target directory.

@@ -11,7 +11,7 @@ check=1
 [ "${1:-}" = "--no-check" ] && check=0
 bash "$here/venv.sh" >/dev/null
 py="$here/.venv/bin/python"
-unset LD_PRELOAD  # goldens come from the stock wheel's BLAS only (fixtures-report P12)
+unset LD_PRELOAD  # goldens come from the stock wheel's BLAS only (docs/fixture-pitfalls.md, P12)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONDONTWRITEBYTECODE=1
 export TRANSFORMERS_VERBOSITY=error
 export HF_HUB_CACHE="$(mktemp -d)"

@@ -2,7 +2,7 @@
 
 Import this module FIRST in every oracle script: it must set the Hugging Face environment before
 transformers / huggingface_hub / mlx_lm are imported, so that no oracle code can reach the network
-(a mistyped local path would otherwise silently become a Hub lookup, fixtures-report pitfall P4).
+(a mistyped local path would otherwise silently become a Hub lookup, docs/fixture-pitfalls.md, P4).
 """
 
 import atexit

@@ -4,7 +4,7 @@ Why random: they exercise architecture, cache, quantization and loading plumbing
 rebuild byte-identically anywhere (no training). Every model is instantiated from mlx_lm's own model
 class (mlx_lm.utils._get_classes) under a fixed per-model seed, so the weights are exactly what the
 oracle's initialisers produce, then tweaked so greedy decoding does not collapse onto one token
-(fixtures-report P13): embeddings are untied; every 2-D projection is scaled by 2 (MLX's
+(docs/fixture-pitfalls.md, P13): embeddings are untied; every 2-D projection is scaled by 2 (MLX's
 uniform(+-1/sqrt(in)) init is so contractive that the residual stream settles into a loop); every
 norm weight gets an effective scale of 1 + 0.1*N(0,1) (stored as 0.1*N for Gemma's (1+w) norms and
 Qwen3.5's zero-centred HF norms), which also makes a "1+w vs w" convention bug visible.

@@ -3,7 +3,7 @@
 Why this shape:
 * Pre-tokenizer = transformers' Qwen3_5Tokenizer pipeline (NFC, Split(Qwen3.5 regex, isolated),
   ByteLevel(use_regex=False)) and a ByteLevel decoder. transformers 5 ignores tokenizer_class for
-  model_type qwen3_5 and rebuilds that exact pipeline from vocab + merges (fixtures-report P1), so
+  model_type qwen3_5 and rebuilds that exact pipeline from vocab + merges (docs/fixture-pitfalls.md, P1), so
   any other pre-tokenizer would tokenize differently in the qwen3_5 folders.
 * Special tokens <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2; eos <|im_end|>, pad <|endoftext|>,
   no bos. ChatML template that accepts string content and mlx-vlm's list-of-parts content (P3).

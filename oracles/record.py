@@ -1,4 +1,4 @@
-"""Records golden token traces (format verity-trace/1, DESIGN.md section 5) with mlx-lm.
+"""Records golden token traces (format verity-trace/1, docs/trace-format.md) with mlx-lm.
 
 Reads golden/MANIFEST.toml, expands its groups (models x variants x prompts) into cases, runs each
 through mlx_lm.stream_generate exactly as `mlx_lm.generate` would (chat template, encoding,

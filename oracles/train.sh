@@ -2,7 +2,7 @@
 # Trains golden/models/qwen3-target and qwen3-draft (train_tiny.py) in parallel, one core each.
 # Reproducible bit for bit: Debian's single-threaded OpenBLAS is preloaded (the wheel's reference
 # BLAS is ~15x slower at sgemm) and pinned to one thread. Only the TRAINING uses OpenBLAS; every
-# golden output is produced with the stock wheel (fixtures-report P12).
+# golden output is produced with the stock wheel (docs/fixture-pitfalls.md, P12).
 # Usage: oracles/train.sh [STEPS [OUT_ROOT]]   (defaults: 1500, golden/models)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -1,6 +1,6 @@
 """Train the tiny qwen3 target (~1M params) or its ~5x smaller draft on the stdlib corpus, on CPU.
 
-Why trained fixtures: random models give meaningless speculative acceptance (fixtures-report P13);
+Why trained fixtures: random models give meaningless speculative acceptance (docs/fixture-pitfalls.md, P13);
 these two produce Python-like text and chat answers ending in <|im_end|>, so acceptance rates,
 finish reasons and traces mean something. The weights are committed; CI never trains.
 

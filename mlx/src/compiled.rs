@@ -1,6 +1,6 @@
 //! Functions traced once with `mx::compile` in the shim, each a literal copy of a function that
 //! mlx-lm or mlx.nn wraps in `mx.compile`. Fused kernels may round differently from the same ops
-//! unfused (FMA contraction on AVX2 builds, parity-feasibility.md G4), so verity takes the same
+//! unfused (FMA contraction on AVX2 builds, docs/parity-notes.md G4), so verity takes the same
 //! compiled path Python takes rather than relying on the two agreeing.
 
 use crate::array::List;

@@ -1,6 +1,6 @@
 //! `mlx::core::fast`: the fused ops mlx-lm calls through `mx.fast`. On the CPU wheel they fall
 //! back to op graphs, but calling them with mlx-lm's exact arguments keeps Metal builds on the
-//! same fused kernels Python uses (parity-feasibility.md, G9).
+//! same fused kernels Python uses (docs/parity-notes.md, G9).
 
 use crate::ffi::bridge as ffi;
 use crate::ops::{ptr, wrap};

@@ -1,5 +1,5 @@
 //! A safe Rust binding of MLX's C++ API through cxx, linked to the same pinned MLX wheel the
-//! Python oracle (mlx-lm / mlx-vlm) runs, so both execute one libmlx build (DESIGN.md section 1).
+//! Python oracle (mlx-lm / mlx-vlm) runs, so both execute one libmlx build (docs/DESIGN.md, section 1).
 //!
 //! Names follow mlx-rs where mlx-rs has them (`Array`, `Dtype`, `ops`, `fast`, `random`), so the
 //! engine reads like mlx-rs code. All MLX work belongs on one thread: see [`thread`].

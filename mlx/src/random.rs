@@ -2,7 +2,7 @@
 //!
 //! Python keeps one global key per thread: `mx.random.seed(s)` sets it to `key(s)` and every
 //! keyless draw does `state, sub = split(state)` and uses `sub`. Inside `mx::compile` a C++
-//! global key would be baked in as a constant (parity-feasibility.md, G5), so verity never uses
+//! global key would be baked in as a constant (docs/parity-notes.md, G5), so verity never uses
 //! it: callers hold a [`KeySequence`] and pass each draw's key explicitly.
 
 use crate::ffi::bridge as ffi;
@@ -45,7 +45,7 @@ pub fn gumbel(shape: &[i32], dtype: Dtype, key: &Array) -> Result<Array> {
 
 /// `mx.random.categorical(logits, axis, key=)`. MLX picks the inverse-CDF path for exactly one
 /// distribution with a non-empty output shape and the Gumbel path otherwise, so the same key
-/// samples differently for a (1, V) and a (3, V) input (oracle-digest.md section 3.3).
+/// samples differently for a (1, V) and a (3, V) input (docs/parity-notes.md, "Random numbers").
 pub fn categorical(logits: &Array, axis: i32, key: &Array) -> Result<Array> {
     wrap(ffi::random_categorical(logits.ffi(), axis, key.ffi()))
 }

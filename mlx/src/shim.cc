@@ -52,7 +52,7 @@ std::vector<int> axes_or_all(I32s axes, const mx::array& a) {
 }
 
 // ---- compiled kernels: each mirrors one mx.compile'd Python function, expression for
-// expression, because fused kernels may round differently from unfused ops (G3/G4).
+// expression, because fused kernels may round differently from unfused ops (docs/parity-notes.md, G3 and G4).
 
 // mlx.nn.silu: `x * mx.sigmoid(x)`, compiled shapeless.
 std::vector<mx::array> silu_fn(const std::vector<mx::array>& in) {

@@ -3,7 +3,7 @@
 //! MLX binds each array to the stream of the thread that built it (evaluating it elsewhere fails
 //! with "There is no Stream(cpu, 0) in current thread"), and every thread that evaluates
 //! anything leaves a stream scheduler thread behind that is never reclaimed
-//! (toolchain-notes.md section 1). So MLX work is never spread over short-lived or pooled
+//! (docs/DESIGN.md, section 3). So MLX work is never spread over short-lived or pooled
 //! threads: it is sent as closures to one `EngineThread`, and only plain data (token ids,
 //! `Vec<f32>`, strings) crosses back. `Array` is `!Send`, so the compiler enforces the rest.
 
