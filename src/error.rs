@@ -2,7 +2,6 @@
 //! file, a grammar) keep their own types, which name the file or input at fault, and convert
 //! into this one; the CLI prints any of them as one line and exits 2.
 
-use crate::cache::PromptFileError;
 use crate::grammar::GrammarError;
 use crate::load::LoadError;
 use crate::tokenizer::TokenizerError;
@@ -37,6 +36,15 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A prompt cache file (mlx-lm's format) that cannot be read or written, naming the file.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptFileError {
+    #[error("{path}: {message}")]
+    Format { path: String, message: String },
+    #[error("{path}: {source}")]
+    Mlx { path: String, source: mlx::Error },
+}
 
 impl Error {
     /// This error, prefixed with what it happened in.

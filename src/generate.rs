@@ -81,8 +81,8 @@ impl GenerateParams {
     pub fn greedy(max_tokens: usize, eos_token_ids: Vec<u32>) -> GenerateParams {
         GenerateParams {
             max_tokens,
-            sampler: SamplerParams::greedy(),
-            processors: ProcessorParams::none(),
+            sampler: SamplerParams::default(),
+            processors: ProcessorParams::default(),
             seed: None,
             prefill_step_size: 2048,
             max_kv_size: None,
@@ -113,6 +113,19 @@ pub struct GeneratedToken {
     pub finish: Option<FinishReason>,
 }
 
+/// One model call over the 1-D `tokens` — mlx-lm's `model(tokens[None], cache=...)` — then the
+/// quantized-KV conversion when due (`maybe_quantize_kv_cache`). Returns the (1, L, V) logits.
+pub fn forward_tokens(
+    model: &dyn LanguageModel,
+    caches: &mut [LayerCache],
+    tokens: &Array,
+    kv_quantization: Option<&KvQuantization>,
+) -> Result<Array> {
+    let out = model.forward(&tokens.expand_dims(&[0])?, caches, &[])?;
+    quantize_due(caches, kv_quantization)?;
+    Ok(out.logits)
+}
+
 /// Feeds `tokens` to the model in chunks of `prefill_step_size`, evaluating the caches after
 /// each chunk, and converting them to quantized KV caches when due (generate_step's prefill).
 /// `on_chunk` sees each chunk (the processors' history collects them).
@@ -127,8 +140,7 @@ pub fn prefill(
     while rest.dim(0) > 0 {
         let n = (params.prefill_step_size as i32).min(rest.dim(0));
         let chunk = rest.slice_axis(0, 0, n)?;
-        model.forward(&chunk.expand_dims(&[0])?, caches, &[])?;
-        quantize_due(caches, params.kv_quantization.as_ref())?;
+        forward_tokens(model, caches, &chunk, params.kv_quantization.as_ref())?;
         eval_state(caches)?;
         on_chunk(&chunk)?;
         rest = rest.slice_axis(0, n, rest.dim(0))?;
@@ -150,8 +162,8 @@ pub fn cache_prompt(
     };
     let mut caches = model.make_cache(params.max_kv_size);
     prefill(model, &mut caches, &token_array(head)?, params, |_| Ok(()))?;
-    model.forward(&token_array(&[last])?.expand_dims(&[0])?, &mut caches, &[])?;
-    quantize_due(&mut caches, params.kv_quantization.as_ref())?;
+    let kv = params.kv_quantization.as_ref();
+    forward_tokens(model, &mut caches, &token_array(&[last])?, kv)?;
     eval_state(&caches)?;
     Ok(caches)
 }
@@ -229,20 +241,13 @@ impl<'m> Generation<'m> {
         Ok(g)
     }
 
-    /// The caches, for inspection after generation (they hold every emitted token).
-    pub fn caches(&self) -> &[LayerCache] {
-        &self.caches
-    }
-
     /// generate_step's `_step`: forward the input, process, quantize the cache, sample.
     fn step(&mut self, input: &Array) -> Result<(Array, Array)> {
-        let out = self
-            .model
-            .forward(&input.expand_dims(&[0])?, &mut self.caches, &[])?;
-        let logits = last_logits(&out.logits)?;
+        let kv = self.params.kv_quantization.as_ref();
+        let logits = forward_tokens(self.model, &mut self.caches, input, kv)?;
+        let logits = last_logits(&logits)?;
         self.step_sampler.extend_history(input)?;
         let logits = self.step_sampler.process(&logits, &[], Masking::Grammar)?;
-        quantize_due(&mut self.caches, self.params.kv_quantization.as_ref())?;
         let logprobs = StepSampler::logprobs(&logits)?;
         let sampled = self.step_sampler.sample(&logprobs)?;
         Ok((sampled, logprobs.squeeze(&[0])?))

@@ -40,17 +40,7 @@ fn bisect_names_the_commit_that_lowered_acceptance() {
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch).unwrap();
     let repo = scratch.join("repo");
-    let out = Command::new("git")
-        .args(["clone", "-q"])
-        .arg(&root)
-        .arg(&repo)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    git(&scratch, &["clone", "-q", &root.to_string_lossy(), "repo"]);
     git(&repo, &["config", "user.email", "demo@verity.invalid"]);
     git(&repo, &["config", "user.name", "bisect demo"]);
     let good = git(&repo, &["rev-parse", "HEAD"]);

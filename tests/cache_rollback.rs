@@ -225,52 +225,38 @@ fn recurrent_cache_matches_its_reference() {
     fuzz(Just(Kind::Recurrent), 60, 12);
 }
 
+/// A speculative round fed in calls of `chunks` tokens, of which the last `reject` are taken
+/// back.
+fn round(chunks: &[usize], reject: usize) -> Op {
+    Op::Round {
+        chunks: chunks.to_vec(),
+        reject,
+    }
+}
+
+/// A rotating cache of `max_size` slots keeping the first `keep`.
+fn rotating(max_size: usize, keep: usize) -> Kind {
+    Kind::Rotating { max_size, keep }
+}
+
 // Named regressions: the failure shapes upstream engines reported (docs/prior-art.md,
 // "Cache rollback bugs").
 
 #[test]
 fn multi_token_update_at_the_rotating_boundary() {
-    let kind = Kind::Rotating {
-        max_size: 8,
-        keep: 0,
-    };
+    let kind = rotating(8, 0);
     run_ops(
         kind,
         &[Op::Append(6), Op::Append(3), Op::Append(1), Op::Append(2)],
     )
     .unwrap();
-    run_ops(
-        kind,
-        &[
-            Op::Append(5),
-            Op::Round {
-                chunks: vec![3],
-                reject: 2,
-            },
-            Op::Append(1),
-        ],
-    )
-    .unwrap();
+    run_ops(kind, &[Op::Append(5), round(&[3], 2), Op::Append(1)]).unwrap();
 }
 
 #[test]
 fn a_round_that_would_wrap_the_window_is_refused_before_it_starts() {
-    let kind = Kind::Rotating {
-        max_size: 4,
-        keep: 1,
-    };
-    run_ops(
-        kind,
-        &[
-            Op::Append(6),
-            Op::Round {
-                chunks: vec![1],
-                reject: 1,
-            },
-            Op::Append(1),
-        ],
-    )
-    .unwrap();
+    let kind = rotating(4, 1);
+    run_ops(kind, &[Op::Append(6), round(&[1], 1), Op::Append(1)]).unwrap();
     let mut real = real_cache(kind);
     let rec = recurrence();
     feed(&mut real, &rec, &[0, 1, 2]);
@@ -302,15 +288,9 @@ fn rollback_after_a_recurrent_layer_replays_the_kept_tokens() {
         Kind::Recurrent,
         &[
             Op::Append(3),
-            Op::Round {
-                chunks: vec![2, 2],
-                reject: 3,
-            },
+            round(&[2, 2], 3),
             Op::Append(1),
-            Op::Round {
-                chunks: vec![3],
-                reject: 0,
-            },
+            round(&[3], 0),
         ],
     )
     .unwrap();

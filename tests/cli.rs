@@ -64,6 +64,11 @@ fn golden(id: &str) -> Value {
     serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap()
 }
 
+/// `verity generate --model <model> --prompt hi`.
+fn generate_hi(model: &str) -> Output {
+    verity(&["generate", "--model", model, "--prompt", "hi"])
+}
+
 /// Asserts exit code 2 and a single `error:` line on stderr containing every `needle`.
 fn assert_one_error_line(out: &Output, needles: &[&str]) {
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -78,35 +83,42 @@ fn assert_one_error_line(out: &Output, needles: &[&str]) {
 
 const TRACE: &str = "qwen3-target/greedy/code";
 
+/// `verity replay` on `trace` written to a scratch file: (exit code, stdout).
+fn replay(trace: &Value) -> (Option<i32>, String) {
+    let scratch = Scratch::new("replay");
+    let path = scratch.write_json("trace.json", trace);
+    let out = verity(&["replay", path.to_str().unwrap(), "--root", &root_arg()]);
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// Asserts that `stdout` contains every one of `needles`.
+fn assert_contains(stdout: &str, needles: &[&str]) {
+    for n in needles {
+        assert!(stdout.contains(n), "{n:?} missing from: {stdout}");
+    }
+}
+
 #[test]
 fn a_corrupted_trace_gets_a_divergence_report() {
-    let scratch = Scratch::new("diverge");
     let mut trace = golden(TRACE);
     // Change the oracle's token at step 5 to its runner-up, as a real divergence would look.
     let step = &mut trace["steps"][5];
     let runner_up = step["top"][1][0].as_u64().unwrap();
     let original = step["token"].as_u64().unwrap();
     step["token"] = runner_up.into();
-    let path = scratch.write_json("corrupt.json", &trace);
-
-    let out = verity(&["replay", path.to_str().unwrap(), "--root", &root_arg()]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(1), "{stdout}");
-    assert!(
-        stdout.contains(&format!("FAIL {TRACE}: first difference at step 5 of")),
-        "{stdout}"
-    );
-    assert!(
-        stdout.contains(&format!("token: oracle {runner_up}, engine {original}")),
-        "{stdout}"
-    );
-    assert!(
-        stdout.contains("oracle top-1/top-2 margin at step 5:"),
-        "{stdout}"
-    );
-    assert!(
-        stdout.contains("text diff (- oracle, + engine):"),
-        "{stdout}"
+    let (code, stdout) = replay(&trace);
+    assert_eq!(code, Some(1), "{stdout}");
+    assert_contains(
+        &stdout,
+        &[
+            &format!("FAIL {TRACE}: first difference at step 5 of"),
+            &format!("token: oracle {runner_up}, engine {original}"),
+            "oracle top-1/top-2 margin at step 5:",
+            "text diff (- oracle, + engine):",
+        ],
     );
     assert!(
         stdout.contains("[-") || stdout.contains("{+"),
@@ -116,16 +128,12 @@ fn a_corrupted_trace_gets_a_divergence_report() {
 
 #[test]
 fn a_corrupted_logprob_is_a_tier_a_failure_naming_the_bits() {
-    let scratch = Scratch::new("logprob");
     let mut trace = golden(TRACE);
     let lp = trace["steps"][2]["logprob"].as_f64().unwrap() as f32;
     trace["steps"][2]["logprob"] = Value::from(f32::from_bits(lp.to_bits() + 1) as f64);
-    let path = scratch.write_json("corrupt.json", &trace);
-    let out = verity(&["replay", path.to_str().unwrap(), "--root", &root_arg()]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(1), "{stdout}");
-    assert!(stdout.contains("first difference at step 2"), "{stdout}");
-    assert!(stdout.contains("logprob of token"), "{stdout}");
+    let (code, stdout) = replay(&trace);
+    assert_eq!(code, Some(1), "{stdout}");
+    assert_contains(&stdout, &["first difference at step 2", "logprob of token"]);
 }
 
 #[test]
@@ -147,49 +155,40 @@ fn check_on_a_trace_folder_prints_the_suite_table() {
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}");
-    assert!(stdout.contains("suite"), "{stdout}");
-    assert!(stdout.contains("all traces pass"), "{stdout}");
+    assert_contains(&stdout, &["suite", "all traces pass"]);
 }
 
 #[test]
 fn a_missing_model_folder_is_one_error_line() {
-    let out = verity(&["generate", "--model", "no/such/model", "--prompt", "hi"]);
+    let out = generate_hi("no/such/model");
     assert_one_error_line(&out, &["no/such/model", "no such model folder"]);
+}
+
+/// `verity generate` on a copy of the llama fixture whose `file` went through `edit`.
+fn generate_with_edited_llama(file: &str, edit: impl FnOnce(Vec<u8>) -> Vec<u8>) -> Output {
+    let scratch = Scratch::new("edited-llama");
+    let model = scratch.copy_model("llama");
+    let path = model.join(file);
+    fs::write(&path, edit(fs::read(&path).unwrap())).unwrap();
+    generate_hi(model.to_str().unwrap())
 }
 
 #[test]
 fn a_truncated_safetensors_file_is_one_error_line() {
-    let scratch = Scratch::new("truncated");
-    let model = scratch.copy_model("llama");
-    let weights = model.join("model.safetensors");
-    let bytes = fs::read(&weights).unwrap();
-    fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
-    let out = verity(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "hi",
-    ]);
+    let out = generate_with_edited_llama("model.safetensors", |mut bytes| {
+        bytes.truncate(bytes.len() / 2);
+        bytes
+    });
     assert_one_error_line(&out, &["model.safetensors", "truncated"]);
 }
 
 #[test]
 fn an_unknown_model_type_is_one_error_line() {
-    let scratch = Scratch::new("model-type");
-    let model = scratch.copy_model("llama");
-    let config_path = model.join("config.json");
-    let mut config: Value =
-        serde_json::from_str(&fs::read_to_string(&config_path).unwrap()).unwrap();
-    config["model_type"] = "transformer_xl".into();
-    fs::write(&config_path, config.to_string()).unwrap();
-    let out = verity(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "hi",
-    ]);
+    let out = generate_with_edited_llama("config.json", |bytes| {
+        let mut config: Value = serde_json::from_slice(&bytes).unwrap();
+        config["model_type"] = "transformer_xl".into();
+        config.to_string().into_bytes()
+    });
     assert_one_error_line(
         &out,
         &["config.json", "unknown model_type \"transformer_xl\""],

@@ -11,6 +11,12 @@ use verity::speculative::{
     generate_speculative, Control, DraftModel, DraftSource, NgramLookup, SpeculationStats,
 };
 
+/// The trained target and its draft, with this test's MLX JIT cache isolated first.
+fn trained_pair() -> (ModelBundle, ModelBundle) {
+    mlx::jit::isolate_per_test_slot();
+    (bundle("qwen3-target"), bundle("qwen3-draft"))
+}
+
 /// (token, logprob bits, finish) of each step.
 type Steps = Vec<(u32, Vec<u8>, Option<FinishReason>)>;
 
@@ -118,9 +124,7 @@ fn greedy_speculation_with_logits_processors_equals_plain() {
     // verity gives them plain decoding's history, so output does not change. (Seeded sampling
     // draws its random keys differently when speculating, in mlx-lm and here, so it is
     // compared greedy.)
-    mlx::jit::isolate_per_test_slot();
-    let target = bundle("qwen3-target");
-    let draft = bundle("qwen3-draft");
+    let (target, draft) = trained_pair();
     let (prompt, mut params) = golden_input("qwen3-target/all-processors/code", 48);
     params.sampler.temp = 0.0;
     let mut source = DraftModel::new(draft.model());
@@ -149,9 +153,7 @@ fn self_drafting_accepts_everything_and_equals_plain() {
 
 #[test]
 fn max_tokens_cuts_exactly_and_a_halt_emits_exactly_what_was_allowed() {
-    mlx::jit::isolate_per_test_slot();
-    let target = bundle("qwen3-target");
-    let draft = bundle("qwen3-draft");
+    let (target, draft) = trained_pair();
     let (prompt, params) = golden_input("qwen3-target/greedy/code", 40);
     let mut long_source = DraftModel::new(draft.model());
     let (long, _) = speculative(&target, &mut long_source, &prompt, &params, 4, None);
@@ -172,9 +174,7 @@ fn max_tokens_cuts_exactly_and_a_halt_emits_exactly_what_was_allowed() {
 
 #[test]
 fn identical_reruns_give_identical_statistics() {
-    mlx::jit::isolate_per_test_slot();
-    let target = bundle("qwen3-target");
-    let draft = bundle("qwen3-draft");
+    let (target, draft) = trained_pair();
     let (prompt, mut params) = golden_input("qwen3-target/greedy/chat", 40);
     params.sampler.temp = 0.8;
     params.seed = Some(5);

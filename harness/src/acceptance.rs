@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::stats::SpecStats;
+use crate::stats::Acceptance;
 
 pub const SUITE_FORMAT: &str = "verity-accept/1";
-pub const BASELINE_FORMAT: &str = "verity-accept-baseline/1";
+pub const BASELINE_FORMAT: &str = "verity-accept-baseline/2";
 
 /// Where a suite's drafts come from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -43,11 +43,11 @@ pub struct OracleAcceptance {
     pub from_draft: BTreeMap<String, f64>,
 }
 
-/// Summed statistics per num_draft_tokens, as committed next to a suite.
+/// A suite's acceptance per num_draft_tokens, as committed next to it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Baseline {
     pub format: String,
-    pub stats: BTreeMap<usize, SpecStats>,
+    pub acceptance: BTreeMap<usize, Acceptance>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -63,16 +63,32 @@ fn invalid(path: &Path, message: impl Into<String>) -> AcceptError {
     }
 }
 
+/// Reads and parses `path`, then checks that its declared format is `expected`.
+fn read<T, E: std::fmt::Display>(
+    path: &Path,
+    expected: &str,
+    parse: impl Fn(&str) -> Result<T, E>,
+    format: impl Fn(&T) -> &str,
+) -> Result<T, AcceptError> {
+    let text = std::fs::read_to_string(path).map_err(|e| invalid(path, e.to_string()))?;
+    let value = parse(&text).map_err(|e| invalid(path, e.to_string()))?;
+    match format(&value) {
+        f if f == expected => Ok(value),
+        f => Err(invalid(
+            path,
+            format!("format {f:?}, expected {expected:?}"),
+        )),
+    }
+}
+
 impl Suite {
     pub fn load(path: &Path) -> Result<Suite, AcceptError> {
-        let text = std::fs::read_to_string(path).map_err(|e| invalid(path, e.to_string()))?;
-        let suite: Suite = toml::from_str(&text).map_err(|e| invalid(path, e.to_string()))?;
-        if suite.format != SUITE_FORMAT {
-            return Err(invalid(
-                path,
-                format!("format {:?}, expected {SUITE_FORMAT:?}", suite.format),
-            ));
-        }
+        let suite: Suite = read(
+            path,
+            SUITE_FORMAT,
+            |t| toml::from_str(t),
+            |s: &Suite| &s.format,
+        )?;
         if suite.prompts.is_empty() || suite.prompts.iter().any(Vec::is_empty) {
             return Err(invalid(path, "prompts must be non-empty token lists"));
         }
@@ -89,23 +105,20 @@ impl Suite {
 }
 
 impl Baseline {
-    pub fn new(stats: BTreeMap<usize, SpecStats>) -> Baseline {
+    pub fn new(acceptance: BTreeMap<usize, Acceptance>) -> Baseline {
         Baseline {
             format: BASELINE_FORMAT.into(),
-            stats,
+            acceptance,
         }
     }
 
     pub fn load(path: &Path) -> Result<Baseline, AcceptError> {
-        let text = std::fs::read_to_string(path).map_err(|e| invalid(path, e.to_string()))?;
-        let b: Baseline = serde_json::from_str(&text).map_err(|e| invalid(path, e.to_string()))?;
-        if b.format != BASELINE_FORMAT {
-            return Err(invalid(
-                path,
-                format!("format {:?}, expected {BASELINE_FORMAT:?}", b.format),
-            ));
-        }
-        Ok(b)
+        read(
+            path,
+            BASELINE_FORMAT,
+            |t| serde_json::from_str(t),
+            |b: &Baseline| &b.format,
+        )
     }
 
     pub fn save(&self, path: &Path) -> Result<(), AcceptError> {

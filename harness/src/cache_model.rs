@@ -180,6 +180,10 @@ pub fn rotating_kind() -> impl Strategy<Value = Kind> {
 mod tests {
     use super::*;
 
+    fn rotating(max_size: usize, keep: usize) -> RefCache {
+        RefCache::new(Kind::Rotating { max_size, keep })
+    }
+
     #[test]
     fn kv_round_keeps_only_accepted_tokens() {
         let mut c = RefCache::new(Kind::Kv);
@@ -190,42 +194,41 @@ mod tests {
         assert_eq!(c.visible(), &[0, 1, 2, 3, 4, 7]);
     }
 
+    /// Appends calls of `k` tokens to `c`, checking what it makes visible after each.
+    fn check_appends(mut c: RefCache, steps: &[(usize, &[u32])]) {
+        for (k, want) in steps {
+            c.append(*k);
+            assert_eq!(c.visible(), *want, "after a call of {k}");
+        }
+    }
+
     #[test]
     fn rotating_single_tokens_keep_the_prefix_and_the_newest() {
-        let mut c = RefCache::new(Kind::Rotating {
-            max_size: 4,
-            keep: 1,
-        });
-        for _ in 0..6 {
-            c.append(1);
-        }
-        assert_eq!(c.visible(), &[0, 3, 4, 5]);
+        let full: [&[u32]; 6] = [
+            &[0],
+            &[0, 1],
+            &[0, 1, 2],
+            &[0, 1, 2, 3],
+            &[0, 2, 3, 4],
+            &[0, 3, 4, 5],
+        ];
+        check_appends(rotating(4, 1), &full.map(|v| (1, v)));
     }
 
     #[test]
     fn rotating_multi_token_call_grows_to_window_minus_one_plus_new() {
-        let mut c = RefCache::new(Kind::Rotating {
-            max_size: 4,
-            keep: 0,
-        });
-        c.append(5);
-        assert_eq!(
-            c.visible(),
-            &[0, 1, 2, 3, 4],
-            "a first call is stored whole"
-        );
-        c.append(2);
-        assert_eq!(c.visible(), &[2, 3, 4, 5, 6]);
-        c.append(1);
-        assert_eq!(c.visible(), &[4, 5, 6, 7]);
+        // A first call is stored whole; later ones keep window - 1 old entries plus the new.
+        let steps: [(usize, &[u32]); 3] = [
+            (5, &[0, 1, 2, 3, 4]),
+            (2, &[2, 3, 4, 5, 6]),
+            (1, &[4, 5, 6, 7]),
+        ];
+        check_appends(rotating(4, 0), &steps);
     }
 
     #[test]
     fn rotating_refuses_a_round_that_would_wrap() {
-        let mut c = RefCache::new(Kind::Rotating {
-            max_size: 8,
-            keep: 0,
-        });
+        let mut c = rotating(8, 0);
         c.append(5);
         assert_eq!(c.plan(3), Plan::Trim);
         assert_eq!(c.plan(4), Plan::Refuse);

@@ -1,39 +1,27 @@
-//! Speculation statistics in the format baselines are committed in, in the project's one
-//! vocabulary (docs/DESIGN.md, "Speculation statistics"), and the comparison with a baseline
+//! Speculative acceptance as baselines keep it (per draft position, in the project's one
+//! vocabulary: docs/DESIGN.md, "Speculation statistics"), and the comparison with a baseline
 //! that `verity accept` (and so `git bisect run`) is driven by.
 
 use serde::{Deserialize, Serialize};
 
-/// Counters of one speculative generation (or a sum of several).
+/// What a baseline keeps of a speculative run at one num_draft_tokens: drafts and acceptances
+/// per draft position, and the tokens emitted (of which `from_draft` were accepted drafts,
+/// mlx-lm's measure). The totals are sums over positions, so they cannot disagree.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SpecStats {
-    /// Verify rounds run (rounds with drafts, plus refused rounds decoded plainly).
-    pub rounds: usize,
-    /// Tokens proposed by the draft source.
-    pub drafted: usize,
-    /// Proposals the target accepted.
-    pub accepted: usize,
+pub struct Acceptance {
     /// Proposals at draft position i (0-based).
     pub drafted_by_pos: Vec<usize>,
     /// Acceptances at draft position i.
     pub accepted_by_pos: Vec<usize>,
-    /// Target forward passes after the prompt.
-    pub target_calls: usize,
     /// Tokens emitted.
     pub generated: usize,
-    /// Emitted tokens that were accepted drafts (mlx-lm's `from_draft`); fewer than `accepted`
-    /// when a request ends inside a round.
-    #[serde(default)]
+    /// Emitted tokens that were accepted drafts.
     pub from_draft: usize,
-    /// Rounds the target caches could not take back (decoded without drafts instead).
-    pub refused_rounds: usize,
-    /// Rounds that rejected part of their drafts and so rolled the caches back.
-    pub partial_rollbacks: usize,
 }
 
-impl SpecStats {
-    /// Adds another generation's counters.
-    pub fn add(&mut self, other: &SpecStats) {
+impl Acceptance {
+    /// Adds another run's counts.
+    pub fn add(&mut self, other: &Acceptance) {
         for (mine, theirs) in [
             (&mut self.drafted_by_pos, &other.drafted_by_pos),
             (&mut self.accepted_by_pos, &other.accepted_by_pos),
@@ -45,43 +33,37 @@ impl SpecStats {
                 *m += t;
             }
         }
-        self.rounds += other.rounds;
-        self.drafted += other.drafted;
-        self.accepted += other.accepted;
-        self.target_calls += other.target_calls;
         self.generated += other.generated;
         self.from_draft += other.from_draft;
-        self.refused_rounds += other.refused_rounds;
-        self.partial_rollbacks += other.partial_rollbacks;
+    }
+
+    /// Proposals in all.
+    pub fn drafted(&self) -> usize {
+        self.drafted_by_pos.iter().sum()
+    }
+
+    /// Acceptances in all.
+    pub fn accepted(&self) -> usize {
+        self.accepted_by_pos.iter().sum()
     }
 
     /// accepted / drafted.
-    pub fn acceptance_rate(&self) -> f64 {
-        ratio(self.accepted, self.drafted)
+    pub fn rate(&self) -> f64 {
+        ratio(self.accepted(), self.drafted())
     }
 
-    /// accepted / rounds.
-    pub fn mean_accepted_len(&self) -> f64 {
-        ratio(self.accepted, self.rounds)
+    /// accepted_by_pos[i] / drafted_by_pos[i].
+    pub fn rate_at(&self, pos: usize) -> f64 {
+        ratio(
+            self.accepted_by_pos.get(pos).copied().unwrap_or(0),
+            self.drafted_by_pos.get(pos).copied().unwrap_or(0),
+        )
     }
 
     /// from_draft / generated: the share of emitted tokens that came from the draft (the
     /// fraction mlx-lm reports through `from_draft`).
     pub fn from_draft_fraction(&self) -> f64 {
         ratio(self.from_draft, self.generated)
-    }
-
-    /// generated / target_calls.
-    pub fn tokens_per_forward(&self) -> f64 {
-        ratio(self.generated, self.target_calls)
-    }
-
-    /// accepted_by_pos[i] / drafted_by_pos[i].
-    pub fn acceptance_at(&self, pos: usize) -> f64 {
-        ratio(
-            self.accepted_by_pos.get(pos).copied().unwrap_or(0),
-            self.drafted_by_pos.get(pos).copied().unwrap_or(0),
-        )
     }
 }
 
@@ -113,9 +95,9 @@ impl Default for Tolerance {
 }
 
 /// Why a run counts as a regression against its baseline; empty means it does not.
-pub fn regressions(baseline: &SpecStats, run: &SpecStats, tol: &Tolerance) -> Vec<String> {
+pub fn regressions(baseline: &Acceptance, run: &Acceptance, tol: &Tolerance) -> Vec<String> {
     let mut out = Vec::new();
-    let (b, r) = (baseline.acceptance_rate(), run.acceptance_rate());
+    let (b, r) = (baseline.rate(), run.rate());
     if r < b * (1.0 - tol.overall_rtol) {
         out.push(format!(
             "acceptance rate {r:.4} is below the baseline {b:.4} by more than {:.0}%",
@@ -123,7 +105,7 @@ pub fn regressions(baseline: &SpecStats, run: &SpecStats, tol: &Tolerance) -> Ve
         ));
     }
     for pos in 0..baseline.drafted_by_pos.len() {
-        let (b, r) = (baseline.acceptance_at(pos), run.acceptance_at(pos));
+        let (b, r) = (baseline.rate_at(pos), run.rate_at(pos));
         if r < b - tol.per_position_floor {
             out.push(format!(
                 "position {pos}: acceptance {r:.4} is below the baseline {b:.4} - {:.2}",
@@ -138,20 +120,17 @@ pub fn regressions(baseline: &SpecStats, run: &SpecStats, tol: &Tolerance) -> Ve
 mod tests {
     use super::*;
 
-    /// Statistics of rounds given as (drafted, accepted), each emitting accepted + 1 tokens.
-    fn stats(rounds: &[(usize, usize)]) -> SpecStats {
+    /// Rounds given as (drafted, accepted), each emitting accepted + 1 tokens.
+    fn acceptance(rounds: &[(usize, usize)]) -> Acceptance {
         let width = rounds.iter().map(|r| r.0).max().unwrap_or(0);
-        let mut s = SpecStats {
+        let mut s = Acceptance {
             drafted_by_pos: vec![0; width],
             accepted_by_pos: vec![0; width],
-            ..SpecStats::default()
+            ..Acceptance::default()
         };
         for &(d, a) in rounds {
-            s.rounds += 1;
-            s.target_calls += 1;
-            s.drafted += d;
-            s.accepted += a;
             s.generated += a + 1;
+            s.from_draft += a;
             (0..d).for_each(|i| s.drafted_by_pos[i] += 1);
             (0..a).for_each(|i| s.accepted_by_pos[i] += 1);
         }
@@ -159,22 +138,23 @@ mod tests {
     }
 
     #[test]
-    fn the_ratios_are_computed_as_defined() {
-        let s = stats(&[(3, 3), (3, 1), (3, 0)]);
-        assert!((s.acceptance_rate() - 4.0 / 9.0).abs() < 1e-12);
-        assert!((s.mean_accepted_len() - 4.0 / 3.0).abs() < 1e-12);
-        assert!((s.tokens_per_forward() - 7.0 / 3.0).abs() < 1e-12);
-        assert!((s.acceptance_at(1) - 1.0 / 3.0).abs() < 1e-12);
+    fn the_rates_are_computed_as_defined() {
+        let s = acceptance(&[(3, 3), (3, 1), (3, 0)]);
+        assert_eq!((s.drafted(), s.accepted()), (9, 4));
+        assert!((s.rate() - 4.0 / 9.0).abs() < 1e-12);
+        assert!((s.rate_at(1) - 1.0 / 3.0).abs() < 1e-12);
+        assert!((s.from_draft_fraction() - 4.0 / 7.0).abs() < 1e-12);
         let mut sum = s.clone();
-        sum.add(&s);
-        assert_eq!(sum.accepted_by_pos, vec![4, 2, 2]);
+        sum.add(&acceptance(&[(4, 4)]));
+        assert_eq!(sum.accepted_by_pos, vec![3, 2, 2, 1]);
+        assert_eq!(sum.generated, 12);
     }
 
     #[test]
     fn a_drop_beyond_tolerance_is_a_regression_and_within_it_is_not() {
-        let base = stats(&[(4, 4), (4, 2), (4, 3), (4, 1)]);
+        let base = acceptance(&[(4, 4), (4, 2), (4, 3), (4, 1)]);
         assert!(regressions(&base, &base, &Tolerance::default()).is_empty());
-        let worse = stats(&[(4, 2), (4, 1), (4, 1), (4, 0)]);
+        let worse = acceptance(&[(4, 2), (4, 1), (4, 1), (4, 0)]);
         let found = regressions(&base, &worse, &Tolerance::default());
         assert!(
             found.iter().any(|m| m.contains("acceptance rate")),

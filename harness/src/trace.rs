@@ -4,11 +4,11 @@
 //! Unknown fields are ignored so recorders may add more; a missing required field or another
 //! `format` is an error naming the file.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 
 /// The only format this harness reads.
 pub const TRACE_FORMAT: &str = "verity-trace/1";
@@ -82,12 +82,15 @@ pub struct PromptCacheRef {
     pub tokens: Vec<u32>,
 }
 
+/// What the oracle was asked for. The sampler and processor arguments are mlx-lm's, by name
+/// (`make_sampler`, `make_logits_processors`; docs/trace-format.md): the harness only reads the
+/// temperature, the replaying engine reads them all.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Params {
     pub max_tokens: usize,
     pub seed: Option<u64>,
-    pub sampler: SamplerParams,
-    pub processors: ProcessorParams,
+    pub sampler: Map<String, Value>,
+    pub processors: Map<String, Value>,
     pub prefill_step_size: usize,
     pub max_kv_size: Option<usize>,
     pub kv_bits: Option<u32>,
@@ -95,61 +98,13 @@ pub struct Params {
     pub quantized_kv_start: usize,
 }
 
-/// mlx-lm `make_sampler` arguments. Temperatures stay f64: Python computes `1/temp` in double.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct SamplerParams {
-    pub temp: f64,
-    pub top_p: f64,
-    pub min_p: f64,
-    pub min_tokens_to_keep: usize,
-    pub top_k: usize,
-    pub xtc_probability: f64,
-    pub xtc_threshold: f64,
-    #[serde(default)]
-    pub xtc_special_tokens: Vec<u32>,
-}
-
-impl SamplerParams {
-    /// `make_sampler()`'s defaults: greedy.
-    pub fn greedy() -> SamplerParams {
-        SamplerParams {
-            temp: 0.0,
-            top_p: 0.0,
-            min_p: 0.0,
-            min_tokens_to_keep: 1,
-            top_k: 0,
-            xtc_probability: 0.0,
-            xtc_threshold: 0.1,
-            xtc_special_tokens: Vec::new(),
-        }
-    }
-}
-
-/// mlx-lm `make_logits_processors` arguments.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct ProcessorParams {
-    /// Token id (as a JSON object key) to additive bias.
-    pub logit_bias: Option<BTreeMap<String, f64>>,
-    pub repetition_penalty: Option<f64>,
-    pub repetition_context_size: usize,
-    pub presence_penalty: Option<f64>,
-    pub presence_context_size: usize,
-    pub frequency_penalty: Option<f64>,
-    pub frequency_context_size: usize,
-}
-
-impl ProcessorParams {
-    /// `make_logits_processors()`'s defaults: no processor.
-    pub fn none() -> ProcessorParams {
-        ProcessorParams {
-            logit_bias: None,
-            repetition_penalty: None,
-            repetition_context_size: 20,
-            presence_penalty: None,
-            presence_context_size: 20,
-            frequency_penalty: None,
-            frequency_context_size: 20,
-        }
+impl Params {
+    /// The sampling temperature (0 when absent: greedy).
+    pub fn temperature(&self) -> f64 {
+        self.sampler
+            .get("temp")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0)
     }
 }
 
@@ -202,11 +157,10 @@ pub enum FinishReason {
 }
 
 impl fmt::Display for FinishReason {
+    /// The name the trace format uses.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-        })
+        let name = serde_json::to_value(self).map_err(|_| fmt::Error)?;
+        f.write_str(name.as_str().unwrap_or_default())
     }
 }
 
@@ -285,7 +239,7 @@ impl Trace {
                 self.params.max_tokens
             ));
         }
-        if self.params.sampler.temp > 0.0 && self.params.seed.is_none() {
+        if self.params.temperature() > 0.0 && self.params.seed.is_none() {
             return Err("sampling without a seed cannot be replayed".into());
         }
         Ok(())

@@ -48,7 +48,6 @@ rust::String describe(const Array& a);
 void eval(const ArrayList& list);
 void async_eval(const ArrayList& list);
 size_t peak_memory();
-size_t active_memory();
 void reset_peak_memory();
 void clear_cache();
 rust::String version();

@@ -113,7 +113,6 @@ pub(crate) mod bridge {
         fn eval(list: &ArrayList) -> Result<()>;
         fn async_eval(list: &ArrayList) -> Result<()>;
         fn peak_memory() -> usize;
-        fn active_memory() -> usize;
         fn reset_peak_memory();
         fn clear_cache();
         fn version() -> String;

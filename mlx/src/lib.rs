@@ -73,21 +73,12 @@ pub fn set_default_device(device: Device) -> Result<()> {
     Ok(())
 }
 
-/// Makes the CPU the default device of this process (the committed goldens are CPU runs).
-pub fn use_cpu() -> Result<()> {
-    set_default_device(Device::Cpu)
-}
-
 /// Memory accounting, as `mx.get_peak_memory()` and friends report it (bytes).
 pub mod memory {
     use super::bridge;
 
     pub fn peak() -> usize {
         bridge::peak_memory()
-    }
-
-    pub fn active() -> usize {
-        bridge::active_memory()
     }
 
     pub fn reset_peak() {

@@ -62,21 +62,6 @@ impl KeySequence {
         Ok(KeySequence { state: key(seed)? })
     }
 
-    /// Resumes from a saved state (for example one returned by a compiled sampler).
-    pub fn from_state(state: Array) -> KeySequence {
-        KeySequence { state }
-    }
-
-    /// The current state, for functions that take the key as an input and return the next one.
-    pub fn state(&self) -> &Array {
-        &self.state
-    }
-
-    /// Replaces the state with one a compiled function returned.
-    pub fn set_state(&mut self, state: Array) {
-        self.state = state;
-    }
-
     /// The key for the next draw: `state, sub = split(state); return sub`.
     pub fn next_key(&mut self) -> Result<Array> {
         let (state, sub) = split_pair(&self.state)?;

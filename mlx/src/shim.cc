@@ -207,7 +207,6 @@ rust::String describe(const Array& a) {
 void eval(const ArrayList& list) { mx::eval(list.items); }
 void async_eval(const ArrayList& list) { mx::async_eval(list.items); }
 size_t peak_memory() { return mx::get_peak_memory(); }
-size_t active_memory() { return mx::get_active_memory(); }
 void reset_peak_memory() { mx::reset_peak_memory(); }
 void clear_cache() { mx::clear_cache(); }
 rust::String version() { return mx::version(); }

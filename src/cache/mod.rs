@@ -15,7 +15,7 @@ mod rotating;
 pub use gated_delta::{gated_delta_update, normalize_qk, Recurrence, RecurrentStep};
 pub use kv::KvCache;
 pub use mask::{create_causal_mask, Mask};
-pub use prompt_file::{load_prompt_cache, save_prompt_cache, PromptFileError};
+pub use prompt_file::{load_prompt_cache, save_prompt_cache};
 pub use quantized::{Packed3, QuantizedKvCache};
 pub use recurrent::{RecurrentCache, RecurrentState};
 pub use rollback::{begin_round, end_round, rollback_plan, Rollback};

@@ -15,14 +15,7 @@ use mlx::{Array, Dtype};
 use super::{
     KvCache, LayerCache, Packed3, QuantizedKvCache, RecurrentCache, RecurrentState, RotatingKvCache,
 };
-
-#[derive(Debug, thiserror::Error)]
-pub enum PromptFileError {
-    #[error("{path}: {message}")]
-    Format { path: String, message: String },
-    #[error("{path}: {source}")]
-    Mlx { path: String, source: mlx::Error },
-}
+use crate::error::PromptFileError;
 
 /// One state entry of a layer, in the order mlx-lm's `state` property lists them.
 enum Entry {
@@ -52,39 +45,25 @@ fn pair<T: Clone>(kv: &Option<(T, T)>, entry: fn(T) -> Entry) -> [Entry; 2] {
 /// A layer's `state` as mlx-lm would return it. ArraysCache's state is
 /// `[[conv, recurrent], left_padding, lengths]`, flattened here into keys "0.0", "0.1", 1, 2.
 fn state(c: &LayerCache) -> Vec<(String, Entry)> {
-    let top = |entries: Vec<Entry>| {
-        entries
+    // The buffers, then the integer fields, keyed "0", "1", ... in the order of `state`.
+    let entries = |[k, v]: [Entry; 2], ints: &[usize]| {
+        [k, v]
             .into_iter()
+            .chain(ints.iter().map(|&i| Entry::Int(i as i64)))
             .enumerate()
             .map(|(i, e)| (i.to_string(), e))
             .collect()
     };
     match c {
-        LayerCache::Kv(c) => {
-            let [k, v] = pair(&c.kv, Entry::Array);
-            top(vec![k, v, Entry::Int(c.offset as i64)])
-        }
-        LayerCache::Rotating(c) => {
-            let [k, v] = pair(&c.kv, Entry::Array);
-            top(vec![
-                k,
-                v,
-                Entry::Int(c.offset as i64),
-                Entry::Int(c.keep as i64),
-                Entry::Int(c.max_size as i64),
-                Entry::Int(c.idx as i64),
-            ])
-        }
-        LayerCache::QuantizedKv(c) => {
-            let [k, v] = pair(&c.kv, Entry::Triple);
-            top(vec![
-                k,
-                v,
-                Entry::Int(c.offset as i64),
-                Entry::Int(c.group_size as i64),
-                Entry::Int(c.bits as i64),
-            ])
-        }
+        LayerCache::Kv(c) => entries(pair(&c.kv, Entry::Array), &[c.offset]),
+        LayerCache::Rotating(c) => entries(
+            pair(&c.kv, Entry::Array),
+            &[c.offset, c.keep, c.max_size, c.idx],
+        ),
+        LayerCache::QuantizedKv(c) => entries(
+            pair(&c.kv, Entry::Triple),
+            &[c.offset, c.group_size as usize, c.bits as usize],
+        ),
         LayerCache::Recurrent(c) => {
             let [conv, state] = match &c.state {
                 Some(s) => [Entry::Array(s.conv.clone()), Entry::Array(s.state.clone())],

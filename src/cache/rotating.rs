@@ -184,11 +184,6 @@ impl RotatingKvCache {
         self.kv.iter().flat_map(|(k, v)| [k, v]).collect()
     }
 
-    /// Whether trimming is still exact: only before the buffer has wrapped.
-    pub fn is_trimmable(&self) -> bool {
-        self.offset < self.max_size
-    }
-
     /// mlx-lm's trim: moves the offset and cursor back (exact only while trimmable).
     pub fn trim(&mut self, n: usize) -> usize {
         let n = n.min(self.offset);

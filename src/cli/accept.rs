@@ -7,10 +7,11 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Args;
-use verity::parity::acceptance::run_suite;
+use verity::parity::acceptance::{acceptance, run_suite};
 use verity::parity::Models;
+use verity::speculative::SpeculationStats;
 use verity_harness::acceptance::{Baseline, Suite};
-use verity_harness::stats::{regressions, SpecStats, Tolerance};
+use verity_harness::stats::{regressions, Acceptance, Tolerance};
 
 #[derive(Args)]
 pub struct AcceptArgs {
@@ -65,19 +66,21 @@ fn run(a: AcceptArgs) -> anyhow::Result<bool> {
         let suite = Suite::load(path)?;
         let stats = run_suite(&suite, &mut models)?;
         print!("{}", table(path, &suite, &stats));
+        let measured: BTreeMap<usize, Acceptance> =
+            stats.iter().map(|(k, s)| (*k, acceptance(s))).collect();
         let baseline_path = a
             .baseline
             .clone()
             .unwrap_or_else(|| Suite::baseline_path(path));
         if a.write_baseline {
-            Baseline::new(stats).save(&baseline_path)?;
+            Baseline::new(measured).save(&baseline_path)?;
             println!("wrote {}\n", baseline_path.display());
             continue;
         }
         let baseline = Baseline::load(&baseline_path)?;
         let mut problems = Vec::new();
-        for (k, base) in &baseline.stats {
-            match stats.get(k) {
+        for (k, base) in &baseline.acceptance {
+            match measured.get(k) {
                 Some(now) => problems.extend(
                     regressions(base, now, &Tolerance::default())
                         .into_iter()
@@ -101,30 +104,29 @@ fn run(a: AcceptArgs) -> anyhow::Result<bool> {
 }
 
 /// The per-k table, with per-position acceptance and mlx-lm's from_draft fraction.
-fn table(path: &Path, suite: &Suite, stats: &BTreeMap<usize, SpecStats>) -> String {
+fn table(path: &Path, suite: &Suite, stats: &BTreeMap<usize, SpeculationStats>) -> String {
     let mut out = String::new();
     let name = path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_default();
+    let (target, source, max) = (&suite.target, &suite.source, suite.max_tokens);
+    let prompts = suite.prompts.len();
     let _ = writeln!(
         out,
-        "suite {name}: {} with {:?}, {} prompts x {} tokens, greedy",
-        suite.target,
-        suite.source,
-        suite.prompts.len(),
-        suite.max_tokens
+        "suite {name}: {target} with {source:?}, {prompts} prompts x {max} tokens, greedy"
     );
     let _ = writeln!(out, "  k  rounds  drafted  accepted  accept  mean-len  tok/fwd  from_draft  mlx-lm  by position");
     for (k, s) in stats {
-        let from_draft = s.from_draft_fraction();
+        let a = acceptance(s);
+        let from_draft = a.from_draft_fraction();
         let oracle = suite
             .oracle
             .as_ref()
             .and_then(|o| o.from_draft.get(&k.to_string()))
             .map_or("-".to_string(), |v| format!("{v:.4}"));
         let by_pos: Vec<String> = (0..s.drafted_by_pos.len())
-            .map(|i| format!("{:.2}", s.acceptance_at(i)))
+            .map(|i| format!("{:.2}", a.rate_at(i)))
             .collect();
         let _ = writeln!(
             out,

@@ -65,21 +65,34 @@ impl Config {
         }
     }
 
-    /// Deserializes the whole config (or `text_config` when the model nests its text part)
-    /// into a model's argument struct, naming the file on failure.
-    pub fn parse<T: DeserializeOwned>(&self) -> Result<T, LoadError> {
-        serde_json::from_value(Value::Object(self.json.clone()))
-            .map_err(|e| self.error(format!("bad model arguments: {e}")))
+    /// Deserializes the config into a model's argument struct, naming the file on failure.
+    /// Keys the config lacks are taken from `defaults` (a JSON object of the Python dataclass's
+    /// defaults, or `{}` where every argument is required).
+    pub fn args<T: DeserializeOwned>(&self, defaults: Value) -> Result<T, LoadError> {
+        self.deserialize(self.json.clone(), defaults)
     }
 
-    /// Like [`Config::parse`], on `text_config` when the config nests one (vision-language
+    /// Like [`Config::args`], on `text_config` when the config nests one (vision-language
     /// checkpoints such as qwen3_5), else on the whole config.
-    pub fn parse_text<T: DeserializeOwned>(&self) -> Result<T, LoadError> {
-        let text = match self.json.get("text_config") {
-            Some(Value::Object(t)) => Value::Object(t.clone()),
-            _ => Value::Object(self.json.clone()),
-        };
-        serde_json::from_value(text).map_err(|e| self.error(format!("bad model arguments: {e}")))
+    pub fn text_args<T: DeserializeOwned>(&self, defaults: Value) -> Result<T, LoadError> {
+        match self.json.get("text_config") {
+            Some(Value::Object(text)) => self.deserialize(text.clone(), defaults),
+            _ => self.args(defaults),
+        }
+    }
+
+    fn deserialize<T: DeserializeOwned>(
+        &self,
+        mut args: Map<String, Value>,
+        defaults: Value,
+    ) -> Result<T, LoadError> {
+        if let Value::Object(defaults) = defaults {
+            for (key, value) in defaults {
+                args.entry(key).or_insert(value);
+            }
+        }
+        serde_json::from_value(Value::Object(args))
+            .map_err(|e| self.error(format!("bad model arguments: {e}")))
     }
 
     /// The EOS token ids the config names (an int or a list), in order.

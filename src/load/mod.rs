@@ -11,6 +11,9 @@ pub use weights::Weights;
 
 use std::path::PathBuf;
 
+/// What loading a model folder gives: the value, or the error naming the file and key.
+pub type LoadResult<T> = Result<T, LoadError>;
+
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     #[error("{0}: no such model folder")]

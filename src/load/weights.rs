@@ -50,14 +50,6 @@ impl Weights {
         })
     }
 
-    /// Tensors from memory (for tests and converted checkpoints).
-    pub fn from_map(folder: &Path, tensors: BTreeMap<String, Array>) -> Weights {
-        Weights {
-            folder: folder.to_path_buf(),
-            tensors,
-        }
-    }
-
     pub fn folder(&self) -> &Path {
         &self.folder
     }
@@ -97,11 +89,6 @@ impl Weights {
     /// Removes a tensor if present.
     pub fn take_optional(&mut self, key: &str) -> Option<Array> {
         self.tensors.remove(key)
-    }
-
-    /// Inserts or replaces a tensor (used by sanitize steps that rename or reshape).
-    pub fn insert(&mut self, key: String, a: Array) {
-        self.tensors.insert(key, a);
     }
 
     /// Renames every tensor with `f`, dropping those it maps to None (sanitize steps).

@@ -4,56 +4,26 @@
 
 use mlx::{Array, Dtype};
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::layers::{
-    Activation, Attention, Embedding, GatedMlp, Head, Linear, OuterLayers, QkNorm, RmsNorm, Rope,
-    Taps,
+    Activation, Attention, AttentionProjections, Dims, GatedMlp, OuterLayers, QkNorm, RmsNorm, Rope,
 };
 use super::{Forward, LanguageModel};
 use crate::cache::{KvCache, LayerCache, Mask, RotatingKvCache};
-use crate::load::{Config, LoadError, QuantConfig, Weights};
+use crate::load::{Config, LoadResult, QuantConfig, Weights};
 use crate::Result;
 
 #[derive(Deserialize)]
-#[serde(default)]
 struct Args {
-    hidden_size: i32,
-    num_hidden_layers: usize,
-    intermediate_size: i32,
-    num_attention_heads: i32,
-    head_dim: i32,
-    rms_norm_eps: f64,
-    vocab_size: i32,
-    num_key_value_heads: i32,
+    #[serde(flatten)]
+    dims: Dims,
     rope_theta: f64,
     rope_local_base_freq: f64,
     query_pre_attn_scalar: f64,
     sliding_window: usize,
     sliding_window_pattern: usize,
     rope_scaling: Option<Value>,
-}
-
-/// The Python dataclass defaults (gemma3_text.ModelArgs).
-impl Default for Args {
-    fn default() -> Args {
-        Args {
-            hidden_size: 1152,
-            num_hidden_layers: 26,
-            intermediate_size: 6912,
-            num_attention_heads: 4,
-            head_dim: 256,
-            rms_norm_eps: 1.0e-6,
-            vocab_size: 262144,
-            num_key_value_heads: 1,
-            rope_theta: 1_000_000.0,
-            rope_local_base_freq: 10_000.0,
-            query_pre_attn_scalar: 256.0,
-            sliding_window: 512,
-            sliding_window_pattern: 6,
-            rope_scaling: None,
-        }
-    }
 }
 
 struct Block {
@@ -101,46 +71,46 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn load(
-        config: &Config,
-        w: &mut Weights,
-        q: &QuantConfig,
-    ) -> std::result::Result<Model, LoadError> {
-        let a: Args = config.parse()?;
-        if a.sliding_window_pattern == 0 || a.sliding_window_pattern > a.num_hidden_layers {
+    pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Model> {
+        // The Python dataclass defaults (gemma3_text.ModelArgs).
+        let a: Args = config.args(json!({
+            "hidden_size": 1152, "num_hidden_layers": 26, "intermediate_size": 6912,
+            "num_attention_heads": 4, "head_dim": 256, "rms_norm_eps": 1.0e-6,
+            "vocab_size": 262144, "num_key_value_heads": 1, "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256.0,
+            "sliding_window": 512, "sliding_window_pattern": 6,
+        }))?;
+        let d = &a.dims;
+        if a.sliding_window_pattern == 0 || a.sliding_window_pattern > d.num_hidden_layers {
             return Err(
                 config.error("sliding_window_pattern must be between 1 and the layer count")
             );
         }
-        let (hd, eps) = (a.head_dim, a.rms_norm_eps);
+        let (hd, eps) = (d.head_dim(), d.rms_norm_eps);
         let scale = a.query_pre_attn_scalar.powf(-0.5) as f32;
         let local =
             Rope::new(hd, a.rope_local_base_freq, false, None).map_err(|m| config.error(m))?;
         let global = Rope::new(hd, a.rope_theta, false, a.rope_scaling.as_ref())
             .map_err(|m| config.error(m))?;
-        let mut layers = Vec::with_capacity(a.num_hidden_layers);
-        for i in 0..a.num_hidden_layers {
+        let mut layers = Vec::with_capacity(d.num_hidden_layers);
+        for i in 0..d.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let sliding = (i + 1) % a.sliding_window_pattern != 0;
-            let (qd, kvd) = (a.num_attention_heads * hd, a.num_key_value_heads * hd);
-            let h = a.hidden_size;
+            let norm = |w: &mut Weights, name: &str, dims: i32| {
+                RmsNorm::load_offset(w, &format!("{p}.{name}"), dims, eps)
+            };
             let attn = Attention {
-                q_proj: Linear::load(w, q, &format!("{p}.self_attn.q_proj"), h, qd, false)?,
-                k_proj: Linear::load(w, q, &format!("{p}.self_attn.k_proj"), h, kvd, false)?,
-                v_proj: Linear::load(w, q, &format!("{p}.self_attn.v_proj"), h, kvd, false)?,
-                o_proj: Linear::load(w, q, &format!("{p}.self_attn.o_proj"), qd, h, false)?,
+                proj: AttentionProjections::load(w, q, &format!("{p}.self_attn"), d, 1, false)?,
                 qk_norm: QkNorm::AfterTranspose {
-                    q: RmsNorm::load_offset(w, &format!("{p}.self_attn.q_norm"), hd, eps)?,
-                    k: RmsNorm::load_offset(w, &format!("{p}.self_attn.k_norm"), hd, eps)?,
+                    q: norm(w, "self_attn.q_norm", hd)?,
+                    k: norm(w, "self_attn.k_norm", hd)?,
                 },
                 rope: if sliding { local } else { global },
-                n_heads: a.num_attention_heads,
-                n_kv_heads: a.num_key_value_heads,
+                n_heads: d.num_attention_heads,
+                n_kv_heads: d.kv_heads(),
                 scale,
             };
-            let norm = |w: &mut Weights, name: &str| {
-                RmsNorm::load_offset(w, &format!("{p}.{name}"), h, eps)
-            };
+            let h = d.hidden_size;
             layers.push(Block {
                 attn,
                 mlp: GatedMlp::load(
@@ -148,45 +118,25 @@ impl Model {
                     q,
                     &format!("{p}.mlp"),
                     h,
-                    a.intermediate_size,
+                    d.intermediate_size,
                     false,
                     Activation::GeluApprox,
                 )?,
-                input_layernorm: norm(w, "input_layernorm")?,
-                post_attention_layernorm: norm(w, "post_attention_layernorm")?,
-                pre_feedforward_layernorm: norm(w, "pre_feedforward_layernorm")?,
-                post_feedforward_layernorm: norm(w, "post_feedforward_layernorm")?,
+                input_layernorm: norm(w, "input_layernorm", h)?,
+                post_attention_layernorm: norm(w, "post_attention_layernorm", h)?,
+                pre_feedforward_layernorm: norm(w, "pre_feedforward_layernorm", h)?,
+                post_feedforward_layernorm: norm(w, "post_feedforward_layernorm", h)?,
             });
         }
         // sanitize: the head is tied exactly when lm_head.weight is absent.
-        let head = if w.contains("lm_head.weight") {
-            Head::Separate(Linear::load(
-                w,
-                q,
-                "lm_head",
-                a.hidden_size,
-                a.vocab_size,
-                false,
-            )?)
-        } else {
-            Head::Tied
-        };
-        // Python rounds `hidden_size**0.5` to bf16 (mx.array(.., mx.bfloat16)) at every call.
-        let embed_scale = (a.hidden_size as f64).sqrt() as f32;
+        let tied = !w.contains("lm_head.weight");
+        let mut outer = OuterLayers::load(w, q, "", d, tied)?;
+        outer.norm = outer.norm.plus_one(w)?;
         Ok(Model {
-            outer: OuterLayers {
-                embed_tokens: Embedding::load(
-                    w,
-                    q,
-                    "model.embed_tokens",
-                    a.vocab_size,
-                    a.hidden_size,
-                )?,
-                norm: RmsNorm::load_offset(w, "model.norm", a.hidden_size, eps)?,
-                head,
-            },
+            outer,
             layers,
-            embed_scale,
+            // Python rounds `hidden_size**0.5` to bf16 (mx.array(.., mx.bfloat16)) every call.
+            embed_scale: (d.hidden_size as f64).sqrt() as f32,
             window: a.sliding_window,
             pattern: a.sliding_window_pattern,
         })
@@ -198,15 +148,10 @@ impl Model {
 }
 
 impl LanguageModel for Model {
-    fn forward(
-        &self,
-        inputs: &Array,
-        caches: &mut [LayerCache],
-        taps: &[usize],
-    ) -> Result<Forward> {
-        let h = self.outer.embed_tokens.forward(inputs)?;
+    fn forward(&self, ids: &Array, caches: &mut [LayerCache], taps: &[usize]) -> Result<Forward> {
+        let h = self.outer.embed_tokens.forward(ids)?;
         let scale = Array::scalar(self.embed_scale, Dtype::Bfloat16)?.astype(h.dtype())?;
-        let mut h = h.multiply(&scale)?;
+        let h = h.multiply(&scale)?;
         let n = h.dim(1) as usize;
         let global_mask = caches[self.pattern - 1].make_mask(n, None)?;
         let sliding_mask = if self.pattern > 1 {
@@ -214,40 +159,33 @@ impl LanguageModel for Model {
         } else {
             Mask::None
         };
-        let mut taps = Taps::new(taps, self.layers.len());
-        for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
-            let mask = if self.is_global(i) {
-                &global_mask
-            } else {
-                &sliding_mask
-            };
-            h = layer.forward(&h, mask, cache)?;
-            taps.capture(i, &h);
-        }
-        self.outer.finish(&h, taps)
-    }
-
-    fn make_cache(&self, _max_kv_size: Option<usize>) -> Vec<LayerCache> {
-        (0..self.layers.len())
-            .map(|i| {
-                if self.is_global(i) {
-                    LayerCache::Kv(KvCache::default())
+        self.outer
+            .run(h, caches, self.layers.len(), taps, |i, h, cache| {
+                let mask = if self.is_global(i) {
+                    &global_mask
                 } else {
-                    LayerCache::Rotating(RotatingKvCache::new(self.window, 0))
-                }
+                    &sliding_mask
+                };
+                self.layers[i].forward(h, mask, cache)
             })
-            .collect()
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.outer.vocab()
     }
 
     fn num_layers(&self) -> usize {
         self.layers.len()
     }
 
-    fn ignores_max_kv_size(&self) -> bool {
-        true
+    fn own_caches(&self) -> Option<Vec<LayerCache>> {
+        let cache = |i| {
+            if self.is_global(i) {
+                LayerCache::Kv(KvCache::default())
+            } else {
+                LayerCache::Rotating(RotatingKvCache::new(self.window, 0))
+            }
+        };
+        Some((0..self.layers.len()).map(cache).collect())
+    }
+
+    fn outer(&self) -> &OuterLayers {
+        &self.outer
     }
 }

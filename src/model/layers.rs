@@ -3,11 +3,39 @@
 
 use mlx::fast::{self, RopeFreqs};
 use mlx::{compiled, ops, Array, Dtype, Result};
+use serde::Deserialize;
 use serde_json::Value;
 
 use super::Forward;
 use crate::cache::{KeysValues, LayerCache, Mask, Packed3};
-use crate::load::{LoadError, QuantConfig, QuantParams, Weights};
+use crate::load::{LoadError, LoadResult, QuantConfig, QuantParams, Weights};
+
+/// The dimensions every family reads from config.json, under mlx-lm's names.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Dims {
+    pub hidden_size: i32,
+    pub num_hidden_layers: usize,
+    pub intermediate_size: i32,
+    pub num_attention_heads: i32,
+    pub num_key_value_heads: Option<i32>,
+    pub head_dim: Option<i32>,
+    pub rms_norm_eps: f64,
+    pub vocab_size: i32,
+    pub tie_word_embeddings: Option<bool>,
+}
+
+impl Dims {
+    /// `head_dim`, or `hidden_size // num_attention_heads` where the config leaves it out.
+    pub fn head_dim(&self) -> i32 {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    /// `num_key_value_heads`, or one per attention head where the config leaves it out.
+    pub fn kv_heads(&self) -> i32 {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+}
 
 /// A quantized weight: packed values plus per-group scales (and biases in affine mode).
 struct Packed {
@@ -49,7 +77,7 @@ impl Weight {
         path: &str,
         rows: i32,
         cols: i32,
-    ) -> std::result::Result<Weight, LoadError> {
+    ) -> LoadResult<Weight> {
         Ok(match q.for_module(path, cols, w)? {
             Some(params) => Weight::Packed(Packed {
                 weight: w.take(&format!("{path}.weight"))?,
@@ -85,7 +113,7 @@ impl Linear {
         in_dims: i32,
         out_dims: i32,
         bias: bool,
-    ) -> std::result::Result<Linear, LoadError> {
+    ) -> LoadResult<Linear> {
         let weight = Weight::load(w, q, path, out_dims, in_dims)?;
         let bias = if bias {
             Some(w.take_shaped(&format!("{path}.bias"), &[out_dims])?)
@@ -116,7 +144,7 @@ impl Embedding {
         path: &str,
         vocab: i32,
         dims: i32,
-    ) -> std::result::Result<Embedding, LoadError> {
+    ) -> LoadResult<Embedding> {
         Ok(Embedding {
             table: Weight::load(w, q, path, vocab, dims)?,
         })
@@ -163,12 +191,7 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn load(
-        w: &mut Weights,
-        path: &str,
-        dims: i32,
-        eps: f64,
-    ) -> std::result::Result<RmsNorm, LoadError> {
+    pub fn load(w: &mut Weights, path: &str, dims: i32, eps: f64) -> LoadResult<RmsNorm> {
         Ok(RmsNorm {
             weight: w.take_shaped(&format!("{path}.weight"), &[dims])?,
             eps: eps as f32,
@@ -176,21 +199,20 @@ impl RmsNorm {
     }
 
     /// Gemma's RMSNorm: `rms_norm(x, 1.0 + weight, eps)`.
-    pub fn load_offset(
-        w: &mut Weights,
-        path: &str,
-        dims: i32,
-        eps: f64,
-    ) -> std::result::Result<RmsNorm, LoadError> {
-        let mut norm = Self::load(w, path, dims, eps)?;
-        norm.weight = norm
+    pub fn load_offset(w: &mut Weights, path: &str, dims: i32, eps: f64) -> LoadResult<RmsNorm> {
+        Self::load(w, path, dims, eps)?.plus_one(w)
+    }
+
+    /// This norm with `1 + weight` as its weight (Gemma's variant).
+    pub fn plus_one(self, w: &Weights) -> LoadResult<RmsNorm> {
+        let weight = self
             .weight
             .add_scalar(1.0)
             .map_err(|source| LoadError::Mlx {
                 folder: w.folder().into(),
                 source,
             })?;
-        Ok(norm)
+        Ok(RmsNorm { weight, ..self })
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
@@ -267,13 +289,43 @@ pub enum QkNorm {
     },
 }
 
-/// Multi-head attention with grouped KV heads, RoPE at the cache offset, and mlx-lm's choice of
-/// fused or quantized attention kernel (models/base.py scaled_dot_product_attention).
-pub struct Attention {
+/// The q, k, v and o projections of an attention block.
+pub struct AttentionProjections {
     pub q_proj: Linear,
     pub k_proj: Linear,
     pub v_proj: Linear,
     pub o_proj: Linear,
+}
+
+impl AttentionProjections {
+    /// Loads `<path>.{q,k,v,o}_proj` for `d`'s heads; `q_factor` widens q_proj's output (2 when
+    /// it also yields a gate).
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        d: &Dims,
+        q_factor: i32,
+        bias: bool,
+    ) -> LoadResult<AttentionProjections> {
+        let (h, hd) = (d.hidden_size, d.head_dim());
+        let (qd, kvd) = (d.num_attention_heads * hd, d.kv_heads() * hd);
+        let proj = |w: &mut Weights, name: &str, i: i32, o: i32| {
+            Linear::load(w, q, &format!("{path}.{name}"), i, o, bias)
+        };
+        Ok(AttentionProjections {
+            q_proj: proj(w, "q_proj", h, q_factor * qd)?,
+            k_proj: proj(w, "k_proj", h, kvd)?,
+            v_proj: proj(w, "v_proj", h, kvd)?,
+            o_proj: proj(w, "o_proj", qd, h)?,
+        })
+    }
+}
+
+/// Multi-head attention with grouped KV heads, RoPE at the cache offset, and mlx-lm's choice of
+/// fused or quantized attention kernel (models/base.py scaled_dot_product_attention).
+pub struct Attention {
+    pub proj: AttentionProjections,
     pub qk_norm: QkNorm,
     pub rope: Rope,
     pub n_heads: i32,
@@ -286,11 +338,12 @@ impl Attention {
     pub fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> crate::Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
         let heads = |y: Array, n: i32| y.reshape(&[b, l, n, -1]);
+        let p = &self.proj;
         let (mut q, mut k) = (
-            heads(self.q_proj.forward(x)?, self.n_heads)?,
-            heads(self.k_proj.forward(x)?, self.n_kv_heads)?,
+            heads(p.q_proj.forward(x)?, self.n_heads)?,
+            heads(p.k_proj.forward(x)?, self.n_kv_heads)?,
         );
-        let v = heads(self.v_proj.forward(x)?, self.n_kv_heads)?.transpose(&[0, 2, 1, 3])?;
+        let v = heads(p.v_proj.forward(x)?, self.n_kv_heads)?.transpose(&[0, 2, 1, 3])?;
         if let QkNorm::BeforeTranspose { q: qn, k: kn } = &self.qk_norm {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
@@ -306,8 +359,7 @@ impl Attention {
         let k = self.rope.forward(&k, offset)?;
         let kv = cache.update_and_fetch(&k, &v)?;
         let out = attend(&q, &kv, self.scale, mask)?;
-        Ok(self
-            .o_proj
+        Ok(p.o_proj
             .forward(&out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?)
     }
 }
@@ -437,7 +489,7 @@ impl GatedMlp {
         hidden: i32,
         bias: bool,
         activation: Activation,
-    ) -> std::result::Result<GatedMlp, LoadError> {
+    ) -> LoadResult<GatedMlp> {
         Ok(GatedMlp {
             gate_proj: Linear::load(w, q, &format!("{path}.gate_proj"), dims, hidden, bias)?,
             up_proj: Linear::load(w, q, &format!("{path}.up_proj"), dims, hidden, bias)?,
@@ -457,6 +509,57 @@ impl GatedMlp {
     }
 }
 
+/// The pre-norm residual block llama and the qwen3 hybrids share around their token mixer:
+/// `h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))`.
+pub struct PreNormBlock {
+    pub input_layernorm: RmsNorm,
+    pub post_attention_layernorm: RmsNorm,
+    pub mlp: GatedMlp,
+}
+
+impl PreNormBlock {
+    /// Loads the norms and the SwiGLU MLP of the layer at `path`.
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        d: &Dims,
+        mlp_bias: bool,
+    ) -> LoadResult<PreNormBlock> {
+        let (h, eps) = (d.hidden_size, d.rms_norm_eps);
+        Ok(PreNormBlock {
+            input_layernorm: RmsNorm::load(w, &format!("{path}.input_layernorm"), h, eps)?,
+            post_attention_layernorm: RmsNorm::load(
+                w,
+                &format!("{path}.post_attention_layernorm"),
+                h,
+                eps,
+            )?,
+            mlp: GatedMlp::load(
+                w,
+                q,
+                &format!("{path}.mlp"),
+                h,
+                d.intermediate_size,
+                mlp_bias,
+                Activation::Swiglu,
+            )?,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        x: &Array,
+        mixer: impl FnOnce(&Array) -> crate::Result<Array>,
+    ) -> crate::Result<Array> {
+        let h = x.add(&mixer(&self.input_layernorm.forward(x)?)?)?;
+        let r = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&h)?)?;
+        Ok(h.add(&r)?)
+    }
+}
+
 /// The output projection: a separate `lm_head`, or the embedding used as a linear layer.
 pub enum Head {
     Tied,
@@ -472,54 +575,69 @@ pub struct OuterLayers {
 }
 
 impl OuterLayers {
+    /// Loads `<prefix>model.embed_tokens`, `<prefix>model.norm` and, unless `tied`,
+    /// `<prefix>lm_head`.
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        prefix: &str,
+        d: &Dims,
+        tied: bool,
+    ) -> LoadResult<OuterLayers> {
+        let (h, vocab) = (d.hidden_size, d.vocab_size);
+        let path = |name: &str| format!("{prefix}{name}");
+        Ok(OuterLayers {
+            embed_tokens: Embedding::load(w, q, &path("model.embed_tokens"), vocab, h)?,
+            norm: RmsNorm::load(w, &path("model.norm"), h, d.rms_norm_eps)?,
+            head: if tied {
+                Head::Tied
+            } else {
+                Head::Separate(Linear::load(w, q, &path("lm_head"), h, vocab, false)?)
+            },
+        })
+    }
+
     /// Rows of the embedding: the width of the logits.
     pub fn vocab(&self) -> usize {
         self.embed_tokens.vocab()
     }
 
-    /// The final norm over the last layer's output `h`, the final tap, and the logits.
-    pub fn finish(&self, h: &Array, mut taps: Taps<'_>) -> crate::Result<Forward> {
-        let h = self.norm.forward(h)?;
-        taps.capture(taps.final_index, &h);
+    /// Runs the embedded input `h` through the model's `layers` layers — `layer(i, h, cache)`
+    /// is layer i with its cache — keeping the hidden states `taps` asks for (tap i < layers:
+    /// layer i's output; tap = layers: the final normed state), then the final norm and head.
+    pub fn run(
+        &self,
+        mut h: Array,
+        caches: &mut [LayerCache],
+        layers: usize,
+        taps: &[usize],
+        mut layer: impl FnMut(usize, &Array, &mut LayerCache) -> crate::Result<Array>,
+    ) -> crate::Result<Forward> {
+        if caches.len() != layers {
+            return Err(crate::error::contract(format!(
+                "{} caches for a model of {layers} layers",
+                caches.len()
+            )));
+        }
+        let mut hidden: Vec<Option<Array>> = vec![None; taps.len()];
+        let mut capture = |index: usize, h: &Array| {
+            for (slot, _) in hidden.iter_mut().zip(taps).filter(|(_, &t)| t == index) {
+                *slot = Some(h.clone());
+            }
+        };
+        for (i, cache) in caches.iter_mut().enumerate() {
+            h = layer(i, &h, cache)?;
+            capture(i, &h);
+        }
+        let h = self.norm.forward(&h)?;
+        capture(layers, &h);
         let logits = match &self.head {
             Head::Tied => self.embed_tokens.as_linear(&h)?,
             Head::Separate(lm_head) => lm_head.forward(&h)?,
         };
         Ok(Forward {
             logits,
-            hidden: taps.into_hidden(),
+            hidden: hidden.into_iter().flatten().collect(),
         })
-    }
-}
-
-/// The hidden states a caller asked for (tap i < layers: layer i's output; tap = layers: the
-/// final normed state), collected during a forward.
-pub struct Taps<'a> {
-    wanted: &'a [usize],
-    got: Vec<Option<Array>>,
-    /// The tap index of the final normed state (the layer count).
-    final_index: usize,
-}
-
-impl<'a> Taps<'a> {
-    pub fn new(wanted: &'a [usize], layers: usize) -> Taps<'a> {
-        Taps {
-            wanted,
-            got: vec![None; wanted.len()],
-            final_index: layers,
-        }
-    }
-
-    /// Keeps `h` for every tap on layer `index`.
-    pub fn capture(&mut self, index: usize, h: &Array) {
-        for (slot, &tap) in self.got.iter_mut().zip(self.wanted) {
-            if tap == index {
-                *slot = Some(h.clone());
-            }
-        }
-    }
-
-    fn into_hidden(self) -> Vec<Array> {
-        self.got.into_iter().flatten().collect()
     }
 }

@@ -3,90 +3,48 @@
 
 use mlx::Array;
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::layers::{
-    Activation, Attention, Embedding, GatedMlp, Head, Linear, OuterLayers, QkNorm, RmsNorm, Rope,
-    Taps,
+    Attention, AttentionProjections, Dims, OuterLayers, PreNormBlock, QkNorm, RmsNorm, Rope,
 };
 use super::{Forward, LanguageModel};
-use crate::cache::{default_caches, KvCache, LayerCache, Mask, RotatingKvCache};
-use crate::load::{Config, LoadError, QuantConfig, Weights};
+use crate::cache::{KvCache, LayerCache, Mask, RotatingKvCache};
+use crate::load::{Config, LoadResult, QuantConfig, Weights};
 use crate::Result;
 
 #[derive(Deserialize)]
 struct Args {
-    hidden_size: i32,
-    num_hidden_layers: usize,
-    intermediate_size: i32,
-    num_attention_heads: i32,
-    rms_norm_eps: f64,
-    vocab_size: i32,
-    head_dim: Option<i32>,
-    num_key_value_heads: Option<i32>,
-    #[serde(default)]
+    #[serde(flatten)]
+    dims: Dims,
     attention_bias: bool,
-    #[serde(default)]
     mlp_bias: bool,
-    #[serde(default = "default_rope_theta")]
     rope_theta: f64,
-    #[serde(default)]
     rope_traditional: bool,
     rope_scaling: Option<Value>,
-    #[serde(default = "default_true")]
-    tie_word_embeddings: bool,
     layer_types: Option<Vec<String>>,
     sliding_window: Option<usize>,
 }
 
-fn default_rope_theta() -> f64 {
-    10000.0
+/// One decoder layer: attention in a pre-norm residual block.
+struct Block {
+    attn: Attention,
+    block: PreNormBlock,
+    sliding: bool,
 }
 
-fn default_true() -> bool {
-    true
-}
-
-/// `h = x + attn(norm(x)); out = h + mlp(norm(h))`.
-pub struct Block {
-    pub attn: Attention,
-    pub mlp: GatedMlp,
-    pub input_layernorm: RmsNorm,
-    pub post_attention_layernorm: RmsNorm,
-    pub sliding: bool,
-}
-
-impl Block {
-    fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
-        let r = self
-            .attn
-            .forward(&self.input_layernorm.forward(x)?, mask, cache)?;
-        let h = x.add(&r)?;
-        let r = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&h)?)?;
-        Ok(h.add(&r)?)
-    }
-}
-
-/// The shape of a llama-family model, as the loaders of llama and qwen3 read it from their
+/// How a llama-family model is built, as the loaders of llama and qwen3 read it from their
 /// configs.
 pub(crate) struct Shape<'a> {
-    pub hidden: i32,
-    pub layers: usize,
-    pub intermediate: i32,
-    pub heads: i32,
-    pub kv_heads: i32,
-    pub head_dim: i32,
-    pub eps: f64,
-    pub vocab: i32,
-    pub bias: bool,
-    pub mlp_bias: bool,
+    pub dims: &'a Dims,
     pub rope: Rope,
     pub tied: bool,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
     pub qk_norm: bool,
     pub layer_types: Vec<String>,
     pub sliding_window: Option<usize>,
+    /// Whether the Python class defines its own make_cache (llama does, qwen3 does not).
     pub own_make_cache: bool,
     pub config: &'a Config,
 }
@@ -101,15 +59,14 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn load(
-        config: &Config,
-        w: &mut Weights,
-        q: &QuantConfig,
-    ) -> std::result::Result<Model, LoadError> {
-        let a: Args = config.parse()?;
-        let head_dim = a.head_dim.unwrap_or(a.hidden_size / a.num_attention_heads);
+    pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Model> {
+        let a: Args = config.args(json!({
+            "attention_bias": false, "mlp_bias": false, "rope_theta": 10000.0,
+            "rope_traditional": false,
+        }))?;
+        let tied = a.dims.tie_word_embeddings.unwrap_or(true);
         let rope = Rope::new(
-            head_dim,
+            a.dims.head_dim(),
             a.rope_theta,
             a.rope_traditional,
             a.rope_scaling.as_ref(),
@@ -117,27 +74,21 @@ impl Model {
         .map_err(|m| config.error(m))?;
         // sanitize: drop precomputed rotary frequencies, and lm_head when tied.
         w.drop_where(|k| k.contains("self_attn.rotary_emb.inv_freq"));
-        if a.tie_word_embeddings {
+        if tied {
             w.take_optional("lm_head.weight");
         }
+        let layers = a.dims.num_hidden_layers;
         Model::build(
             Shape {
-                hidden: a.hidden_size,
-                layers: a.num_hidden_layers,
-                intermediate: a.intermediate_size,
-                heads: a.num_attention_heads,
-                kv_heads: a.num_key_value_heads.unwrap_or(a.num_attention_heads),
-                head_dim,
-                eps: a.rms_norm_eps,
-                vocab: a.vocab_size,
-                bias: a.attention_bias,
-                mlp_bias: a.mlp_bias,
+                dims: &a.dims,
                 rope,
-                tied: a.tie_word_embeddings,
+                tied,
+                attention_bias: a.attention_bias,
+                mlp_bias: a.mlp_bias,
                 qk_norm: false,
                 layer_types: a
                     .layer_types
-                    .unwrap_or_else(|| vec!["full_attention".into(); a.num_hidden_layers]),
+                    .unwrap_or_else(|| vec!["full_attention".into(); layers]),
                 sliding_window: a.sliding_window,
                 own_make_cache: true,
                 config,
@@ -147,12 +98,9 @@ impl Model {
         )
     }
 
-    pub(crate) fn build(
-        s: Shape<'_>,
-        w: &mut Weights,
-        q: &QuantConfig,
-    ) -> std::result::Result<Model, LoadError> {
-        if s.layer_types.len() != s.layers {
+    pub(crate) fn build(s: Shape<'_>, w: &mut Weights, q: &QuantConfig) -> LoadResult<Model> {
+        let d = s.dims;
+        if s.layer_types.len() != d.num_hidden_layers {
             return Err(s.config.error("layer_types must list one type per layer"));
         }
         let fa_idx = s
@@ -166,80 +114,49 @@ impl Model {
                 .config
                 .error("sliding_attention layers need sliding_window"));
         }
-        let scale = (s.head_dim as f64).powf(-0.5) as f32;
-        let mut layers = Vec::with_capacity(s.layers);
+        let head_dim = d.head_dim();
+        let mut layers = Vec::with_capacity(d.num_hidden_layers);
         for (i, kind) in s.layer_types.iter().enumerate() {
             let p = format!("model.layers.{i}");
+            let norm = |w: &mut Weights, name: &str| {
+                RmsNorm::load(
+                    w,
+                    &format!("{p}.self_attn.{name}"),
+                    head_dim,
+                    d.rms_norm_eps,
+                )
+            };
             let qk_norm = if s.qk_norm {
                 QkNorm::BeforeTranspose {
-                    q: RmsNorm::load(w, &format!("{p}.self_attn.q_norm"), s.head_dim, s.eps)?,
-                    k: RmsNorm::load(w, &format!("{p}.self_attn.k_norm"), s.head_dim, s.eps)?,
+                    q: norm(w, "q_norm")?,
+                    k: norm(w, "k_norm")?,
                 }
             } else {
                 QkNorm::None
             };
-            let (qd, kvd) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-            let attn = Attention {
-                q_proj: Linear::load(w, q, &format!("{p}.self_attn.q_proj"), s.hidden, qd, s.bias)?,
-                k_proj: Linear::load(
-                    w,
-                    q,
-                    &format!("{p}.self_attn.k_proj"),
-                    s.hidden,
-                    kvd,
-                    s.bias,
-                )?,
-                v_proj: Linear::load(
-                    w,
-                    q,
-                    &format!("{p}.self_attn.v_proj"),
-                    s.hidden,
-                    kvd,
-                    s.bias,
-                )?,
-                o_proj: Linear::load(w, q, &format!("{p}.self_attn.o_proj"), qd, s.hidden, s.bias)?,
-                qk_norm,
-                rope: s.rope,
-                n_heads: s.heads,
-                n_kv_heads: s.kv_heads,
-                scale,
-            };
+            let proj = AttentionProjections::load(
+                w,
+                q,
+                &format!("{p}.self_attn"),
+                d,
+                1,
+                s.attention_bias,
+            )?;
             layers.push(Block {
-                attn,
-                mlp: GatedMlp::load(
-                    w,
-                    q,
-                    &format!("{p}.mlp"),
-                    s.hidden,
-                    s.intermediate,
-                    s.mlp_bias,
-                    Activation::Swiglu,
-                )?,
-                input_layernorm: RmsNorm::load(
-                    w,
-                    &format!("{p}.input_layernorm"),
-                    s.hidden,
-                    s.eps,
-                )?,
-                post_attention_layernorm: RmsNorm::load(
-                    w,
-                    &format!("{p}.post_attention_layernorm"),
-                    s.hidden,
-                    s.eps,
-                )?,
+                attn: Attention {
+                    proj,
+                    qk_norm,
+                    rope: s.rope,
+                    n_heads: d.num_attention_heads,
+                    n_kv_heads: d.kv_heads(),
+                    scale: (head_dim as f64).powf(-0.5) as f32,
+                },
+                block: PreNormBlock::load(w, q, &p, d, s.mlp_bias)?,
                 sliding: kind == "sliding_attention",
             });
         }
         Ok(Model {
-            outer: OuterLayers {
-                embed_tokens: Embedding::load(w, q, "model.embed_tokens", s.vocab, s.hidden)?,
-                norm: RmsNorm::load(w, "model.norm", s.hidden, s.eps)?,
-                head: if s.tied {
-                    Head::Tied
-                } else {
-                    Head::Separate(Linear::load(w, q, "lm_head", s.hidden, s.vocab, false)?)
-                },
-            },
+            outer: OuterLayers::load(w, q, "", d, s.tied)?,
             layers,
             sliding_window: s.sliding_window,
             fa_idx,
@@ -250,50 +167,40 @@ impl Model {
 }
 
 impl LanguageModel for Model {
-    fn forward(
-        &self,
-        inputs: &Array,
-        caches: &mut [LayerCache],
-        taps: &[usize],
-    ) -> Result<Forward> {
-        let mut h = self.outer.embed_tokens.forward(inputs)?;
+    fn forward(&self, ids: &Array, caches: &mut [LayerCache], taps: &[usize]) -> Result<Forward> {
+        let h = self.outer.embed_tokens.forward(ids)?;
         let n = h.dim(1) as usize;
         let fa_mask = caches[self.fa_idx].make_mask(n, None)?;
         let swa_mask = match self.swa_idx {
             Some(i) => caches[i].make_mask(n, self.sliding_window)?,
             None => Mask::None,
         };
-        let mut taps = Taps::new(taps, self.layers.len());
-        for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
-            let mask = if layer.sliding { &swa_mask } else { &fa_mask };
-            h = layer.forward(&h, mask, cache)?;
-            taps.capture(i, &h);
-        }
-        self.outer.finish(&h, taps)
-    }
-
-    fn make_cache(&self, max_kv_size: Option<usize>) -> Vec<LayerCache> {
-        if !self.own_make_cache {
-            return default_caches(self.layers.len(), max_kv_size);
-        }
-        self.layers
-            .iter()
-            .map(|l| match (l.sliding, self.sliding_window) {
-                (true, Some(w)) => LayerCache::Rotating(RotatingKvCache::new(w, 0)),
-                _ => LayerCache::Kv(KvCache::default()),
+        self.outer
+            .run(h, caches, self.layers.len(), taps, |i, h, cache| {
+                let layer = &self.layers[i];
+                let mask = if layer.sliding { &swa_mask } else { &fa_mask };
+                layer
+                    .block
+                    .forward(h, |x| layer.attn.forward(x, mask, cache))
             })
-            .collect()
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.outer.vocab()
     }
 
     fn num_layers(&self) -> usize {
         self.layers.len()
     }
 
-    fn ignores_max_kv_size(&self) -> bool {
-        self.own_make_cache
+    fn own_caches(&self) -> Option<Vec<LayerCache>> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match (l.sliding, self.sliding_window) {
+                (true, Some(w)) => LayerCache::Rotating(RotatingKvCache::new(w, 0)),
+                _ => LayerCache::Kv(KvCache::default()),
+            });
+        self.own_make_cache.then(|| layers.collect())
+    }
+
+    fn outer(&self) -> &OuterLayers {
+        &self.outer
     }
 }

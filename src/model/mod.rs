@@ -11,8 +11,10 @@ use std::path::Path;
 
 use mlx::Array;
 
-use crate::cache::LayerCache;
-use crate::load::{load_config, Config, LoadError, QuantConfig, Weights};
+use layers::OuterLayers;
+
+use crate::cache::{default_caches, LayerCache};
+use crate::load::{load_config, Config, LoadError, LoadResult, QuantConfig, Weights};
 use crate::Result;
 
 /// What one forward pass returns.
@@ -26,22 +28,37 @@ pub struct Forward {
 
 /// A decoder-only language model.
 pub trait LanguageModel {
-    /// Runs `inputs` (B, L token ids) through the model, updating `caches` (one per layer).
+    /// Runs `ids` (B, L token ids) through the model, updating `caches` (one per layer).
     /// `taps` lists the hidden states a caller (a drafter) wants back.
-    fn forward(&self, inputs: &Array, caches: &mut [LayerCache], taps: &[usize])
-        -> Result<Forward>;
+    fn forward(&self, ids: &Array, caches: &mut [LayerCache], taps: &[usize]) -> Result<Forward>;
 
-    /// mlx-lm's make_prompt_cache: the model's own `make_cache` when its Python class defines
-    /// one (which then ignores `max_kv_size`, as mlx-lm does), else the default caches.
-    fn make_cache(&self, max_kv_size: Option<usize>) -> Vec<LayerCache>;
-
+    /// Layers in the model (`len(model.layers)`), one cache each.
     fn num_layers(&self) -> usize;
 
-    /// The width of the logits.
-    fn vocab_size(&self) -> usize;
+    /// The caches of the Python class's own `make_cache`, for the families that define one;
+    /// None where mlx-lm builds the default layout.
+    fn own_caches(&self) -> Option<Vec<LayerCache>>;
+
+    /// The token embedding, final norm and output head.
+    fn outer(&self) -> &OuterLayers;
+
+    /// mlx-lm's make_prompt_cache: the model's own caches when its class defines make_cache
+    /// (which then ignores `max_kv_size`, as mlx-lm does), else rotating caches keeping 4
+    /// tokens when `max_kv_size` is set and plain KV caches otherwise.
+    fn make_cache(&self, max_kv_size: Option<usize>) -> Vec<LayerCache> {
+        self.own_caches()
+            .unwrap_or_else(|| default_caches(self.num_layers(), max_kv_size))
+    }
 
     /// Whether `make_cache` ignores `max_kv_size` (the model builds its own caches).
-    fn ignores_max_kv_size(&self) -> bool;
+    fn ignores_max_kv_size(&self) -> bool {
+        self.own_caches().is_some()
+    }
+
+    /// The width of the logits.
+    fn vocab_size(&self) -> usize {
+        self.outer().vocab()
+    }
 }
 
 /// The model types verity can load, with the mlx-lm remaps it honours.
@@ -56,7 +73,7 @@ pub const MODEL_TYPES: &[&str] = &[
 
 /// Loads a model folder's config and weights (evaluated once, as mlx-lm does unless lazy)
 /// through the family's sanitize step. Any unused tensor is an error.
-pub fn load(dir: &Path) -> std::result::Result<(Box<dyn LanguageModel>, Config), LoadError> {
+pub fn load(dir: &Path) -> LoadResult<(Box<dyn LanguageModel>, Config)> {
     let config = load_config(dir)?;
     let model_type = config.model_type()?.to_string();
     let mut weights = Weights::load(dir)?;

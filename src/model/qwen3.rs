@@ -2,30 +2,32 @@
 //! biases, and no make_cache of its own (so max_kv_size gives rotating caches).
 
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{json, Value};
 
-use super::layers::Rope;
+use super::layers::{Dims, Rope};
 use super::llama::{Model, Shape};
-use crate::load::{Config, LoadError, QuantConfig, Weights};
+use crate::load::{Config, LoadResult, QuantConfig, Weights};
 
 #[derive(Deserialize)]
 struct Args {
-    hidden_size: i32,
-    num_hidden_layers: usize,
-    intermediate_size: i32,
-    num_attention_heads: i32,
-    rms_norm_eps: f64,
-    vocab_size: i32,
-    num_key_value_heads: i32,
-    head_dim: i32,
-    tie_word_embeddings: bool,
+    #[serde(flatten)]
+    dims: Dims,
     rope_theta: Option<f64>,
     rope_scaling: Option<Value>,
     rope_parameters: Option<Value>,
 }
 
-pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> Result<Model, LoadError> {
-    let a: Args = config.parse()?;
+pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Model> {
+    let a: Args = config.args(json!({}))?;
+    let d = &a.dims;
+    // The Python dataclass requires these three (llama's loader derives the first two).
+    let missing = |key: &str| config.error(format!("{key} is missing from the model config"));
+    let head_dim = d.head_dim.ok_or_else(|| missing("head_dim"))?;
+    d.num_key_value_heads
+        .ok_or_else(|| missing("num_key_value_heads"))?;
+    let tied = d
+        .tie_word_embeddings
+        .ok_or_else(|| missing("tie_word_embeddings"))?;
     // transformers >= 5 nests rope_theta and rope_scaling under rope_parameters.
     let params = a
         .rope_parameters
@@ -38,28 +40,21 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> Result<Model, 
                 .and_then(|p| p.get("rope_theta"))
                 .and_then(Value::as_f64)
         })
-        .ok_or_else(|| config.error("rope_theta is missing from the model config"))?;
+        .ok_or_else(|| missing("rope_theta"))?;
     let scaling = a.rope_scaling.as_ref().or(params);
-    let rope = Rope::new(a.head_dim, theta, false, scaling).map_err(|m| config.error(m))?;
-    if a.tie_word_embeddings {
+    let rope = Rope::new(head_dim, theta, false, scaling).map_err(|m| config.error(m))?;
+    if tied {
         w.take_optional("lm_head.weight");
     }
     Model::build(
         Shape {
-            hidden: a.hidden_size,
-            layers: a.num_hidden_layers,
-            intermediate: a.intermediate_size,
-            heads: a.num_attention_heads,
-            kv_heads: a.num_key_value_heads,
-            head_dim: a.head_dim,
-            eps: a.rms_norm_eps,
-            vocab: a.vocab_size,
-            bias: false,
-            mlp_bias: false,
+            dims: d,
             rope,
-            tied: a.tie_word_embeddings,
+            tied,
+            attention_bias: false,
+            mlp_bias: false,
             qk_norm: true,
-            layer_types: vec!["full_attention".into(); a.num_hidden_layers],
+            layer_types: vec!["full_attention".into(); d.num_hidden_layers],
             sliding_window: None,
             own_make_cache: false,
             config,

@@ -3,59 +3,22 @@
 //! dropped; HF-layout checkpoints get their conv weights transposed and norms shifted by +1.
 
 use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
-use super::layers::Rope;
-use super::qwen3_next::{Model, Projections, Shape};
-use crate::load::{Config, LoadError, QuantConfig, Weights};
+use super::layers::{Dims, Rope};
+use super::qwen3_next::{LinearDims, Model, Projections, Shape};
+use crate::load::{Config, LoadResult, QuantConfig, Weights};
 
 #[derive(Deserialize)]
-#[serde(default)]
 struct TextArgs {
-    hidden_size: i32,
-    intermediate_size: i32,
-    num_hidden_layers: usize,
-    num_attention_heads: i32,
-    rms_norm_eps: f64,
-    vocab_size: i32,
-    num_key_value_heads: i32,
-    linear_num_value_heads: i32,
-    linear_num_key_heads: i32,
-    linear_key_head_dim: i32,
-    linear_value_head_dim: i32,
-    linear_conv_kernel_dim: i32,
-    tie_word_embeddings: bool,
+    #[serde(flatten)]
+    dims: Dims,
+    #[serde(flatten)]
+    linear: LinearDims,
     attention_bias: bool,
-    head_dim: Option<i32>,
     full_attention_interval: usize,
     num_experts: usize,
     rope_parameters: Option<Map<String, Value>>,
-}
-
-/// The Python dataclass defaults (qwen3_5.TextModelArgs).
-impl Default for TextArgs {
-    fn default() -> TextArgs {
-        TextArgs {
-            hidden_size: 4096,
-            intermediate_size: 14336,
-            num_hidden_layers: 32,
-            num_attention_heads: 32,
-            rms_norm_eps: 1e-6,
-            vocab_size: 151936,
-            num_key_value_heads: 8,
-            linear_num_value_heads: 64,
-            linear_num_key_heads: 16,
-            linear_key_head_dim: 192,
-            linear_value_head_dim: 128,
-            linear_conv_kernel_dim: 4,
-            tie_word_embeddings: false,
-            attention_bias: false,
-            head_dim: None,
-            full_attention_interval: 4,
-            num_experts: 0,
-            rope_parameters: None,
-        }
-    }
 }
 
 /// The norms mlx-lm shifts by +1 in HF-layout checkpoints (the gated DeltaNet norm excluded).
@@ -69,7 +32,7 @@ const SHIFTED_NORMS: [&str; 5] = [
 
 /// Model.sanitize then TextModel.sanitize: keys to the `language_model.` scheme, vision and MTP
 /// dropped, and for HF layout (conv weights stored (C, 1, K)) conv transposed, norms + 1.
-fn sanitize(w: &mut Weights, tied: bool) -> Result<(), LoadError> {
+fn sanitize(w: &mut Weights, tied: bool) -> LoadResult<()> {
     w.rename(|k| {
         if k.starts_with("vision_tower") || k.starts_with("model.visual") || k.contains("mtp.") {
             return None;
@@ -100,58 +63,56 @@ fn sanitize(w: &mut Weights, tied: bool) -> Result<(), LoadError> {
     })
 }
 
-pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> Result<Model, LoadError> {
-    let a: TextArgs = config.parse_text()?;
+pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Model> {
+    // The Python dataclass defaults (qwen3_5.TextModelArgs).
+    let a: TextArgs = config.text_args(json!({
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+        "num_key_value_heads": 8, "linear_num_value_heads": 64, "linear_num_key_heads": 16,
+        "linear_key_head_dim": 192, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "tie_word_embeddings": false, "attention_bias": false, "full_attention_interval": 4,
+        "num_experts": 0,
+    }))?;
     if a.num_experts > 0 {
         return Err(config.error("mixture-of-experts qwen3_5 layers are not supported yet"));
     }
     let mut rope_params = a.rope_parameters.unwrap_or_else(|| {
-        serde_json::from_str(
-            r#"{"type": "default", "mrope_section": [11, 11, 10], "rope_theta": 100000, "partial_rotary_factor": 0.25}"#,
-        )
-        .expect("valid default rope parameters")
+        let defaults = json!({"type": "default", "mrope_section": [11, 11, 10],
+                              "rope_theta": 100000, "partial_rotary_factor": 0.25});
+        defaults.as_object().cloned().unwrap_or_default()
     });
     if !rope_params.contains_key("type") {
         if let Some(t) = rope_params.remove("rope_type") {
             rope_params.insert("type".into(), t);
         }
     }
-    let factor = rope_params
-        .get("partial_rotary_factor")
-        .and_then(Value::as_f64)
-        .unwrap_or(0.25);
-    let theta = rope_params
-        .get("rope_theta")
-        .and_then(Value::as_f64)
-        .unwrap_or(100000.0);
-    let head_dim = a.head_dim.unwrap_or(a.hidden_size / a.num_attention_heads);
-    let scaling = Value::Object(rope_params);
+    let param = |key: &str, default: f64| {
+        rope_params
+            .get(key)
+            .and_then(Value::as_f64)
+            .unwrap_or(default)
+    };
+    let (factor, theta) = (
+        param("partial_rotary_factor", 0.25),
+        param("rope_theta", 100000.0),
+    );
+    let scaling = Value::Object(rope_params.clone());
     let rope = Rope::new(
-        (head_dim as f64 * factor) as i32,
+        (a.dims.head_dim() as f64 * factor) as i32,
         theta,
         false,
         Some(&scaling),
     )
     .map_err(|m| config.error(m))?;
-    sanitize(w, a.tie_word_embeddings)?;
+    let tied = a.dims.tie_word_embeddings.unwrap_or(false);
+    sanitize(w, tied)?;
     Model::build(
         Shape {
-            hidden: a.hidden_size,
-            layers: a.num_hidden_layers,
-            intermediate: a.intermediate_size,
-            heads: a.num_attention_heads,
-            kv_heads: a.num_key_value_heads,
-            head_dim,
-            v_heads: a.linear_num_value_heads,
-            k_heads: a.linear_num_key_heads,
-            k_dim: a.linear_key_head_dim,
-            v_dim: a.linear_value_head_dim,
-            conv_kernel: a.linear_conv_kernel_dim,
-            eps: a.rms_norm_eps,
-            vocab: a.vocab_size,
+            dims: &a.dims,
+            linear: &a.linear,
             attention_bias: a.attention_bias,
             rope,
-            tied: a.tie_word_embeddings,
+            tied,
             interval: a.full_attention_interval,
             projections: Projections::Split,
             prefix: "language_model.",

@@ -4,46 +4,39 @@
 
 use mlx::{compiled, ops, Array};
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::layers::{
-    attend, Activation, Embedding, GatedMlp, Head, Linear, OuterLayers, RmsNorm, Rope, Taps,
+    attend, AttentionProjections, Dims, Linear, OuterLayers, PreNormBlock, RmsNorm, Rope,
 };
 use super::{Forward, LanguageModel};
 use crate::cache::{KvCache, LayerCache, Mask, Recurrence, RecurrentCache};
 use crate::error::contract;
-use crate::load::{Config, LoadError, QuantConfig, Weights};
+use crate::load::{Config, LoadResult, QuantConfig, Weights};
 use crate::Result;
 
 #[derive(Deserialize)]
 struct Args {
-    hidden_size: i32,
-    num_hidden_layers: usize,
-    intermediate_size: i32,
-    num_attention_heads: i32,
-    linear_num_value_heads: i32,
-    linear_num_key_heads: i32,
-    linear_key_head_dim: i32,
-    linear_value_head_dim: i32,
-    linear_conv_kernel_dim: i32,
+    #[serde(flatten)]
+    dims: Dims,
+    #[serde(flatten)]
+    linear: LinearDims,
     num_experts: usize,
-    rms_norm_eps: f64,
-    vocab_size: i32,
-    num_key_value_heads: i32,
     rope_theta: f64,
     partial_rotary_factor: f64,
-    head_dim: i32,
-    #[serde(default)]
-    tie_word_embeddings: bool,
-    #[serde(default)]
     attention_bias: bool,
     rope_scaling: Option<Value>,
-    #[serde(default = "default_interval")]
     full_attention_interval: usize,
 }
 
-fn default_interval() -> usize {
-    4
+/// The gated-DeltaNet dimensions both hybrids read from their configs.
+#[derive(Deserialize)]
+pub(crate) struct LinearDims {
+    pub linear_num_value_heads: i32,
+    pub linear_num_key_heads: i32,
+    pub linear_key_head_dim: i32,
+    pub linear_value_head_dim: i32,
+    pub linear_conv_kernel_dim: i32,
 }
 
 /// How a gated-DeltaNet layer projects its input.
@@ -55,22 +48,11 @@ pub(crate) enum Projections {
     Split,
 }
 
-/// The shape of a hybrid model, as the loaders of qwen3_next and qwen3_5 read it from their
+/// How a hybrid model is built, as the loaders of qwen3_next and qwen3_5 read it from their
 /// configs.
 pub(crate) struct Shape<'a> {
-    pub hidden: i32,
-    pub layers: usize,
-    pub intermediate: i32,
-    pub heads: i32,
-    pub kv_heads: i32,
-    pub head_dim: i32,
-    pub v_heads: i32,
-    pub k_heads: i32,
-    pub k_dim: i32,
-    pub v_dim: i32,
-    pub conv_kernel: i32,
-    pub eps: f64,
-    pub vocab: i32,
+    pub dims: &'a Dims,
+    pub linear: &'a LinearDims,
     pub attention_bias: bool,
     pub rope: Rope,
     pub tied: bool,
@@ -83,10 +65,7 @@ pub(crate) struct Shape<'a> {
 
 /// Full attention with an output gate: q_proj yields [query | gate] per head.
 struct GatedAttention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    proj: AttentionProjections,
     q_norm: RmsNorm,
     k_norm: RmsNorm,
     rope: Rope,
@@ -98,12 +77,13 @@ struct GatedAttention {
 impl GatedAttention {
     fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
-        let q_out = self.q_proj.forward(x)?.reshape(&[b, l, self.n_heads, -1])?;
+        let p = &self.proj;
+        let q_out = p.q_proj.forward(x)?.reshape(&[b, l, self.n_heads, -1])?;
         let mut halves = ops::split(&q_out, 2, -1)?.into_iter();
         let (queries, gate) = (halves.next().unwrap(), halves.next().unwrap());
         let gate = gate.reshape(&[b, l, -1])?;
-        let keys = self.k_proj.forward(x)?;
-        let values = self.v_proj.forward(x)?;
+        let keys = p.k_proj.forward(x)?;
+        let values = p.v_proj.forward(x)?;
         let queries = self.q_norm.forward(&queries)?.transpose(&[0, 2, 1, 3])?;
         let keys = self
             .k_norm
@@ -119,7 +99,7 @@ impl GatedAttention {
         let out = attend(&queries, &kv, self.scale, mask)?
             .transpose(&[0, 2, 1, 3])?
             .reshape(&[b, l, -1])?;
-        Ok(self.o_proj.forward(&out.multiply(&gate.sigmoid()?)?)?)
+        Ok(p.o_proj.forward(&out.multiply(&gate.sigmoid()?)?)?)
     }
 }
 
@@ -194,9 +174,7 @@ enum Mixer {
 
 struct DecoderLayer {
     mixer: Mixer,
-    mlp: GatedMlp,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
+    block: PreNormBlock,
 }
 
 pub struct Model {
@@ -206,40 +184,34 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn load(
-        config: &Config,
-        w: &mut Weights,
-        q: &QuantConfig,
-    ) -> std::result::Result<Model, LoadError> {
-        let a: Args = config.parse()?;
+    pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Model> {
+        let a: Args = config.args(json!({
+            "attention_bias": false, "full_attention_interval": 4,
+        }))?;
+        let d = &a.dims;
         if a.num_experts > 0 {
             return Err(config.error("mixture-of-experts qwen3_next layers are not supported yet"));
         }
-        let rope_dims = (a.head_dim as f64 * a.partial_rotary_factor) as i32;
+        // The Python dataclass requires these (llama's loader derives them).
+        let missing = |key: &str| config.error(format!("{key} is missing from the model config"));
+        let head_dim = d.head_dim.ok_or_else(|| missing("head_dim"))?;
+        d.num_key_value_heads
+            .ok_or_else(|| missing("num_key_value_heads"))?;
+        let rope_dims = (head_dim as f64 * a.partial_rotary_factor) as i32;
         let rope = Rope::new(rope_dims, a.rope_theta, false, a.rope_scaling.as_ref())
             .map_err(|m| config.error(m))?;
+        let tied = d.tie_word_embeddings.unwrap_or(false);
         // sanitize is a no-op for checkpoints without per-expert HF keys (mlx-lm returns early).
-        if a.tie_word_embeddings {
+        if tied {
             w.take_optional("lm_head.weight");
         }
         Model::build(
             Shape {
-                hidden: a.hidden_size,
-                layers: a.num_hidden_layers,
-                intermediate: a.intermediate_size,
-                heads: a.num_attention_heads,
-                kv_heads: a.num_key_value_heads,
-                head_dim: a.head_dim,
-                v_heads: a.linear_num_value_heads,
-                k_heads: a.linear_num_key_heads,
-                k_dim: a.linear_key_head_dim,
-                v_dim: a.linear_value_head_dim,
-                conv_kernel: a.linear_conv_kernel_dim,
-                eps: a.rms_norm_eps,
-                vocab: a.vocab_size,
+                dims: d,
+                linear: &a.linear,
                 attention_bias: a.attention_bias,
                 rope,
-                tied: a.tie_word_embeddings,
+                tied,
                 interval: a.full_attention_interval,
                 projections: Projections::Fused,
                 prefix: "",
@@ -250,128 +222,99 @@ impl Model {
         )
     }
 
-    pub(crate) fn build(
-        s: Shape<'_>,
-        w: &mut Weights,
-        q: &QuantConfig,
-    ) -> std::result::Result<Model, LoadError> {
-        if s.interval == 0 || s.interval > s.layers {
+    pub(crate) fn build(s: Shape<'_>, w: &mut Weights, q: &QuantConfig) -> LoadResult<Model> {
+        let (d, ld) = (s.dims, s.linear);
+        if s.interval == 0 || s.interval > d.num_hidden_layers {
             return Err(s
                 .config
                 .error("full_attention_interval must be between 1 and the layer count"));
         }
-        if s.k_heads <= 0 || s.v_heads % s.k_heads != 0 {
+        let (k_heads, v_heads) = (ld.linear_num_key_heads, ld.linear_num_value_heads);
+        if k_heads <= 0 || v_heads % k_heads != 0 {
             return Err(s
                 .config
                 .error("linear_num_value_heads must be a multiple of linear_num_key_heads"));
         }
-        let pre = s.prefix;
-        let (h, eps) = (s.hidden, s.eps);
-        let mut layers = Vec::with_capacity(s.layers);
-        for i in 0..s.layers {
-            let p = format!("{pre}model.layers.{i}");
-            let lin = |w: &mut Weights, name: &str, i_dim: i32, o_dim: i32, bias: bool| {
-                Linear::load(w, q, &format!("{p}.{name}"), i_dim, o_dim, bias)
+        let (h, eps, head_dim) = (d.hidden_size, d.rms_norm_eps, d.head_dim());
+        let mut layers = Vec::with_capacity(d.num_hidden_layers);
+        for i in 0..d.num_hidden_layers {
+            let p = format!("{}model.layers.{i}", s.prefix);
+            let lin = |w: &mut Weights, name: &str, i_dim: i32, o_dim: i32| {
+                Linear::load(
+                    w,
+                    q,
+                    &format!("{p}.linear_attn.{name}"),
+                    i_dim,
+                    o_dim,
+                    false,
+                )
+            };
+            let norm = |w: &mut Weights, name: &str, dims: i32| {
+                RmsNorm::load(w, &format!("{p}.{name}"), dims, eps)
             };
             let mixer = if (i + 1) % s.interval != 0 {
-                let (key_dim, value_dim) = (s.k_heads * s.k_dim, s.v_heads * s.v_dim);
+                let (k_dim, v_dim) = (ld.linear_key_head_dim, ld.linear_value_head_dim);
+                let (key_dim, value_dim) = (k_heads * k_dim, v_heads * v_dim);
                 let conv_dim = 2 * key_dim + value_dim;
                 let proj = match s.projections {
                     Projections::Fused => InputProjection::Fused {
-                        qkvz: lin(
-                            w,
-                            "linear_attn.in_proj_qkvz",
-                            h,
-                            2 * key_dim + 2 * value_dim,
-                            false,
-                        )?,
-                        ba: lin(w, "linear_attn.in_proj_ba", h, 2 * s.v_heads, false)?,
+                        qkvz: lin(w, "in_proj_qkvz", h, 2 * key_dim + 2 * value_dim)?,
+                        ba: lin(w, "in_proj_ba", h, 2 * v_heads)?,
                     },
                     Projections::Split => InputProjection::Split {
-                        qkv: lin(w, "linear_attn.in_proj_qkv", h, conv_dim, false)?,
-                        z: lin(w, "linear_attn.in_proj_z", h, value_dim, false)?,
-                        b: lin(w, "linear_attn.in_proj_b", h, s.v_heads, false)?,
-                        a: lin(w, "linear_attn.in_proj_a", h, s.v_heads, false)?,
+                        qkv: lin(w, "in_proj_qkv", h, conv_dim)?,
+                        z: lin(w, "in_proj_z", h, value_dim)?,
+                        b: lin(w, "in_proj_b", h, v_heads)?,
+                        a: lin(w, "in_proj_a", h, v_heads)?,
                     },
+                };
+                let tensor = |w: &mut Weights, name: &str, shape: &[i32]| {
+                    w.take_shaped(&format!("{p}.linear_attn.{name}"), shape)
                 };
                 Mixer::Linear(GatedDeltaNet {
                     proj,
                     recurrence: Recurrence {
-                        conv_weight: w.take_shaped(
-                            &format!("{p}.linear_attn.conv1d.weight"),
-                            &[conv_dim, s.conv_kernel, 1],
+                        conv_weight: tensor(
+                            w,
+                            "conv1d.weight",
+                            &[conv_dim, ld.linear_conv_kernel_dim, 1],
                         )?,
-                        a_log: w.take_shaped(&format!("{p}.linear_attn.A_log"), &[s.v_heads])?,
-                        dt_bias: w
-                            .take_shaped(&format!("{p}.linear_attn.dt_bias"), &[s.v_heads])?,
-                        k_heads: s.k_heads,
-                        v_heads: s.v_heads,
-                        k_dim: s.k_dim,
-                        v_dim: s.v_dim,
-                        conv_kernel: s.conv_kernel,
+                        a_log: tensor(w, "A_log", &[v_heads])?,
+                        dt_bias: tensor(w, "dt_bias", &[v_heads])?,
+                        k_heads,
+                        v_heads,
+                        k_dim,
+                        v_dim,
+                        conv_kernel: ld.linear_conv_kernel_dim,
                     },
-                    norm: RmsNorm::load(w, &format!("{p}.linear_attn.norm"), s.v_dim, eps)?,
-                    out_proj: lin(w, "linear_attn.out_proj", value_dim, h, false)?,
+                    norm: norm(w, "linear_attn.norm", v_dim)?,
+                    out_proj: lin(w, "out_proj", value_dim, h)?,
                 })
             } else {
-                let (qd, kvd) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-                let bias = s.attention_bias;
                 Mixer::Attention(GatedAttention {
-                    q_proj: lin(w, "self_attn.q_proj", h, 2 * qd, bias)?,
-                    k_proj: lin(w, "self_attn.k_proj", h, kvd, bias)?,
-                    v_proj: lin(w, "self_attn.v_proj", h, kvd, bias)?,
-                    o_proj: lin(w, "self_attn.o_proj", qd, h, bias)?,
-                    q_norm: RmsNorm::load(w, &format!("{p}.self_attn.q_norm"), s.head_dim, eps)?,
-                    k_norm: RmsNorm::load(w, &format!("{p}.self_attn.k_norm"), s.head_dim, eps)?,
+                    proj: AttentionProjections::load(
+                        w,
+                        q,
+                        &format!("{p}.self_attn"),
+                        d,
+                        2,
+                        s.attention_bias,
+                    )?,
+                    q_norm: norm(w, "self_attn.q_norm", head_dim)?,
+                    k_norm: norm(w, "self_attn.k_norm", head_dim)?,
                     rope: s.rope,
-                    n_heads: s.heads,
-                    n_kv_heads: s.kv_heads,
-                    scale: (s.head_dim as f64).powf(-0.5) as f32,
+                    n_heads: d.num_attention_heads,
+                    n_kv_heads: d.kv_heads(),
+                    scale: (head_dim as f64).powf(-0.5) as f32,
                 })
             };
             layers.push(DecoderLayer {
                 mixer,
-                mlp: GatedMlp::load(
-                    w,
-                    q,
-                    &format!("{p}.mlp"),
-                    h,
-                    s.intermediate,
-                    false,
-                    Activation::Swiglu,
-                )?,
-                input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), h, eps)?,
-                post_attention_layernorm: RmsNorm::load(
-                    w,
-                    &format!("{p}.post_attention_layernorm"),
-                    h,
-                    eps,
-                )?,
+                block: PreNormBlock::load(w, q, &p, d, false)?,
             });
         }
         Ok(Model {
-            outer: OuterLayers {
-                embed_tokens: Embedding::load(
-                    w,
-                    q,
-                    &format!("{pre}model.embed_tokens"),
-                    s.vocab,
-                    h,
-                )?,
-                norm: RmsNorm::load(w, &format!("{pre}model.norm"), h, eps)?,
-                head: if s.tied {
-                    Head::Tied
-                } else {
-                    Head::Separate(Linear::load(
-                        w,
-                        q,
-                        &format!("{pre}lm_head"),
-                        h,
-                        s.vocab,
-                        false,
-                    )?)
-                },
-            },
+            outer: OuterLayers::load(w, q, s.prefix, d, s.tied)?,
             layers,
             fa_idx: s.interval - 1,
         })
@@ -379,54 +322,35 @@ impl Model {
 }
 
 impl LanguageModel for Model {
-    fn forward(
-        &self,
-        inputs: &Array,
-        caches: &mut [LayerCache],
-        taps: &[usize],
-    ) -> Result<Forward> {
-        let mut h = self.outer.embed_tokens.forward(inputs)?;
+    fn forward(&self, ids: &Array, caches: &mut [LayerCache], taps: &[usize]) -> Result<Forward> {
+        let h = self.outer.embed_tokens.forward(ids)?;
         let fa_mask = caches[self.fa_idx].make_mask(h.dim(1) as usize, None)?;
-        let mut taps = Taps::new(taps, self.layers.len());
-        for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
-            let x = layer.input_layernorm.forward(&h)?;
-            let r = match (&layer.mixer, cache) {
-                (Mixer::Linear(m), LayerCache::Recurrent(c)) => m.forward(&x, c)?,
-                (Mixer::Attention(m), c) => m.forward(&x, &fa_mask, c)?,
-                (Mixer::Linear(_), _) => {
-                    return Err(contract(format!("layer {i} needs a recurrent cache")))
-                }
-            };
-            let h1 = h.add(&r)?;
-            h = h1.add(
-                &layer
-                    .mlp
-                    .forward(&layer.post_attention_layernorm.forward(&h1)?)?,
-            )?;
-            taps.capture(i, &h);
-        }
-        self.outer.finish(&h, taps)
-    }
-
-    fn make_cache(&self, _max_kv_size: Option<usize>) -> Vec<LayerCache> {
-        self.layers
-            .iter()
-            .map(|l| match l.mixer {
-                Mixer::Linear(_) => LayerCache::Recurrent(RecurrentCache::default()),
-                Mixer::Attention(_) => LayerCache::Kv(KvCache::default()),
+        self.outer
+            .run(h, caches, self.layers.len(), taps, |i, h, cache| {
+                let layer = &self.layers[i];
+                layer.block.forward(h, |x| match (&layer.mixer, cache) {
+                    (Mixer::Linear(m), LayerCache::Recurrent(c)) => m.forward(x, c),
+                    (Mixer::Attention(m), c) => m.forward(x, &fa_mask, c),
+                    (Mixer::Linear(_), _) => {
+                        Err(contract(format!("layer {i} needs a recurrent cache")))
+                    }
+                })
             })
-            .collect()
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.outer.vocab()
     }
 
     fn num_layers(&self) -> usize {
         self.layers.len()
     }
 
-    fn ignores_max_kv_size(&self) -> bool {
-        true
+    fn own_caches(&self) -> Option<Vec<LayerCache>> {
+        let cache = |l: &DecoderLayer| match l.mixer {
+            Mixer::Linear(_) => LayerCache::Recurrent(RecurrentCache::default()),
+            Mixer::Attention(_) => LayerCache::Kv(KvCache::default()),
+        };
+        Some(self.layers.iter().map(cache).collect())
+    }
+
+    fn outer(&self) -> &OuterLayers {
+        &self.outer
     }
 }

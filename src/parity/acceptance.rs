@@ -1,10 +1,11 @@
 //! Runs an acceptance suite: greedy speculative generation of every prompt at every
-//! num_draft_tokens, with the statistics summed per num_draft_tokens in the harness's format.
+//! num_draft_tokens, with the statistics summed per num_draft_tokens, and their acceptance in
+//! the harness's baseline format.
 
 use std::collections::BTreeMap;
 
 use verity_harness::acceptance::{Source, Suite};
-use verity_harness::stats::SpecStats;
+use verity_harness::stats::Acceptance;
 
 use super::Models;
 use crate::generate::{GenerateParams, GeneratedToken};
@@ -13,24 +14,18 @@ use crate::speculative::{
 };
 use crate::Result;
 
-/// The engine's counters in the harness's statistics format.
-pub fn to_harness(s: &SpeculationStats) -> SpecStats {
-    SpecStats {
-        rounds: s.rounds,
-        drafted: s.drafted,
-        accepted: s.accepted,
+/// What a baseline keeps of the engine's counters.
+pub fn acceptance(s: &SpeculationStats) -> Acceptance {
+    Acceptance {
         drafted_by_pos: s.drafted_by_pos.clone(),
         accepted_by_pos: s.accepted_by_pos.clone(),
-        target_calls: s.target_calls,
         generated: s.generated,
         from_draft: s.from_draft,
-        refused_rounds: s.refused_rounds,
-        partial_rollbacks: s.partial_rollbacks,
     }
 }
 
-/// The suite's statistics per num_draft_tokens.
-pub fn run_suite(suite: &Suite, models: &mut Models) -> Result<BTreeMap<usize, SpecStats>> {
+/// The suite's statistics per num_draft_tokens, summed over its prompts.
+pub fn run_suite(suite: &Suite, models: &mut Models) -> Result<BTreeMap<usize, SpeculationStats>> {
     let target = models.get(&suite.target)?;
     let draft_model = match &suite.source {
         Source::Model { model } => Some(models.get(model)?),
@@ -39,7 +34,7 @@ pub fn run_suite(suite: &Suite, models: &mut Models) -> Result<BTreeMap<usize, S
     let params = GenerateParams::greedy(suite.max_tokens, target.eos_token_ids.clone());
     let mut out = BTreeMap::new();
     for &k in &suite.num_draft_tokens {
-        let mut total = SpecStats::default();
+        let mut total = SpeculationStats::default();
         for prompt in &suite.prompts {
             let mut source: Box<dyn DraftSource> = match (&draft_model, &suite.source) {
                 (Some(d), _) => Box::new(DraftModel::new(d.model())),
@@ -57,7 +52,7 @@ pub fn run_suite(suite: &Suite, models: &mut Models) -> Result<BTreeMap<usize, S
                 &mut ignore,
             )
             .map_err(|e| e.context(format!("{} k={k}", suite.target)))?;
-            total.add(&to_harness(&stats));
+            total.add(&stats);
         }
         out.insert(k, total);
     }

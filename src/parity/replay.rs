@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use mlx::Array;
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
 use verity_harness::trace::{self, Draft, Step, Trace};
 use verity_harness::Generation as Run;
 
@@ -13,7 +15,6 @@ use super::Models;
 use crate::bundle::ModelBundle;
 use crate::cache::{load_prompt_cache, KvQuantization};
 use crate::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
-use crate::sample::{ProcessorParams, SamplerParams};
 use crate::speculative::{generate_speculative, Control, DraftModel};
 use crate::{Error, Result};
 
@@ -32,42 +33,10 @@ pub fn golden_traces(root: &Path, device: mlx::Device) -> PathBuf {
     }
 }
 
-/// A trace's sampler arguments as the engine's.
-fn sampler_params(s: &trace::SamplerParams) -> SamplerParams {
-    SamplerParams {
-        temp: s.temp,
-        top_p: s.top_p,
-        min_p: s.min_p,
-        min_tokens_to_keep: s.min_tokens_to_keep,
-        top_k: s.top_k,
-        xtc_probability: s.xtc_probability,
-        xtc_threshold: s.xtc_threshold,
-        xtc_special_tokens: s.xtc_special_tokens.clone(),
-    }
-}
-
-/// A trace's processor arguments as the engine's; a logit-bias key that is not a token id is
-/// an error naming it.
-fn processor_params(p: &trace::ProcessorParams) -> Result<ProcessorParams> {
-    let logit_bias = p
-        .logit_bias
-        .iter()
-        .flatten()
-        .map(|(k, &b)| {
-            k.parse()
-                .map(|id| (id, b))
-                .map_err(|_| Error::Params(format!("logit_bias key {k:?} is not a token id")))
-        })
-        .collect::<Result<_>>()?;
-    Ok(ProcessorParams {
-        logit_bias,
-        repetition_penalty: p.repetition_penalty,
-        repetition_context_size: p.repetition_context_size,
-        presence_penalty: p.presence_penalty,
-        presence_context_size: p.presence_context_size,
-        frequency_penalty: p.frequency_penalty,
-        frequency_context_size: p.frequency_context_size,
-    })
+/// A trace's mlx-lm arguments (an object by name) as the engine's parameter type.
+fn arguments<T: DeserializeOwned>(what: &str, args: &Map<String, Value>) -> Result<T> {
+    serde_json::from_value(Value::Object(args.clone()))
+        .map_err(|e| Error::Params(format!("params.{what}: {e}")))
 }
 
 /// The generation parameters a trace was recorded with.
@@ -75,8 +44,8 @@ pub fn params(trace: &Trace, eos_token_ids: Vec<u32>) -> Result<GenerateParams> 
     let p = &trace.params;
     Ok(GenerateParams {
         max_tokens: p.max_tokens,
-        sampler: sampler_params(&p.sampler),
-        processors: processor_params(&p.processors)?,
+        sampler: arguments("sampler", &p.sampler)?,
+        processors: arguments("processors", &p.processors)?,
         seed: p.seed,
         prefill_step_size: p.prefill_step_size,
         max_kv_size: p.max_kv_size,

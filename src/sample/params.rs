@@ -1,9 +1,13 @@
 //! What a request asks of sampling: mlx-lm's `make_sampler` and `make_logits_processors`
-//! arguments, with their defaults. Temperatures and probabilities stay f64 because Python
-//! computes with doubles (`1/temp` is a double cast to f32 when it multiplies).
+//! arguments, under their names and with their defaults (so a trace's or a request's JSON
+//! deserializes into them). Temperatures and probabilities stay f64 because Python computes
+//! with doubles (`1/temp` is a double cast to f32 when it multiplies).
+
+use serde::{Deserialize, Deserializer};
 
 /// mlx-lm `make_sampler` arguments.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default)]
 pub struct SamplerParams {
     pub temp: f64,
     pub top_p: f64,
@@ -15,9 +19,9 @@ pub struct SamplerParams {
     pub xtc_special_tokens: Vec<u32>,
 }
 
-impl SamplerParams {
+impl Default for SamplerParams {
     /// `make_sampler()`'s defaults: greedy.
-    pub fn greedy() -> SamplerParams {
+    fn default() -> SamplerParams {
         SamplerParams {
             temp: 0.0,
             top_p: 0.0,
@@ -32,9 +36,12 @@ impl SamplerParams {
 }
 
 /// mlx-lm `make_logits_processors` arguments.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default)]
 pub struct ProcessorParams {
-    /// (token id, additive bias), in the order given.
+    /// (token id, additive bias), in the order given. In JSON an object from token ids (as
+    /// strings, the way mlx-lm and OpenAI write them) to biases, or null.
+    #[serde(deserialize_with = "logit_bias")]
     pub logit_bias: Vec<(u32, f64)>,
     pub repetition_penalty: Option<f64>,
     pub repetition_context_size: usize,
@@ -44,9 +51,9 @@ pub struct ProcessorParams {
     pub frequency_context_size: usize,
 }
 
-impl ProcessorParams {
+impl Default for ProcessorParams {
     /// `make_logits_processors()`'s defaults: no processor.
-    pub fn none() -> ProcessorParams {
+    fn default() -> ProcessorParams {
         ProcessorParams {
             logit_bias: Vec::new(),
             repetition_penalty: None,
@@ -57,4 +64,22 @@ impl ProcessorParams {
             frequency_context_size: 20,
         }
     }
+}
+
+/// `{"<token id>": bias, ...}` or null as (id, bias) pairs; a key that is not a token id is an
+/// error naming it.
+fn logit_bias<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(u32, f64)>, D::Error> {
+    let map: Option<serde_json::Map<String, serde_json::Value>> = Option::deserialize(d)?;
+    map.into_iter()
+        .flatten()
+        .map(|(key, bias)| {
+            let id = key.parse().map_err(|_| {
+                serde::de::Error::custom(format!("logit_bias key {key:?} is not a token id"))
+            })?;
+            let bias = bias.as_f64().ok_or_else(|| {
+                serde::de::Error::custom(format!("logit_bias[{key:?}] is not a number: {bias}"))
+            })?;
+            Ok((id, bias))
+        })
+        .collect()
 }

@@ -120,55 +120,46 @@ fn set_columns(logits: &Array, ids: &Array, values: &Array) -> mlx::Result<Array
 mod tests {
     use super::*;
 
-    fn params() -> ProcessorParams {
-        ProcessorParams::none()
+    /// The processors of `p` applied to (1, V) `logits` after `history`.
+    fn apply(p: ProcessorParams, logits: &[f32], history: &[i32]) -> Vec<f32> {
+        let procs = LogitsProcessors::new(&p).unwrap();
+        let logits = Array::from_slice(logits, &[1, logits.len() as i32]).unwrap();
+        let history = Array::from_slice(history, &[history.len() as i32]).unwrap();
+        let out = procs.apply(&history, &logits).unwrap();
+        out.to_vec::<f32>().unwrap()
     }
 
-    /// docs/oracle-notes.md, "Logits processors", checked against mlx-lm: logits
+    /// docs/parity-notes.md, "Logits processors", checked against mlx-lm: logits
     /// [1, -2, 3, .5], history [0, 1, 1, 3], repetition penalty 2 -> [.5, -4, 3, .25].
     #[test]
     fn repetition_penalizes_each_distinct_token_once() {
         let p = ProcessorParams {
             repetition_penalty: Some(2.0),
-            ..params()
+            ..ProcessorParams::default()
         };
-        let procs = LogitsProcessors::new(&p).unwrap();
-        let logits = Array::from_slice(&[1.0f32, -2.0, 3.0, 0.5], &[1, 4]).unwrap();
-        let history = Array::from_slice(&[0i32, 1, 1, 3], &[4]).unwrap();
-        let out = procs
-            .apply(&history, &logits)
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap();
+        let out = apply(p, &[1.0, -2.0, 3.0, 0.5], &[0, 1, 1, 3]);
         assert_eq!(out, vec![0.5, -4.0, 3.0, 0.25]);
     }
 
     #[test]
     fn presence_counts_once_and_frequency_counts_every_occurrence() {
-        let logits = Array::from_slice(&[0.0f32; 4], &[1, 4]).unwrap();
-        let history = Array::from_slice(&[1i32, 1, 1, 2], &[4]).unwrap();
-        let presence = LogitsProcessors::new(&ProcessorParams {
+        let (logits, history) = ([0.0; 4], [1, 1, 1, 2]);
+        let presence = ProcessorParams {
             presence_penalty: Some(0.5),
-            ..params()
-        })
-        .unwrap();
-        let frequency = LogitsProcessors::new(&ProcessorParams {
+            ..ProcessorParams::default()
+        };
+        let frequency = ProcessorParams {
             frequency_penalty: Some(0.5),
-            ..params()
-        })
-        .unwrap();
-        let p = presence
-            .apply(&history, &logits)
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap();
-        let f = frequency
-            .apply(&history, &logits)
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap();
-        assert_eq!(p, vec![0.0, -0.5, -0.5, 0.0]);
-        assert_eq!(f, vec![0.0, -1.5, -0.5, 0.0]);
+            ..ProcessorParams::default()
+        };
+        assert_eq!(
+            apply(presence, &logits, &history),
+            vec![0.0, -0.5, -0.5, 0.0]
+        );
+        assert_eq!(
+            apply(frequency, &logits, &history),
+            vec![0.0, -1.5, -0.5, 0.0]
+        );
     }
 
     #[test]
@@ -176,16 +167,9 @@ mod tests {
         let p = ProcessorParams {
             presence_penalty: Some(1.0),
             presence_context_size: 2,
-            ..params()
+            ..ProcessorParams::default()
         };
-        let procs = LogitsProcessors::new(&p).unwrap();
-        let logits = Array::from_slice(&[0.0f32; 4], &[1, 4]).unwrap();
-        let history = Array::from_slice(&[0i32, 1, 2, 3], &[4]).unwrap();
-        let out = procs
-            .apply(&history, &logits)
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap();
+        let out = apply(p, &[0.0; 4], &[0, 1, 2, 3]);
         assert_eq!(out, vec![0.0, 0.0, -1.0, -1.0]);
     }
 
@@ -194,12 +178,12 @@ mod tests {
         let p = ProcessorParams {
             repetition_penalty: Some(0.0),
             frequency_penalty: Some(0.0),
-            ..params()
+            ..ProcessorParams::default()
         };
         assert!(LogitsProcessors::new(&p).unwrap().is_empty());
         let err = LogitsProcessors::new(&ProcessorParams {
             repetition_penalty: Some(-1.0),
-            ..params()
+            ..ProcessorParams::default()
         });
         assert!(err.is_err());
     }

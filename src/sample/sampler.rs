@@ -60,10 +60,6 @@ impl Sampler {
         Ok(Sampler { p })
     }
 
-    pub fn params(&self) -> &SamplerParams {
-        &self.p
-    }
-
     pub fn is_greedy(&self) -> bool {
         self.p.temp == 0.0
     }

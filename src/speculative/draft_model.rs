@@ -6,8 +6,8 @@
 use mlx::Array;
 
 use super::{DraftContext, DraftSource};
-use crate::cache::{begin_round, end_round, quantize_due, rollback_plan, LayerCache, Rollback};
-use crate::generate::{last_logits, prefill, token_array};
+use crate::cache::{begin_round, end_round, rollback_plan, LayerCache, Rollback};
+use crate::generate::{forward_tokens, last_logits, prefill, token_array};
 use crate::model::LanguageModel;
 use crate::{Error, Result};
 
@@ -32,13 +32,9 @@ impl<'m> DraftModel<'m> {
 
     /// The model's next-token logits (1, V) after feeding `tokens`.
     fn step(&mut self, tokens: &[u32], ctx: &DraftContext<'_>) -> Result<Array> {
-        let out = self.model.forward(
-            &token_array(tokens)?.expand_dims(&[0])?,
-            &mut self.caches,
-            &[],
-        )?;
-        quantize_due(&mut self.caches, ctx.params.kv_quantization.as_ref())?;
-        Ok(last_logits(&out.logits)?)
+        let kv = ctx.params.kv_quantization.as_ref();
+        let logits = forward_tokens(self.model, &mut self.caches, &token_array(tokens)?, kv)?;
+        Ok(last_logits(&logits)?)
     }
 }
 

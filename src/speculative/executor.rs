@@ -13,8 +13,8 @@
 use mlx::{Array, Dtype};
 
 use super::{DraftContext, DraftSource, SpeculationStats};
-use crate::cache::{begin_round, end_round, quantize_due, rollback_plan, LayerCache, Rollback};
-use crate::generate::{prefill, token_array, GenerateParams, GeneratedToken};
+use crate::cache::{begin_round, end_round, rollback_plan, LayerCache, Rollback};
+use crate::generate::{forward_tokens, prefill, token_array, GenerateParams, GeneratedToken};
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
 use crate::sample::{Masking, StepSampler};
@@ -44,13 +44,9 @@ impl Executor<'_> {
     /// decoding and masked by the grammar advanced over the walk so far, and stops at the first
     /// rejected draft, an EOS, or a finished grammar.
     fn verify(&mut self, input: &[u32]) -> Result<(Vec<u32>, Vec<Array>)> {
-        let out = self.model.forward(
-            &token_array(input)?.expand_dims(&[0])?,
-            &mut self.caches,
-            &[],
-        )?;
-        quantize_due(&mut self.caches, self.params.kv_quantization.as_ref())?;
-        let logits = out.logits.squeeze(&[0])?;
+        let kv = self.params.kv_quantization.as_ref();
+        let logits = forward_tokens(self.model, &mut self.caches, &token_array(input)?, kv)?;
+        let logits = logits.squeeze(&[0])?;
         let positions = input.len() as i32;
         let (tokens, logprobs) = if self.sampler.has_processors() || self.sampler.is_constrained() {
             let (mut tokens, mut rows) = (Vec::new(), Vec::new());

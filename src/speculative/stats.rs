@@ -49,9 +49,35 @@ impl SpeculationStats {
         }
     }
 
+    /// Adds another generation's counters (a suite sums its prompts').
+    pub fn add(&mut self, other: &SpeculationStats) {
+        for (mine, theirs) in [
+            (&mut self.drafted_by_pos, &other.drafted_by_pos),
+            (&mut self.accepted_by_pos, &other.accepted_by_pos),
+        ] {
+            if mine.len() < theirs.len() {
+                mine.resize(theirs.len(), 0);
+            }
+            mine.iter_mut().zip(theirs).for_each(|(m, t)| *m += t);
+        }
+        self.rounds += other.rounds;
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
+        self.target_calls += other.target_calls;
+        self.generated += other.generated;
+        self.from_draft += other.from_draft;
+        self.refused_rounds += other.refused_rounds;
+        self.partial_rollbacks += other.partial_rollbacks;
+    }
+
     /// accepted / drafted (0 when nothing was drafted).
     pub fn acceptance_rate(&self) -> f64 {
         ratio(self.accepted, self.drafted)
+    }
+
+    /// accepted / rounds.
+    pub fn mean_accepted_len(&self) -> f64 {
+        ratio(self.accepted, self.rounds)
     }
 
     /// generated / target_calls (0 before any call).
