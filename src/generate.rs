@@ -174,6 +174,52 @@ pub fn token_array(tokens: &[u32]) -> mlx::Result<Array> {
     Array::from_slice(&ids, &[ids.len() as i32])
 }
 
+/// One decode step after `input` (1-D token ids) was fed: the model call, the processors over
+/// the history (which then includes `input`) and the grammar mask, and the logprobs
+/// `logits - logsumexp(logits)` (1, V) the sampler draws from (generate_step's `_step`).
+fn step_logprobs(
+    model: &dyn LanguageModel,
+    caches: &mut [LayerCache],
+    sampler: &mut StepSampler,
+    input: &Array,
+    params: &GenerateParams,
+) -> Result<Array> {
+    let logits = forward_tokens(model, caches, input, params.kv_quantization.as_ref())?;
+    let logits = last_logits(&logits)?;
+    sampler.extend_history(input)?;
+    let logits = sampler.process(&logits, &[], Masking::Grammar)?;
+    StepSampler::logprobs(&logits)
+}
+
+/// Teacher forcing: the logprobs (V,) the model gives each token of `continuation`, computed as
+/// generation computes them — the prompt prefilled the same way into `caches`, the same
+/// processors over the same history, the same cache conversions — but with `continuation`'s
+/// tokens fed in place of sampled ones. `on_step(i, logprobs)` sees the distribution that
+/// token i was drawn from. Nothing is sampled.
+pub fn score(
+    model: &dyn LanguageModel,
+    mut caches: Vec<LayerCache>,
+    prompt: &[u32],
+    continuation: &[u32],
+    params: &GenerateParams,
+    mut on_step: impl FnMut(usize, &Array) -> Result<()>,
+) -> Result<()> {
+    let mut sampler = params.step_sampler(prompt, None)?;
+    let (&last, head) = prompt
+        .split_last()
+        .expect("step_sampler refuses an empty prompt");
+    prefill(model, &mut caches, &token_array(head)?, params, |chunk| {
+        sampler.extend_history(chunk)
+    })?;
+    let mut input = token_array(&[last])?;
+    for (i, &token) in continuation.iter().enumerate() {
+        let logprobs = step_logprobs(model, &mut caches, &mut sampler, &input, params)?;
+        on_step(i, &logprobs.squeeze(&[0])?)?;
+        input = token_array(&[token])?;
+    }
+    Ok(())
+}
+
 /// The last position's (1, V) logits of a (1, L, V) forward.
 pub fn last_logits(logits: &Array) -> mlx::Result<Array> {
     let l = logits.dim(1);
@@ -243,12 +289,13 @@ impl<'m> Generation<'m> {
 
     /// generate_step's `_step`: forward the input, process, quantize the cache, sample.
     fn step(&mut self, input: &Array) -> Result<(Array, Array)> {
-        let kv = self.params.kv_quantization.as_ref();
-        let logits = forward_tokens(self.model, &mut self.caches, input, kv)?;
-        let logits = last_logits(&logits)?;
-        self.step_sampler.extend_history(input)?;
-        let logits = self.step_sampler.process(&logits, &[], Masking::Grammar)?;
-        let logprobs = StepSampler::logprobs(&logits)?;
+        let logprobs = step_logprobs(
+            self.model,
+            &mut self.caches,
+            &mut self.step_sampler,
+            input,
+            &self.params,
+        )?;
         let sampled = self.step_sampler.sample(&logprobs)?;
         Ok((sampled, logprobs.squeeze(&[0])?))
     }

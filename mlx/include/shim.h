@@ -54,6 +54,8 @@ rust::String version();
 void use_cpu();
 void use_gpu();
 bool gpu_available();
+bool cuda_available();
+bool metal_available();
 
 ArrayPtr unary(UnaryOp op, const Array& a);
 ArrayPtr binary(BinaryOp op, const Array& a, const Array& b);

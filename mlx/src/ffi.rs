@@ -119,6 +119,8 @@ pub(crate) mod bridge {
         fn use_cpu() -> Result<()>;
         fn use_gpu() -> Result<()>;
         fn gpu_available() -> bool;
+        fn cuda_available() -> bool;
+        fn metal_available() -> bool;
 
         // Generic element-wise ops and reductions.
         fn unary(op: UnaryOp, a: &Array) -> Result<UniquePtr<Array>>;

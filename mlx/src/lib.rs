@@ -46,15 +46,19 @@ pub enum Device {
 }
 
 impl Device {
-    /// The name traces record: "cpu" or "gpu".
+    /// The backend this device runs on, as traces name it: "cpu", or for the GPU "cuda" or
+    /// "metal" depending on the libmlx this process loaded ("gpu" if it is neither).
     pub fn name(self) -> &'static str {
         match self {
             Device::Cpu => "cpu",
+            Device::Gpu if bridge::cuda_available() => "cuda",
+            Device::Gpu if bridge::metal_available() => "metal",
             Device::Gpu => "gpu",
         }
     }
 
-    /// The GPU (Metal) when this build has one, else the CPU.
+    /// The GPU (CUDA or Metal) when this process's libmlx has one and a device is present,
+    /// else the CPU.
     pub fn best_available() -> Device {
         if bridge::gpu_available() {
             Device::Gpu

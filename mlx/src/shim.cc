@@ -213,6 +213,8 @@ rust::String version() { return mx::version(); }
 void use_cpu() { mx::set_default_device(mx::Device::cpu); }
 void use_gpu() { mx::set_default_device(mx::Device::gpu); }
 bool gpu_available() { return mx::is_available(mx::Device::gpu); }
+bool cuda_available() { return mx::cu::is_available(); }
+bool metal_available() { return mx::metal::is_available(); }
 
 ArrayPtr unary(UnaryOp op, const Array& a) {
   const auto& x = a.inner;

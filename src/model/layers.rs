@@ -365,18 +365,30 @@ impl Attention {
 }
 
 /// mlx-lm's scaled_dot_product_attention: the fused kernel for dense caches, the
-/// quantized-matmul formulation for quantized ones.
-pub fn attend(q: &Array, kv: &KeysValues, scale: f32, mask: &Mask) -> Result<Array> {
+/// quantized-matmul formulation for quantized ones. A backend without a quantized-matmul kernel
+/// for the cache's shape (mlx-cuda for the fixtures' group size 32) fails naming the cache's
+/// settings.
+pub fn attend(q: &Array, kv: &KeysValues, scale: f32, mask: &Mask) -> crate::Result<Array> {
     match kv {
-        KeysValues::Dense { keys, values } => {
-            fast::scaled_dot_product_attention(q, keys, values, scale, mask.as_sdpa(), None)
-        }
+        KeysValues::Dense { keys, values } => Ok(fast::scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            scale,
+            mask.as_sdpa(),
+            None,
+        )?),
         KeysValues::Quantized {
             keys,
             values,
             group_size,
             bits,
-        } => quantized_attention(q, keys, values, scale, mask, *group_size, *bits),
+        } => quantized_attention(q, keys, values, scale, mask, *group_size, *bits).map_err(|e| {
+            crate::Error::Unsupported(format!(
+                "attention over a {bits}-bit quantized KV cache (group size {group_size}) failed \
+                 on this backend: {e}"
+            ))
+        }),
     }
 }
 
