@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::trace::{FinishReason, Parity, Step, Tier, Trace};
+use crate::trace::{FinishReason, Step, Tier, Trace};
 
 /// What an engine produced when it replayed a trace.
 #[derive(Clone, Debug, PartialEq)]
@@ -19,7 +19,7 @@ impl Generation {
 
 /// A divergence whose oracle top-1/top-2 logprob margin is at most this is a near-tie under
 /// tier A: the tokens were nearly equally likely, so a last-bit difference upstream could flip
-/// the choice. (Tier B uses twice its logprob tolerance, when larger.)
+/// the choice. (A tier B trace uses twice its logprob tolerance, when larger.)
 pub const NEAR_TIE_MARGIN: f32 = 1e-5;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -74,6 +74,11 @@ pub enum DivergenceKind {
         oracle: bool,
         engine: bool,
     },
+    /// Teacher-forced: every step within the step tolerance, but the mean deviation is not.
+    MeanLogprob {
+        mean: f32,
+        tolerance: f32,
+    },
     Length {
         oracle: usize,
         engine: usize,
@@ -103,6 +108,11 @@ impl fmt::Display for DivergenceKind {
             DivergenceKind::FromDraft { oracle, engine } => {
                 write!(f, "from_draft: oracle {oracle}, engine {engine}")
             }
+            DivergenceKind::MeanLogprob { mean, tolerance } => write!(
+                f,
+                "mean |Δ logprob| over the trace {mean:e} exceeds {tolerance:e}: a shift of every \
+                 step, not rounding"
+            ),
             DivergenceKind::Length { oracle, engine } => {
                 write!(f, "length: oracle generated {oracle} tokens, engine {engine}")
             }
@@ -121,34 +131,10 @@ pub fn margin(step: &Step) -> Option<f32> {
     }
 }
 
-/// The logprob tolerance of a trace replayed on another device than it was recorded on (a CPU
-/// golden on Metal): kernels differ, so only tokens must match exactly (tier B).
-pub const CROSS_DEVICE_TOLERANCE: f64 = 1e-3;
-
-/// The parity a trace demands when replayed on `device`: its own, or tier B with
-/// [`CROSS_DEVICE_TOLERANCE`] when the oracle ran on another device.
-pub fn parity_on(trace: &Trace, device: &str) -> Parity {
-    if trace.oracle.device == device {
-        return trace.parity.clone();
-    }
-    let tolerance = trace
-        .parity
-        .logprob_tolerance
-        .unwrap_or(0.0)
-        .max(CROSS_DEVICE_TOLERANCE);
-    Parity {
-        tier: Tier::B,
-        logprob_tolerance: Some(tolerance),
-        reason: Some(format!(
-            "recorded on {}, replayed on {device}",
-            trace.oracle.device
-        )),
-    }
-}
-
-/// Compares a run on `device` with the trace, under [`parity_on`].
-pub fn compare(trace: &Trace, run: &Generation, device: &str) -> Verdict {
-    let parity = parity_on(trace, device);
+/// Compares a free-running replay on the trace's own backend with the trace, under the trace's
+/// tier (replays on another backend are teacher-forced: see [`crate::forced`]).
+pub fn compare(trace: &Trace, run: &Generation) -> Verdict {
+    let parity = &trace.parity;
     let tier = parity.tier;
     let tolerance = parity.logprob_tolerance.unwrap_or(0.0) as f32;
     let near_tie_margin = match tier {
@@ -225,9 +211,8 @@ pub fn compare(trace: &Trace, run: &Generation, device: &str) -> Verdict {
     Verdict::Pass
 }
 
-/// Tier A: identical ids and bits. Tier B: every oracle entry whose logprob is clear of the
-/// cut-off by more than the tolerance appears in the engine's list within the tolerance (entries
-/// near the cut-off may legitimately swap in or out).
+/// Tier A: identical ids and bits. Tier B: the oracle's entries clear of the cut-off are in the
+/// engine's list within the tolerance ([`crate::forced::top_agrees`]).
 fn top_matches(tier: Tier, tolerance: f32, oracle: &[(u32, f32)], engine: &[(u32, f32)]) -> bool {
     match tier {
         Tier::A => {
@@ -237,16 +222,6 @@ fn top_matches(tier: Tier, tolerance: f32, oracle: &[(u32, f32)], engine: &[(u32
                     .zip(engine)
                     .all(|(a, b)| a.0 == b.0 && a.1.to_bits() == b.1.to_bits())
         }
-        Tier::B => {
-            let cutoff = oracle.last().map_or(f32::NEG_INFINITY, |e| e.1);
-            oracle
-                .iter()
-                .filter(|e| e.1 > cutoff + tolerance)
-                .all(|(id, lp)| {
-                    engine
-                        .iter()
-                        .any(|(eid, elp)| eid == id && (elp - lp).abs() <= tolerance)
-                })
-        }
+        Tier::B => crate::forced::top_agrees(oracle, engine, tolerance),
     }
 }

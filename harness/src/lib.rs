@@ -8,6 +8,8 @@ pub mod acceptance;
 #[cfg(any(test, feature = "strategies"))]
 pub mod cache_model;
 pub mod compare;
+pub mod forced;
+pub mod registry;
 pub mod report;
 pub mod stats;
 pub mod trace;

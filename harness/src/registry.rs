@@ -1,0 +1,224 @@
+//! What golden/ declares about backends, read once per run: the tolerances of teacher-forced
+//! replays across backends (`golden/tolerances.toml`), the backend bugs that explain a failure
+//! (`golden/known-backend-bugs.toml`), and the cases a backend cannot run at all
+//! (`[[unsupported]]` in `golden/MANIFEST.toml`).
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::trace::Trace;
+
+pub const TOLERANCES_FORMAT: &str = "verity-tolerances/1";
+
+/// What kind of model a trace runs, as far as cross-backend rounding goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ModelClass {
+    /// Attention models with float weights.
+    Dense,
+    /// Attention models with quantized weights.
+    Quantized,
+    /// Gated-DeltaNet hybrids: the recurrent state accumulates rounding over the sequence.
+    Hybrid,
+}
+
+impl ModelClass {
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelClass::Dense => "dense",
+            ModelClass::Quantized => "quantized",
+            ModelClass::Hybrid => "hybrid",
+        }
+    }
+}
+
+/// How far a teacher-forced replay may deviate from the oracle: per step, and on average over
+/// a trace (rounding scatters around zero; a wrong engine shifts every step).
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+pub struct Limits {
+    /// |engine logprob - oracle logprob| of the oracle's token at any step.
+    pub step: f32,
+    /// The same, averaged over the trace's steps.
+    pub mean: f32,
+}
+
+/// The tolerances measured for one pair of backends (either direction), per model class.
+#[derive(Clone, Debug, Deserialize)]
+pub struct PairTolerance {
+    pub backends: [String; 2],
+    pub dense: Limits,
+    pub quantized: Limits,
+    pub hybrid: Limits,
+}
+
+impl PairTolerance {
+    fn get(&self, class: ModelClass) -> Limits {
+        match class {
+            ModelClass::Dense => self.dense,
+            ModelClass::Quantized => self.quantized,
+            ModelClass::Hybrid => self.hybrid,
+        }
+    }
+
+    fn joins(&self, a: &str, b: &str) -> bool {
+        let [x, y] = &self.backends;
+        (x == a && y == b) || (x == b && y == a)
+    }
+}
+
+#[derive(Clone, Debug, Deserialize)]
+struct TolerancesFile {
+    format: String,
+    pair: Vec<PairTolerance>,
+}
+
+/// A backend bug that makes a trace fail, with the reproducer that tells when it is fixed.
+#[derive(Clone, Debug, Deserialize)]
+pub struct BackendBug {
+    pub id: String,
+    pub backend: String,
+    pub summary: String,
+    /// Repository-relative model folders whose traces it breaks (as target or draft).
+    pub models: Vec<String>,
+    pub reproducer: String,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+struct BugsFile {
+    bug: Vec<BackendBug>,
+}
+
+/// Manifest cases a backend cannot run, and the error it gives: the cases of the listed
+/// variants and of the listed models (each list, where given, must match).
+#[derive(Clone, Debug, Deserialize)]
+pub struct Unsupported {
+    pub backend: String,
+    #[serde(default)]
+    pub variants: Option<Vec<String>>,
+    /// Fixture names (the first component of a case id).
+    #[serde(default)]
+    pub models: Option<Vec<String>>,
+    pub error: String,
+    pub why: String,
+}
+
+impl Unsupported {
+    fn matches(&self, model: &str, variant: &str) -> bool {
+        let listed = |list: &Option<Vec<String>>, name: &str| {
+            list.as_ref().is_none_or(|l| l.iter().any(|x| x == name))
+        };
+        listed(&self.models, model) && listed(&self.variants, variant)
+    }
+}
+
+#[derive(Clone, Debug, Deserialize)]
+struct ManifestFile {
+    #[serde(default)]
+    unsupported: Vec<Unsupported>,
+}
+
+/// How a trace is judged when replayed on another backend.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tolerance {
+    pub limits: Limits,
+    /// Whether this pair of backends was measured (else the largest measured for the class).
+    pub measured: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct Registry {
+    tolerances: Vec<PairTolerance>,
+    bugs: Vec<BackendBug>,
+    unsupported: Vec<Unsupported>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct RegistryError {
+    path: PathBuf,
+    message: String,
+}
+
+fn read<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, RegistryError> {
+    let error = |message: String| RegistryError {
+        path: path.to_path_buf(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
+    toml::from_str(&text).map_err(|e| error(e.to_string()))
+}
+
+impl Registry {
+    /// Reads the three files under `golden`.
+    pub fn load(golden: &Path) -> Result<Registry, RegistryError> {
+        let path = golden.join("tolerances.toml");
+        let tolerances: TolerancesFile = read(&path)?;
+        if tolerances.format != TOLERANCES_FORMAT {
+            return Err(RegistryError {
+                path,
+                message: format!(
+                    "format {:?}, expected {TOLERANCES_FORMAT:?}",
+                    tolerances.format
+                ),
+            });
+        }
+        let bugs: BugsFile = read(&golden.join("known-backend-bugs.toml"))?;
+        let manifest: ManifestFile = read(&golden.join("MANIFEST.toml"))?;
+        Ok(Registry {
+            tolerances: tolerances.pair,
+            bugs: bugs.bug,
+            unsupported: manifest.unsupported,
+        })
+    }
+
+    /// The tolerance for a trace recorded on `recorded` and replayed on `replayed`: the
+    /// measured one of that pair, or for a pair never measured the largest measured for the
+    /// class.
+    pub fn tolerance(&self, recorded: &str, replayed: &str, class: ModelClass) -> Tolerance {
+        match self.tolerances.iter().find(|p| p.joins(recorded, replayed)) {
+            Some(p) => Tolerance {
+                limits: p.get(class),
+                measured: true,
+            },
+            None => {
+                let widest = |f: fn(Limits) -> f32| {
+                    self.tolerances
+                        .iter()
+                        .map(|p| f(p.get(class)))
+                        .fold(0.0, f32::max)
+                };
+                Tolerance {
+                    limits: Limits {
+                        step: widest(|l| l.step),
+                        mean: widest(|l| l.mean),
+                    },
+                    measured: false,
+                }
+            }
+        }
+    }
+
+    /// The bug that explains a failure of `trace` between `recorded` and `replayed`, if one of
+    /// them is the bug's backend and the trace runs one of its models.
+    pub fn bug_for(&self, trace: &Trace, recorded: &str, replayed: &str) -> Option<&BackendBug> {
+        let draft = match &trace.draft {
+            Some(crate::trace::Draft::Model { model, .. }) => Some(model.as_str()),
+            _ => None,
+        };
+        self.bugs.iter().find(|b| {
+            (b.backend == recorded || b.backend == replayed)
+                && b.models
+                    .iter()
+                    .any(|m| *m == trace.model || Some(m.as_str()) == draft)
+        })
+    }
+
+    /// Why `backend` cannot run `trace`'s case, if the manifest says so.
+    pub fn unsupported(&self, trace: &Trace, backend: &str) -> Option<&Unsupported> {
+        let mut parts = trace.id.split('/');
+        let (model, variant) = (parts.next()?, parts.next()?);
+        self.unsupported
+            .iter()
+            .find(|u| u.backend == backend && u.matches(model, variant))
+    }
+}
