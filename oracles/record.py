@@ -5,10 +5,13 @@ through mlx_lm.stream_generate exactly as `mlx_lm.generate` would (chat template
 sampler and processor construction, seeding), and writes golden/traces/<id>.json. Traces it did
 not write this run are deleted, so the folder always equals the manifest.
 
-    oracles/.venv/bin/python oracles/record.py [--only SUBSTRING] [--device gpu]
+    oracles/.venv/bin/python oracles/record.py [--only SUBSTRING]... [--device gpu] [--out DIR]
 
---device gpu (an M-series Mac with the mlx-metal wheel) records the Metal set into
-golden/traces-gpu; the default CPU set, golden/traces, is the committed one.
+--device gpu records the set of the GPU backend this MLX has (CUDA with the mlx-cuda-13
+wheel, Metal on an M-series Mac) into golden/traces-<backend>, its prompt cache files into
+golden/prompt-cache-<backend>, and skips the cases golden/MANIFEST.toml lists as unsupported
+on that backend. --out writes the set elsewhere (to diff a fresh recording against the
+committed one). The CPU set, golden/traces, is recorded by default.
 
 Recording is deterministic: rerunning leaves `git status` clean.
 """
@@ -121,7 +124,29 @@ def prompt_tokens(tokenizer, prompt):
     return None, tokenizer.encode(text, add_special_tokens=True)
 
 
-def cache_prefix(case, model, tokens, p):
+def backend_name(device):
+    """The backend traces name: "cpu", or the GPU's "cuda" / "metal"."""
+    if device == "cpu":
+        return "cpu"
+    if mx.cuda.is_available():
+        return "cuda"
+    if mx.metal.is_available():
+        return "metal"
+    raise ManifestError("--device gpu: this MLX has neither a CUDA nor a Metal backend")
+
+
+def unsupported(manifest, backend, case):
+    """The manifest's reason `backend` cannot run `case` (an entry's variants and models must
+    each list the case's, where given), or None."""
+    model, variant = case["id"].split("/")[:2]
+    for u in manifest.get("unsupported", []):
+        if (u["backend"] == backend and variant in u.get("variants", [variant])
+                and model in u.get("models", [model])):
+            return u["why"]
+    return None
+
+
+def cache_prefix(case, model, tokens, p, cache_dir):
     """mlx_lm.cache_prompt on the first `prompt_cache_prefix` tokens: process them with
     generate_step(max_tokens=0) and save the cache file under golden/prompt-cache/. Returns the
     trace's prompt_cache entry and the rest of the prompt, which generation then continues."""
@@ -134,7 +159,7 @@ def cache_prefix(case, model, tokens, p):
                            prefill_step_size=p["prefill_step_size"], kv_bits=p["kv_bits"],
                            kv_group_size=p["kv_group_size"], quantized_kv_start=p["quantized_kv_start"]):
         pass
-    rel = Path("golden/prompt-cache") / (case["id"].replace("/", "__") + ".safetensors")
+    rel = cache_dir.relative_to(ROOT) / (case["id"].replace("/", "__") + ".safetensors")
     (ROOT / rel).parent.mkdir(parents=True, exist_ok=True)
     save_prompt_cache(str(ROOT / rel), cache, {"model": case["model"]})
     return {"file": str(rel), "tokens": [int(t) for t in prefix]}, rest
@@ -147,7 +172,7 @@ def top_entries(logprobs):
     return [[int(i), float(lp[i])] for i in order]
 
 
-def record_case(case, models):
+def record_case(case, models, backend, cache_dir):
     p = case["params"]
     model, tokenizer = models.get(case["model"])
     rendered, tokens = prompt_tokens(tokenizer, case["prompt"])
@@ -174,7 +199,7 @@ def record_case(case, models):
         kwargs["num_draft_tokens"] = p["num_draft_tokens"]
     prompt_cache = None
     if p["prompt_cache_prefix"] is not None:
-        prompt_cache, tokens = cache_prefix(case, model, tokens, p)
+        prompt_cache, tokens = cache_prefix(case, model, tokens, p, cache_dir)
         kwargs["prompt_cache"] = load_prompt_cache(str(ROOT / prompt_cache["file"]))
     if p["seed"] is not None:
         mx.random.seed(p["seed"])
@@ -189,7 +214,7 @@ def record_case(case, models):
         "id": case["id"],
         "suite": case["suite"],
         "oracle": {"tool": "mlx-lm", "tool_version": mlx_lm.__version__,
-                   "mlx_version": mx.__version__, "device": str(mx.default_device().type).split(".")[-1]},
+                   "mlx_version": mx.__version__, "device": backend},
         "model": f"golden/models/{case['model']}",
         "draft": draft,
         "prompt_cache": prompt_cache,
@@ -230,16 +255,25 @@ def dumps(trace):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", help="record only cases whose id contains this")
+    ap.add_argument("--only", action="append",
+                    help="record only cases whose id contains this (repeatable)")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="device to record on")
+    ap.add_argument("--out", help="write the set (and its prompt caches) under this folder instead")
     args = ap.parse_args()
     mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
+    backend = backend_name(args.device)
+    suffix = "" if backend == "cpu" else f"-{backend}"
+    base = Path(args.out).resolve() if args.out else GOLDEN
+    out_dir, cache_dir = base / f"traces{suffix}", base / f"prompt-cache{suffix}"
+    if args.out and ROOT not in out_dir.parents:
+        raise ManifestError("--out must be inside the repository (traces name their files by repository path)")
     manifest = tomllib.loads((GOLDEN / "MANIFEST.toml").read_text())
-    cases = [c for c in expand(manifest) if not args.only or args.only in c["id"]]
-    out_dir = GOLDEN / ("traces" if args.device == "cpu" else f"traces-{args.device}")
+    cases = [c for c in expand(manifest) if not args.only or any(o in c["id"] for o in args.only)]
+    skipped = [c for c in cases if unsupported(manifest, backend, c)]
+    cases = [c for c in cases if c not in skipped]
     models, written = Models(), set()
-    for case in tqdm(cases, desc="recording traces", unit="trace"):
-        trace = record_case(case, models)
+    for case in tqdm(cases, desc=f"recording traces on {backend}", unit="trace"):
+        trace = record_case(case, models, backend, cache_dir)
         path = out_dir / f"{case['id']}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(dumps(trace))
@@ -248,11 +282,12 @@ def main():
             written.add(ROOT / trace["prompt_cache"]["file"])
     stale = []
     if not args.only:
-        files = list(out_dir.rglob("*.json")) + list((GOLDEN / "prompt-cache").glob("*.safetensors"))
+        files = list(out_dir.rglob("*.json")) + list(cache_dir.glob("*.safetensors"))
         stale = [p for p in files if p not in written]
     for p in stale:
         p.unlink()
-    print(f"recorded {len(cases)} traces into {out_dir.relative_to(ROOT)}, removed {len(stale)} stale")
+    print(f"recorded {len(cases)} traces into {out_dir.relative_to(ROOT)} on {backend}, "
+          f"skipped {len(skipped)} unsupported there, removed {len(stale)} stale")
 
 
 if __name__ == "__main__":

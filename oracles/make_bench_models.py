@@ -1,0 +1,76 @@
+"""Random-weight models of real shapes, for speed and GPU parity checks (never committed: a
+0.6B model is 1.2 GB in bfloat16).
+
+Built like the fixtures (make_models.py): mlx_lm's own model class under a fixed seed, projections
+scaled and norms perturbed so greedy decoding does not collapse, with the golden tokenizer. The
+embedding keeps the real vocabulary size (the head is tied), but the rows of ids the 1024-token
+fixture tokenizer lacks are zero, so their logits are 0 and greedy text stays decodable.
+Reproducible: the same shape, dtype and seed give the same weights.
+
+    python oracles/make_bench_models.py qwen3-0.6b [--dtype bfloat16] [--bits 4] [--out DIR]
+
+The folder defaults to target/bench-models/<shape>-<dtype>[-<bits>bit].
+"""
+
+import common  # noqa: F401  (offline guard first)
+
+import argparse
+import copy
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from common import REPO, copy_tokenizer, fresh_dir, log, write_json
+from make_models import EOS, VOCAB, quantize_copy, tweak_init
+
+SHAPES = {
+    # Qwen3-0.6B and Qwen3-4B's configs (dense, tied head).
+    "qwen3-0.6b": (11, dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
+                            num_attention_heads=16, num_key_value_heads=8)),
+    "qwen3-4b": (12, dict(hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
+                          num_attention_heads=32, num_key_value_heads=8)),
+}
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128,
+             rms_norm_eps=1e-6, vocab_size=151936, max_position_embeddings=40960,
+             rope_theta=1000000.0, attention_bias=False, tie_word_embeddings=True,
+             eos_token_id=EOS)
+
+
+def build(shape: str, dtype: str):
+    from mlx_lm.utils import _get_classes
+
+    seed, dims = SHAPES[shape]
+    cfg = {**QWEN3, **dims, "torch_dtype": dtype}
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(copy.deepcopy(cfg)))
+    weights = tweak_init(dict(tree_flatten(model.parameters())), seed, one_centred=True)
+    embed = weights["model.embed_tokens.weight"]
+    known = (mx.arange(embed.shape[0]) < VOCAB)[:, None]
+    weights["model.embed_tokens.weight"] = mx.where(known, embed, mx.zeros_like(embed))
+    return cfg, {k: v.astype(getattr(mx, dtype)) for k, v in sorted(weights.items())}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    ap.add_argument("--bits", type=int, choices=[4], help="also write a 4-bit copy (mlx_lm convert)")
+    ap.add_argument("--out", help="model folder")
+    args = ap.parse_args()
+    name = f"{args.shape}-{args.dtype}"
+    out = fresh_dir(Path(args.out) if args.out else REPO / "target" / "bench-models" / name)
+    cfg, weights = build(args.shape, args.dtype)
+    mx.eval(list(weights.values()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    write_json(out / "config.json", cfg)
+    copy_tokenizer(out)
+    params = sum(v.size for v in weights.values())
+    log(f"{out}: {params / 1e9:.2f}B params, {(out / 'model.safetensors').stat().st_size / 1e9:.2f} GB")
+    if args.bits:
+        quantize_copy(out, out.with_name(f"{out.name}-4bit"))
+
+
+if __name__ == "__main__":
+    main()
