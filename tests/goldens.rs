@@ -1,5 +1,7 @@
-//! One test per golden trace: the engine replays it and must match the oracle under the
-//! trace's parity tier. A failure prints the divergence report.
+//! One test per golden trace of every set: a trace recorded on this backend is replayed under
+//! its own tier, one recorded on another backend teacher-forced under cross-backend tier B
+//! (verity::parity::judge). A failure prints the report; an explained one (a case this backend
+//! cannot run, a known backend bug) passes and says why.
 
 mod support;
 
@@ -7,47 +9,43 @@ use std::path::Path;
 
 use libtest_mimic::{Failed, Trial};
 use support::root;
-use verity::parity::{replay, Models};
-use verity_harness::compare;
-use verity_harness::report::divergence_report;
+use verity::parity::judge::judge;
+use verity::parity::replay::golden_sets;
+use verity::parity::Models;
+use verity_harness::registry::Registry;
+use verity_harness::report::Status;
 use verity_harness::trace::{find_traces, Trace};
 
 fn check(path: &Path, device: mlx::Device) -> Result<(), Failed> {
     mlx::jit::isolate_per_test_slot();
     mlx::set_default_device(device)?;
+    let registry = Registry::load(&root().join("golden"))?;
     let trace = Trace::load(path)?;
     let mut models = Models::new(root());
-    let (run, bundle) = replay::replay(&trace, &mut models)?;
-    let verdict = compare(&trace, &run, device.name());
-    if verdict.is_failure() {
-        let decode = |ids: &[u32]| bundle.decode(ids);
-        return Err(divergence_report(&trace, &run, &verdict, device.name(), &decode).into());
+    let judgement = judge(&trace, &mut models, device.name(), &registry)?;
+    match judgement.status() {
+        Status::Fail => Err(judgement.report(&trace).unwrap_or_default().into()),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 fn main() {
     let args = support::main_thread_args();
-    // The set recorded on this backend if there is one, else the CPU set (token-exact).
     let device = mlx::Device::best_available();
-    let dir = replay::golden_traces(root(), device);
-    let paths = find_traces(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    assert!(
-        !paths.is_empty(),
-        "no golden traces under {}",
-        dir.display()
-    );
-    let trials = paths
-        .into_iter()
-        .map(|path| {
-            let name = path
-                .strip_prefix(&dir)
-                .unwrap()
-                .with_extension("")
-                .to_string_lossy()
-                .into_owned();
-            Trial::test(name, move || check(&path, device))
-        })
-        .collect();
+    let mut trials = Vec::new();
+    for set in golden_sets(root()).expect("golden/ lists its trace sets") {
+        let paths = find_traces(&set).unwrap_or_else(|e| panic!("{}: {e}", set.display()));
+        assert!(
+            !paths.is_empty(),
+            "no golden traces under {}",
+            set.display()
+        );
+        let prefix = set.file_name().unwrap().to_string_lossy().into_owned();
+        for path in paths {
+            let name = path.strip_prefix(&set).unwrap().with_extension("");
+            let name = format!("{prefix}/{}", name.to_string_lossy());
+            trials.push(Trial::test(name, move || check(&path, device)));
+        }
+    }
     libtest_mimic::run(&args, trials).exit();
 }

@@ -1,6 +1,9 @@
 //! The rollback contract on real models, for every fixture architecture: feed a round of
 //! tokens, take back its tail, continue — the next logits must be bit-identical to a fresh run
-//! that only ever saw the kept tokens. Rounds a cache refuses (a sliding window about to wrap)
+//! that only ever saw the kept tokens. On a GPU, whose kernels round differently for a different
+//! number of tokens per call (the round fed more than the fresh run), they must agree within
+//! GPU_LOGPROB_TOLERANCE instead; a wrong rollback (a stale or missing cache entry) moves them
+//! by orders of magnitude more. Rounds a cache refuses (a sliding window about to wrap)
 //! are fed without speculation, and at least one round per architecture is really taken back.
 
 mod support;
@@ -53,23 +56,46 @@ fn make_caches(model: &dyn LanguageModel, kv: Option<KvQuantization>) -> Vec<Lay
     caches
 }
 
-fn forward(model: &dyn LanguageModel, caches: &mut [LayerCache], tokens: &[u32]) -> Array {
+/// How far logprobs after a rollback may be from a fresh run's on a GPU.
+const GPU_LOGPROB_TOLERANCE: f32 = 1e-3;
+
+/// The last position's logprobs after feeding `tokens`.
+fn forward(model: &dyn LanguageModel, caches: &mut [LayerCache], tokens: &[u32]) -> Vec<f32> {
     let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     let input = Array::from_slice(&ids, &[1, ids.len() as i32]).unwrap();
     let logits = model.forward(&input, caches, &[]).unwrap().logits;
     let l = logits.dim(1);
     let last = logits.slice_axis(1, l - 1, l).unwrap();
-    last.eval().unwrap();
-    last
+    let logprobs = last
+        .subtract(&last.logsumexp(&[-1], true).unwrap())
+        .unwrap();
+    logprobs.to_vec::<f32>().unwrap()
 }
 
-/// Runs a case with rounds taken back; returns the final logits' bits and how many rounds
-/// were really rolled back (rather than refused).
+/// Bit-identical on the CPU; within GPU_LOGPROB_TOLERANCE on a GPU. Returns the largest
+/// difference when they disagree.
+fn agree(a: &[f32], b: &[f32]) -> Result<(), f32> {
+    let exact = mlx::Device::best_available() == mlx::Device::Cpu;
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max);
+    let same_bits = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    if a.len() == b.len() && (same_bits || (!exact && worst <= GPU_LOGPROB_TOLERANCE)) {
+        Ok(())
+    } else {
+        Err(worst)
+    }
+}
+
+/// Runs a case with rounds taken back; returns the final logprobs and how many rounds were
+/// really rolled back (rather than refused).
 fn speculative(
     model: &dyn LanguageModel,
     kv: Option<KvQuantization>,
     case: &Case,
-) -> (Vec<u8>, usize) {
+) -> (Vec<f32>, usize) {
     let mut caches = make_caches(model, kv);
     forward(model, &mut caches, &case.prompt);
     let mut rolled_back = 0;
@@ -89,16 +115,11 @@ fn speculative(
             }
         }
     }
-    (
-        forward(model, &mut caches, &[case.next])
-            .to_bytes()
-            .unwrap(),
-        rolled_back,
-    )
+    (forward(model, &mut caches, &[case.next]), rolled_back)
 }
 
 /// The same case with only the kept tokens ever fed.
-fn fresh(model: &dyn LanguageModel, kv: Option<KvQuantization>, case: &Case) -> Vec<u8> {
+fn fresh(model: &dyn LanguageModel, kv: Option<KvQuantization>, case: &Case) -> Vec<f32> {
     let mut caches = make_caches(model, kv);
     forward(model, &mut caches, &case.prompt);
     for round in &case.rounds {
@@ -108,8 +129,6 @@ fn fresh(model: &dyn LanguageModel, kv: Option<KvQuantization>, case: &Case) -> 
         }
     }
     forward(model, &mut caches, &[case.next])
-        .to_bytes()
-        .unwrap()
 }
 
 fn check_architecture(fixture: &str, kv: Option<KvQuantization>) {
@@ -127,9 +146,11 @@ fn check_architecture(fixture: &str, kv: Option<KvQuantization>) {
         .run(&cases(1024), |case| {
             let (spec, n) = speculative(model, kv, &case);
             rolled_back.set(rolled_back.get() + n);
+            let differs = agree(&spec, &fresh(model, kv, &case)).err();
             prop_assert!(
-                spec == fresh(model, kv, &case),
-                "logits after rollback differ from a fresh run"
+                differs.is_none(),
+                "logprobs after rollback differ from a fresh run by up to {:e}",
+                differs.unwrap_or_default()
             );
             Ok(())
         })

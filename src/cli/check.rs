@@ -1,4 +1,6 @@
-//! `verity check` and `verity replay`: run the engine on golden traces and judge the runs.
+//! `verity check` and `verity replay`: run the engine on golden traces and judge the runs. A
+//! trace recorded on this backend is replayed under its own tier; one recorded on another
+//! backend is replayed teacher-forced under tier B (verity::parity::judge).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -8,21 +10,21 @@ use anyhow::{bail, Context};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use verity::parity::replay;
+use verity::parity::judge::{judge, Judgement, Outcome};
+use verity::parity::replay::golden_sets;
 use verity::parity::Models;
-use verity_harness::compare::parity_on;
-use verity_harness::report::{divergence_report, suite_table, Counts};
+use verity_harness::registry::{Limits, Registry};
+use verity_harness::report::{suite_table, Counts, Status};
 use verity_harness::trace::{find_traces, Trace};
-use verity_harness::{compare, Verdict};
 
 #[derive(Args)]
 pub struct CheckArgs {
     /// Repository root that trace model paths are relative to [default: current directory].
     #[arg(long)]
     root: Option<PathBuf>,
-    /// Trace folder [default: <root>/golden/traces-<device> if present, else <root>/golden/traces].
-    #[arg(long)]
-    traces: Option<PathBuf>,
+    /// Trace folders [default: every golden set, <root>/golden/traces and traces-<backend>].
+    #[arg(long = "traces")]
+    sets: Vec<PathBuf>,
     /// Only traces whose id contains this.
     #[arg(long)]
     only: Option<String>,
@@ -44,56 +46,82 @@ pub struct ReplayArgs {
     json: bool,
 }
 
-/// The outcome of one trace: a verdict, or an error that kept it from running.
-struct Outcome {
+/// One trace's result: a judgement, or an error that kept it from running.
+struct Checked {
     trace: Trace,
-    verdict: Result<Verdict, String>,
-    report: Option<String>,
+    judgement: Result<Judgement, String>,
 }
 
-impl Outcome {
-    fn failed(&self) -> bool {
-        self.verdict.as_ref().map_or(true, Verdict::is_failure)
+impl Checked {
+    fn status(&self) -> Status {
+        self.judgement
+            .as_ref()
+            .map_or(Status::Fail, Judgement::status)
     }
 
-    fn to_json(&self, device: mlx::Device) -> serde_json::Value {
-        let (status, divergence) = match &self.verdict {
-            Ok(Verdict::Pass) => ("pass", None),
-            Ok(Verdict::NearTie(d)) => ("near-tie", Some(d)),
-            Ok(Verdict::Fail(d)) => ("fail", Some(d)),
-            Err(_) => ("error", None),
-        };
-        json!({
+    fn report(&self) -> Option<String> {
+        match &self.judgement {
+            Ok(j) => j.report(&self.trace),
+            Err(e) => Some(format!("ERROR {}: {e}\n", self.trace.id)),
+        }
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        let mut doc = json!({
             "id": self.trace.id,
             "suite": self.trace.suite(),
-            "tier": format!("{:?}", parity_on(&self.trace, device.name()).tier),
-            "status": status,
-            "error": self.verdict.as_ref().err(),
-            "divergence": divergence.map(|d| json!({
-                "step": d.step,
-                "what": d.kind.to_string(),
-                "oracle_margin": d.oracle_margin,
-                "near_tie": d.near_tie,
-            })),
-            "report": self.report,
-        })
+            "status": self.status(),
+            "error": self.judgement.as_ref().err(),
+            "report": self.report(),
+        });
+        if let Ok(j) = &self.judgement {
+            doc["recorded"] = json!(j.recorded);
+            doc["replayed"] = json!(j.replayed);
+            doc["explained_by"] = json!(j.explained_by);
+            if let Outcome::Forced {
+                check,
+                tolerance,
+                class,
+                acceptance,
+                ..
+            } = &j.outcome
+            {
+                let (max, at) = check.max_deviation();
+                doc["forced"] = json!({
+                    "class": class.name(),
+                    "tolerance_step": tolerance.limits.step,
+                    "tolerance_mean": tolerance.limits.mean,
+                    "tolerance_measured": tolerance.measured,
+                    "steps": check.deviations.len(),
+                    "max_deviation": max,
+                    "max_deviation_step": at,
+                    "mean_deviation": check.mean_deviation(),
+                    "deviations": check.deviations,
+                    "near_ties": check.near_ties,
+                    "accepted_drafts": acceptance.map(|(o, r)| json!({"oracle": o, "replayed": r})),
+                });
+            }
+        }
+        doc
     }
 }
 
+/// Judges every trace in `paths`, with a progress bar unless `quiet`.
 fn run_traces(
     paths: &[PathBuf],
     root: &Path,
-    device: mlx::Device,
-    show_progress: bool,
-) -> anyhow::Result<Vec<Outcome>> {
+    backend: &str,
+    quiet: bool,
+) -> anyhow::Result<Vec<Checked>> {
+    let registry = Registry::load(&root.join("golden"))?;
     let traces = paths
         .iter()
         .map(|p| Trace::load(p).map_err(anyhow::Error::from))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let bar = if show_progress {
-        ProgressBar::new(traces.len() as u64)
-    } else {
+    let bar = if quiet {
         ProgressBar::hidden()
+    } else {
+        ProgressBar::new(traces.len() as u64)
     };
     bar.set_style(
         ProgressStyle::with_template("{spinner} replaying [{bar:30}] {pos}/{len} {wide_msg}")
@@ -101,143 +129,187 @@ fn run_traces(
             .progress_chars("=> "),
     );
     let mut models = Models::new(root);
-    let mut outcomes = Vec::with_capacity(traces.len());
+    let mut checked = Vec::with_capacity(traces.len());
     for trace in traces {
         bar.set_message(trace.id.clone());
-        let outcome = match replay::replay(&trace, &mut models) {
-            Ok((run, bundle)) => {
-                let verdict = compare(&trace, &run, device.name());
-                let report = verdict.divergence().map(|_| {
-                    let decode = |ids: &[u32]| bundle.decode(ids);
-                    divergence_report(&trace, &run, &verdict, device.name(), &decode)
-                });
-                Outcome {
-                    trace,
-                    verdict: Ok(verdict),
-                    report,
-                }
-            }
-            Err(e) => Outcome {
-                trace,
-                verdict: Err(e.to_string()),
-                report: None,
-            },
-        };
-        outcomes.push(outcome);
+        let judgement = judge(&trace, &mut models, backend, &registry).map_err(|e| e.to_string());
+        checked.push(Checked { trace, judgement });
         bar.inc(1);
     }
     bar.finish_and_clear();
-    Ok(outcomes)
+    Ok(checked)
 }
 
-fn print_failures(outcomes: &[Outcome]) {
-    for o in outcomes {
-        match (&o.verdict, &o.report) {
-            (Err(e), _) => println!("ERROR {}: {e}\n", o.trace.id),
-            (Ok(_), Some(report)) => println!("{report}"),
-            _ => {}
+/// The teacher-forced deviations of one (recorded backend, model class) group.
+struct DeviationGroup {
+    /// Mean |Δ logprob| of each trace.
+    trace_means: Vec<f32>,
+    /// |Δ logprob| of every step.
+    steps: Vec<f32>,
+    limits: Limits,
+}
+
+/// The largest and the 99th-percentile deviation of teacher-forced replays per (recorded
+/// backend, model class): the measurements the cross-backend tolerances are derived from.
+fn deviation_table(checked: &[Checked]) -> String {
+    let mut groups: BTreeMap<(String, &str), DeviationGroup> = BTreeMap::new();
+    for c in checked {
+        let Ok(j) = &c.judgement else { continue };
+        if let Outcome::Forced {
+            check,
+            class,
+            tolerance,
+            ..
+        } = &j.outcome
+        {
+            let g = groups
+                .entry((j.recorded.clone(), class.name()))
+                .or_insert(DeviationGroup {
+                    trace_means: Vec::new(),
+                    steps: Vec::new(),
+                    limits: tolerance.limits,
+                });
+            g.trace_means.push(check.mean_deviation());
+            g.steps.extend(&check.deviations);
         }
+    }
+    if groups.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\nteacher-forced |Δ logprob| of the oracle's token (per step: max, p99; per trace: largest mean):\n\
+         recorded  class      traces   steps        max        p99   max-mean  tolerance (step, mean)\n",
+    );
+    for ((recorded, class), mut g) in groups {
+        g.steps.sort_by(f32::total_cmp);
+        let devs = &g.steps;
+        let at = |q: f64| devs[((devs.len() - 1) as f64 * q).round() as usize];
+        let (max, p99) = if devs.is_empty() {
+            (0.0, 0.0)
+        } else {
+            (at(1.0), at(0.99))
+        };
+        let max_mean = g.trace_means.iter().copied().fold(0.0, f32::max);
+        let (traces, steps) = (g.trace_means.len(), devs.len());
+        let (step, mean) = (g.limits.step, g.limits.mean);
+        out.push_str(&format!(
+            "{recorded:<9} {class:<9} {traces:>7} {steps:>7} {max:>10.3e} {p99:>10.3e} {max_mean:>10.3e}  {step:.3e}, {mean:.3e}\n"
+        ));
+    }
+    out
+}
+
+fn print_reports(checked: &[Checked]) {
+    for report in checked.iter().filter_map(Checked::report) {
+        println!("{report}");
+    }
+}
+
+fn exit_code(checked: &[Checked]) -> ExitCode {
+    if checked.iter().any(|c| c.status() == Status::Fail) {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
     }
 }
 
 pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     let root = super::root_or_cwd(args.root)?;
-    let dir = args
-        .traces
-        .unwrap_or_else(|| replay::golden_traces(&root, device));
-    let mut paths = find_traces(&dir).with_context(|| {
-        format!(
-            "no golden traces at {} (run from the repository root or pass --root)",
-            dir.display()
-        )
-    })?;
-    if let Some(only) = &args.only {
-        paths.retain(|p| p.to_string_lossy().contains(only.as_str()));
-    }
-    if paths.is_empty() {
-        bail!("no trace files under {}", dir.display());
-    }
-    let outcomes = run_traces(&paths, &root, device, !args.json)?;
-    let mut suites: BTreeMap<String, Counts> = BTreeMap::new();
-    let mut tiers: BTreeMap<String, usize> = BTreeMap::new();
-    for o in &outcomes {
-        let counts = suites.entry(o.trace.suite().to_string()).or_default();
-        match &o.verdict {
-            Ok(v) => counts.add(v),
-            Err(_) => counts.fail += 1,
+    let backend = device.name();
+    let sets = if args.sets.is_empty() {
+        golden_sets(&root).with_context(|| {
+            format!(
+                "no golden traces under {} (run from the repository root or pass --root)",
+                root.join("golden").display()
+            )
+        })?
+    } else {
+        args.sets
+    };
+    let mut report = Vec::new();
+    let mut all = Vec::new();
+    for dir in &sets {
+        let mut paths = find_traces(dir).with_context(|| format!("{}", dir.display()))?;
+        if let Some(only) = &args.only {
+            paths.retain(|p| p.to_string_lossy().contains(only.as_str()));
         }
-        *tiers
-            .entry(format!("{:?}", o.trace.parity.tier))
-            .or_default() += 1;
+        if paths.is_empty() {
+            continue;
+        }
+        let checked = run_traces(&paths, &root, backend, args.json)?;
+        let mut suites: BTreeMap<String, Counts> = BTreeMap::new();
+        for c in &checked {
+            suites
+                .entry(c.trace.suite().to_string())
+                .or_default()
+                .add(c.status());
+        }
+        let name = dir.strip_prefix(&root).unwrap_or(dir).display().to_string();
+        report.push((name, checked.len(), suites));
+        all.extend(checked);
     }
-    let failed = outcomes.iter().filter(|o| o.failed()).count();
+    if all.is_empty() {
+        match &args.only {
+            Some(only) => bail!("no trace id contains {only:?} in {}", list(&sets)),
+            None => bail!("no trace files in {}", list(&sets)),
+        }
+    }
+    let failed = all.iter().filter(|c| c.status() == Status::Fail).count();
     if args.json {
         let doc = json!({
             "mlx_version": mlx::version(),
-            "traces": outcomes.iter().map(|o| o.to_json(device)).collect::<Vec<_>>(),
-            "suites": suites,
+            "backend": backend,
+            "sets": report.iter().map(|(n, t, s)| json!({"dir": n, "traces": t, "suites": s})).collect::<Vec<_>>(),
+            "traces": all.iter().map(Checked::to_json).collect::<Vec<_>>(),
             "failed": failed,
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
-    } else {
-        print_failures(&outcomes);
-        println!(
-            "verity check: {} traces from {} (MLX {}, {})\n",
-            outcomes.len(),
-            dir.strip_prefix(&root).unwrap_or(&dir).display(),
-            mlx::version(),
-            device.name()
-        );
-        print!("{}", suite_table(&suites));
-        let tier_list: Vec<String> = tiers
-            .iter()
-            .map(|(t, n)| format!("tier {t}: {n}"))
-            .collect();
-        println!(
-            "\n{} ({})",
-            if failed == 0 {
-                "all traces pass"
-            } else {
-                "FAILED"
-            },
-            tier_list.join(", ")
-        );
-        if failed > 0 {
-            println!(
-                "{failed} of {} traces diverged or could not run",
-                outcomes.len()
-            );
-        }
+        return Ok(exit_code(&all));
     }
-    Ok(if failed == 0 {
-        ExitCode::SUCCESS
+    print_reports(&all);
+    for (name, traces, suites) in &report {
+        println!(
+            "verity check: {traces} traces from {name} (MLX {}, {backend})\n",
+            mlx::version()
+        );
+        println!("{}", suite_table(suites));
+    }
+    print!("{}", deviation_table(&all));
+    let explained = all
+        .iter()
+        .filter(|c| c.status() == Status::Explained)
+        .count();
+    if failed == 0 {
+        println!("\nall traces pass ({explained} explained)");
     } else {
-        ExitCode::from(1)
-    })
+        println!(
+            "\nFAILED: {failed} of {} traces diverged or could not run",
+            all.len()
+        );
+    }
+    Ok(exit_code(&all))
+}
+
+fn list(dirs: &[PathBuf]) -> String {
+    dirs.iter()
+        .map(|d| d.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 pub fn replay(args: ReplayArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     let root = super::root_or_cwd(args.root)?;
-    let outcomes = run_traces(&args.paths, &root, device, false)?;
-    let failed = outcomes.iter().filter(|o| o.failed()).count();
+    let checked = run_traces(&args.paths, &root, device.name(), true)?;
     if args.json {
-        let doc: Vec<_> = outcomes.iter().map(|o| o.to_json(device)).collect();
+        let doc: Vec<_> = checked.iter().map(Checked::to_json).collect();
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        for o in &outcomes {
-            match (&o.verdict, &o.report) {
-                (Ok(Verdict::Pass), _) => {
-                    println!("pass {} ({} steps)", o.trace.id, o.trace.steps.len())
-                }
-                (Err(e), _) => println!("ERROR {}: {e}", o.trace.id),
-                (Ok(_), Some(r)) => print!("{r}"),
-                (Ok(_), None) => {}
+        for c in &checked {
+            match c.report() {
+                Some(r) => print!("{r}"),
+                None => println!("pass {} ({} steps)", c.trace.id, c.trace.steps.len()),
             }
         }
     }
-    Ok(if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
+    Ok(exit_code(&checked))
 }

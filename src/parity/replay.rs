@@ -13,24 +13,29 @@ use verity_harness::Generation as Run;
 
 use super::Models;
 use crate::bundle::ModelBundle;
-use crate::cache::{load_prompt_cache, KvQuantization};
-use crate::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
+use crate::cache::{load_prompt_cache, KvQuantization, LayerCache};
+use crate::generate::{score, FinishReason, GenerateParams, GeneratedToken, Generation};
 use crate::speculative::{generate_speculative, Control, DraftModel};
 use crate::{Error, Result};
 
 /// How many of the best entries a trace records per step.
 pub const TOP_K: usize = 5;
 
-/// The golden traces for a device: `golden/traces-<device>` when a set was recorded on that
-/// backend (an M-series runner records `traces-gpu`), else the committed CPU set
-/// `golden/traces`, which other devices replay token-exact (tier B).
-pub fn golden_traces(root: &Path, device: mlx::Device) -> PathBuf {
-    let own = root.join(format!("golden/traces-{}", device.name()));
-    if device != mlx::Device::Cpu && own.is_dir() {
-        own
-    } else {
-        root.join("golden/traces")
-    }
+/// Every golden set under `root`: `golden/traces` (recorded on the CPU) and each
+/// `golden/traces-<backend>` (recorded on CUDA, Metal, ...), sorted.
+pub fn golden_sets(root: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let golden = root.join("golden");
+    let mut sets: Vec<PathBuf> = std::fs::read_dir(&golden)?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
+    sets.retain(|p| {
+        p.is_dir()
+            && p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n == "traces" || n.starts_with("traces-"))
+    });
+    sets.sort();
+    Ok(sets)
 }
 
 /// A trace's mlx-lm arguments (an object by name) as the engine's parameter type.
@@ -63,6 +68,102 @@ fn finish_reason(f: FinishReason) -> trace::FinishReason {
         FinishReason::Stop => trace::FinishReason::Stop,
         FinishReason::Length => trace::FinishReason::Length,
     }
+}
+
+/// The caches a trace's generation starts from: the prompt cache file's, or fresh ones (the
+/// speculative path builds its own, ignoring max_kv_size, as mlx-lm does).
+fn starting_caches(
+    trace: &Trace,
+    models: &Models,
+    bundle: &ModelBundle,
+) -> Result<Vec<LayerCache>> {
+    let model = bundle.model();
+    let Some(cached) = &trace.prompt_cache else {
+        let max_kv_size = match trace.draft {
+            Some(_) => None,
+            None => trace.params.max_kv_size,
+        };
+        return Ok(model.make_cache(max_kv_size));
+    };
+    let (caches, _) = load_prompt_cache(&models.path(&cached.file))?;
+    if caches.len() != model.num_layers() {
+        return Err(Error::Unsupported(format!(
+            "{}: {} holds {} layers, the model has {}",
+            trace.id,
+            cached.file,
+            caches.len(),
+            model.num_layers()
+        )));
+    }
+    Ok(caches)
+}
+
+/// A teacher-forced replay: the engine's view of every step with the oracle's tokens fed
+/// back, and for a greedy speculative trace without processors, how many emitted tokens the
+/// draft model would have supplied over the same tokens.
+pub struct ForcedRun {
+    /// Per step: the oracle's token, the engine's logprob of it, the engine's best entries.
+    pub scored: Vec<Step>,
+    /// The replayed `from_draft` count (see `verity_harness::forced::replayed_from_draft`).
+    pub from_draft: Option<usize>,
+}
+
+/// Replays a trace teacher-forced (tier B across backends).
+pub fn replay_forced(trace: &Trace, models: &mut Models) -> Result<(ForcedRun, Rc<ModelBundle>)> {
+    let bundle = models.get(&trace.model)?;
+    let params = params(trace, bundle.eos_token_ids.clone()).map_err(|e| e.context(&trace.id))?;
+    let emitted = trace.tokens();
+    let mut scored = Vec::with_capacity(emitted.len());
+    let caches = starting_caches(trace, models, &bundle)?;
+    score(
+        bundle.model(),
+        caches,
+        &trace.prompt.tokens,
+        &emitted,
+        &params,
+        |i, lp| {
+            scored.push(step_record(emitted[i], lp, false)?);
+            Ok(())
+        },
+    )
+    .map_err(|e| e.context(&trace.id))?;
+    let greedy = params.sampler.temp == 0.0 && params.processors.logit_bias.is_empty();
+    let plain = params.processors.repetition_penalty.is_none()
+        && params.processors.presence_penalty.is_none()
+        && params.processors.frequency_penalty.is_none();
+    let from_draft = match &trace.draft {
+        Some(Draft::Model {
+            model,
+            num_draft_tokens,
+        }) if greedy && plain => {
+            let draft = models.get(model)?;
+            let draft_params = GenerateParams {
+                eos_token_ids: draft.eos_token_ids.clone(),
+                ..params.clone()
+            };
+            let mut choice = Vec::with_capacity(emitted.len());
+            let caches = draft.model().make_cache(None);
+            score(
+                draft.model(),
+                caches,
+                &trace.prompt.tokens,
+                &emitted,
+                &draft_params,
+                |_, lp| {
+                    choice.push(mlx::ops::argmax(lp, -1, false)?.item::<u32>()?);
+                    Ok(())
+                },
+            )
+            .map_err(|e| e.context(format!("{} (draft)", trace.id)))?;
+            Some(verity_harness::forced::replayed_from_draft(
+                trace,
+                &choice,
+                *num_draft_tokens,
+            ))
+        }
+        _ => None,
+    };
+    Ok((ForcedRun { scored, from_draft }, bundle))
 }
 
 /// Replays one trace with the engine; returns the run and the target's bundle (for reports).
@@ -110,22 +211,8 @@ pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle
                 return Err(e.context(&trace.id));
             }
         }
-        (None, cached) => {
-            let caches = match cached {
-                Some(cached) => {
-                    let (caches, _) = load_prompt_cache(&models.path(&cached.file))?;
-                    if caches.len() != model.num_layers() {
-                        return unsupported(&format!(
-                            "{} holds {} layers, the model has {}",
-                            cached.file,
-                            caches.len(),
-                            model.num_layers()
-                        ));
-                    }
-                    caches
-                }
-                None => model.make_cache(params.max_kv_size),
-            };
+        (None, _) => {
+            let caches = starting_caches(trace, models, &bundle)?;
             let generation = Generation::start(model, caches, &trace.prompt.tokens, &params, None)
                 .map_err(|e| e.context(&trace.id))?;
             for token in generation {

@@ -53,7 +53,8 @@ pub fn main_thread_args() -> Arguments {
 }
 
 /// Proptest cases for a property: `PROPTEST_CASES` if set, `fuzz` under the nextest `fuzz`
-/// profile, else `default` (sized so the default profile stays fast on 2 cores).
+/// profile, 16 under the `gpu` profile (a short run on an accelerator), else `default` (sized so
+/// the default profile stays fast on 2 cores).
 pub fn proptest_cases(default: u32, fuzz: u32) -> u32 {
     if let Some(n) = std::env::var("PROPTEST_CASES")
         .ok()
@@ -63,6 +64,7 @@ pub fn proptest_cases(default: u32, fuzz: u32) -> u32 {
     }
     match std::env::var("NEXTEST_PROFILE").as_deref() {
         Ok("fuzz") => fuzz,
+        Ok("gpu") => 16,
         _ => default,
     }
 }
