@@ -3,7 +3,13 @@
 //! The engine must run the very libmlx build the Python oracle runs (docs/DESIGN.md, section 1), so the
 //! MLX version is pinned here, once: `MLX_DIR` may point at an installed wheel's `mlx` folder
 //! (it must hold that version); otherwise the pinned wheel (`mlx-cpu` on Linux, `mlx-metal` on
-//! macOS) is installed with pip into a cache under the target directory.
+//! macOS, `mlx-cuda-13` on Linux with the `cuda` feature) is installed with pip into a cache under
+//! the target directory.
+//!
+//! A CUDA libmlx finds its NVIDIA runtime through its own RPATH (`$ORIGIN/../../nvidia/*/lib`,
+//! the pip wheels `mlx-cuda-13` depends on, installed beside it) and its NVRTC headers in the
+//! wheel's `include/`; the binary only needs an rpath to the wheel's `lib/`. The driver
+//! (`libcuda.so.1`) is not on a build machine without a GPU, so its symbols resolve at run time.
 
 use std::env;
 use std::fs;
@@ -43,6 +49,13 @@ fn run() -> Result<(), String> {
             root.display()
         ));
     }
+    if env::var_os("CARGO_FEATURE_CUDA").is_some() && !is_cuda_wheel(&root) {
+        return Err(format!(
+            "the cuda feature is on, but {} is not the mlx-cuda-13 wheel's `mlx` folder (no \
+             include/cccl); point MLX_DIR at it, or unset MLX_DIR to install it with pip",
+            root.display()
+        ));
+    }
     let found = header_version(&include)?;
     if found != MLX_VERSION {
         return Err(format!(
@@ -63,11 +76,19 @@ fn run() -> Result<(), String> {
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=mlx");
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    if is_cuda_wheel(&root) {
+        println!("cargo:rustc-link-arg=-Wl,--allow-shlib-undefined");
+    }
     println!("cargo:lib_dir={}", lib.display());
     println!("cargo:version={MLX_VERSION}");
     println!("cargo:rustc-env=MLX_PINNED_VERSION={MLX_VERSION}");
     println!("cargo:rerun-if-changed={}", lib.join(lib_name).display());
     Ok(())
+}
+
+/// Only the CUDA wheel ships the CCCL headers its kernels are JIT-compiled against.
+fn is_cuda_wheel(root: &Path) -> bool {
+    root.join("include/cccl").is_dir()
 }
 
 /// Reads MAJOR.MINOR.PATCH from include/mlx/version.h.
@@ -88,14 +109,17 @@ fn header_version(include: &Path) -> Result<String, String> {
     ))
 }
 
-/// Installs the pinned wheel with pip into `<target>/mlx-wheel/<version>` once, atomically (a
-/// debug and a release build may race), and returns its `mlx` folder.
+/// Installs the pinned wheel with pip into `<target>/mlx-wheel/<package>-<version>` once,
+/// atomically (a debug and a release build may race), and returns its `mlx` folder.
 fn install_wheel() -> Result<PathBuf, String> {
-    let package = match env::var("CARGO_CFG_TARGET_OS").as_deref() {
-        Ok("linux") => "mlx-cpu",
-        Ok("macos") => "mlx-metal",
-        Ok(os) => return Err(format!("no MLX wheel for target OS {os}; set MLX_DIR")),
-        Err(_) => return Err("CARGO_CFG_TARGET_OS is not set".into()),
+    let cuda = env::var_os("CARGO_FEATURE_CUDA").is_some();
+    let package = match (env::var("CARGO_CFG_TARGET_OS").as_deref(), cuda) {
+        (Ok("linux"), false) => "mlx-cpu",
+        (Ok("linux"), true) => "mlx-cuda-13",
+        (Ok("macos"), false) => "mlx-metal",
+        (Ok(os), true) => return Err(format!("the cuda feature needs Linux, not {os}")),
+        (Ok(os), false) => return Err(format!("no MLX wheel for target OS {os}; set MLX_DIR")),
+        (Err(_), _) => return Err("CARGO_CFG_TARGET_OS is not set".into()),
     };
     let cache = target_dir()
         .join("mlx-wheel")
@@ -108,6 +132,9 @@ fn install_wheel() -> Result<PathBuf, String> {
     let staging = cache.with_extension(format!("tmp{}", std::process::id()));
     let _ = fs::remove_dir_all(&staging);
     let spec = format!("{package}=={MLX_VERSION}");
+    // The CUDA wheel's dependencies are the NVIDIA runtime libraries its RPATH expects beside
+    // it; the CPU and Metal wheels need nothing else (their `mlx` Python package is not used).
+    let deps = if cuda { None } else { Some("--no-deps") };
     let status = Command::new(&python)
         .args([
             "-m",
@@ -115,8 +142,8 @@ fn install_wheel() -> Result<PathBuf, String> {
             "install",
             "--quiet",
             "--disable-pip-version-check",
-            "--no-deps",
         ])
+        .args(deps)
         .arg("--target")
         .arg(&staging)
         .arg(&spec)
