@@ -107,10 +107,12 @@ fn fails_under_cross_backend_tolerance(scratch: &Path, ids: &[&str]) {
     }
 }
 
-/// On the trained target, a random dense model and a 4-bit one. Not every fixture can show a
-/// 1% RoPE error: on gemma3 it moves logprobs by 1.3e-3 on average, no more than CPU and CUDA
-/// rounding do to gemma3 and llama already (mean up to 1.18e-3), and on the hybrids RoPE acts
-/// on a quarter of the head dimensions of one layer in four (3e-4).
+/// On the trained target, a random dense model and a 4-bit one. Not every trace can show a 1%
+/// RoPE error: on qwen3-target/greedy/code it moves the oracle token by 3.2e-3 at most and
+/// 7.0e-4 on average, less than CUDA and the CPU differ on that model already (4.4e-3, 8.0e-4);
+/// on gemma3 by 1.3e-3 on average, no more than rounding does to gemma3 and llama (mean up to
+/// 1.18e-3); and on the hybrids RoPE acts on a quarter of the head dimensions of one layer in
+/// four (3e-4).
 #[test]
 fn a_rope_base_off_by_one_percent_fails_cross_backend_tier_b() {
     mlx::jit::isolate_per_test_slot();
@@ -119,7 +121,6 @@ fn a_rope_base_off_by_one_percent_fails_cross_backend_tier_b() {
         &scratch,
         &[
             "qwen3-target/greedy/chat",
-            "qwen3-target/greedy/code",
             "qwen3-4bit/greedy/code",
             "llama/greedy/code",
         ],

@@ -20,6 +20,10 @@ pub fn near_tie_margin(tolerance: f32) -> f32 {
 pub struct ForcedCheck {
     /// |engine logprob - oracle logprob| of the oracle's token, per step compared.
     pub deviations: Vec<f32>,
+    /// The largest |engine logprob - oracle logprob| of the oracle's other top entries above
+    /// its cut-off, per step compared: the top-k check holds them to the same tolerance, so
+    /// the tolerance must be derived from them too.
+    pub top_deviations: Vec<f32>,
     /// Steps where the engine's top choice differed from the oracle's at a near-tie.
     pub near_ties: Vec<usize>,
     /// The first step out of tolerance, if any.
@@ -50,6 +54,7 @@ pub fn judge_forced(trace: &Trace, scored: &[Step], limits: Limits) -> ForcedChe
     let tolerance = limits.step;
     let mut check = ForcedCheck {
         deviations: Vec::with_capacity(scored.len()),
+        top_deviations: Vec::with_capacity(scored.len()),
         near_ties: Vec::new(),
         failure: None,
     };
@@ -66,6 +71,9 @@ pub fn judge_forced(trace: &Trace, scored: &[Step], limits: Limits) -> ForcedChe
     for (i, (oracle, engine)) in trace.steps.iter().zip(scored).enumerate() {
         let deviation = (engine.logprob - oracle.logprob).abs();
         check.deviations.push(deviation);
+        check
+            .top_deviations
+            .push(top_deviation(&oracle.top, &engine.top));
         let problem = if !within(deviation, tolerance) {
             Some(DivergenceKind::Logprob {
                 token: oracle.token,
@@ -136,6 +144,21 @@ pub fn top_agrees(oracle: &[(u32, f32)], engine: &[(u32, f32)], tolerance: f32) 
                 .iter()
                 .any(|(eid, elp)| eid == id && (elp - lp).abs() <= tolerance)
         })
+}
+
+/// The largest deviation of an oracle top entry above the cut-off that the engine also lists.
+pub fn top_deviation(oracle: &[(u32, f32)], engine: &[(u32, f32)]) -> f32 {
+    let cutoff = oracle.last().map_or(f32::NEG_INFINITY, |e| e.1);
+    oracle
+        .iter()
+        .filter(|e| e.1 > cutoff)
+        .filter_map(|(id, lp)| {
+            engine
+                .iter()
+                .find(|(eid, _)| eid == id)
+                .map(|(_, elp)| (elp - lp).abs())
+        })
+        .fold(0.0, f32::max)
 }
 
 /// Greedy speculative acceptance replayed: given the draft model's greedy choice for each

@@ -97,6 +97,7 @@ impl Checked {
                     "max_deviation_step": at,
                     "mean_deviation": check.mean_deviation(),
                     "deviations": check.deviations,
+                    "top_deviations": check.top_deviations,
                     "near_ties": check.near_ties,
                     "accepted_drafts": acceptance.map(|(o, r)| json!({"oracle": o, "replayed": r})),
                 });
@@ -146,6 +147,8 @@ struct DeviationGroup {
     trace_means: Vec<f32>,
     /// |Δ logprob| of every step.
     steps: Vec<f32>,
+    /// The largest |Δ logprob| of the other top entries.
+    top_max: f32,
     limits: Limits,
 }
 
@@ -167,18 +170,25 @@ fn deviation_table(checked: &[Checked]) -> String {
                 .or_insert(DeviationGroup {
                     trace_means: Vec::new(),
                     steps: Vec::new(),
+                    top_max: 0.0,
                     limits: tolerance.limits,
                 });
             g.trace_means.push(check.mean_deviation());
             g.steps.extend(&check.deviations);
+            g.top_max = check
+                .top_deviations
+                .iter()
+                .copied()
+                .fold(g.top_max, f32::max);
         }
     }
     if groups.is_empty() {
         return String::new();
     }
     let mut out = String::from(
-        "\nteacher-forced |Δ logprob| of the oracle's token (per step: max, p99; per trace: largest mean):\n\
-         recorded  class      traces   steps        max        p99   max-mean  tolerance (step, mean)\n",
+        "\nteacher-forced |Δ logprob| of the oracle's token (per step: max, p99; per trace: largest mean) \
+         and of its other top entries (max):\n\
+         recorded  class      traces   steps        max        p99   max-mean    top-max  tolerance (step, mean)\n",
     );
     for ((recorded, class), mut g) in groups {
         g.steps.sort_by(f32::total_cmp);
@@ -191,9 +201,9 @@ fn deviation_table(checked: &[Checked]) -> String {
         };
         let max_mean = g.trace_means.iter().copied().fold(0.0, f32::max);
         let (traces, steps) = (g.trace_means.len(), devs.len());
-        let (step, mean) = (g.limits.step, g.limits.mean);
+        let (top_max, step, mean) = (g.top_max, g.limits.step, g.limits.mean);
         out.push_str(&format!(
-            "{recorded:<9} {class:<9} {traces:>7} {steps:>7} {max:>10.3e} {p99:>10.3e} {max_mean:>10.3e}  {step:.3e}, {mean:.3e}\n"
+            "{recorded:<9} {class:<9} {traces:>7} {steps:>7} {max:>10.3e} {p99:>10.3e} {max_mean:>10.3e} {top_max:>10.3e}  {step:.3e}, {mean:.3e}\n"
         ));
     }
     out
