@@ -190,7 +190,7 @@ fn run_ops(kind: Kind, ops: &[Op]) -> Result<(), TestCaseError> {
 }
 
 fn fuzz(kind: impl Strategy<Value = Kind>, default_cases: u32, max_ops: usize) {
-    mlx::jit::isolate_per_test_slot();
+    support::on_cpu();
     // Failing cases are saved to tests/cache_rollback.proptest-regressions and replayed first.
     let config = Config {
         cases: proptest_cases(default_cases, 10_000),

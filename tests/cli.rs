@@ -47,9 +47,11 @@ impl Drop for Scratch {
     }
 }
 
+/// Runs the CLI on the CPU: these tests check its exact output against the CPU golden set.
 fn verity(args: &[&str]) -> Output {
     mlx::jit::isolate_per_test_slot();
     Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args(["--device", "cpu"])
         .args(args)
         .output()
         .unwrap()

@@ -37,7 +37,7 @@ const SAMPLE: [&str; 14] = [
 
 #[test]
 fn teacher_forcing_on_the_recording_backend_is_exact() {
-    mlx::jit::isolate_per_test_slot();
+    support::on_cpu();
     let mut models = Models::new(root());
     for id in SAMPLE {
         let trace = golden(id);
@@ -115,7 +115,7 @@ fn fails_under_cross_backend_tolerance(scratch: &Path, ids: &[&str]) {
 /// four (3e-4).
 #[test]
 fn a_rope_base_off_by_one_percent_fails_cross_backend_tier_b() {
-    mlx::jit::isolate_per_test_slot();
+    support::on_cpu();
     let scratch = perturbed_root(&["qwen3-target", "qwen3-4bit", "llama"]);
     fails_under_cross_backend_tolerance(
         &scratch,

@@ -133,7 +133,7 @@ fn same_state(
 }
 
 fn check_schema(path: &Path, targets: &[Target]) -> Result<(), Failed> {
-    mlx::jit::isolate_per_test_slot();
+    support::on_cpu();
     let schema: Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
     let validator = jsonschema::validator_for(&schema)
         .map_err(|e| format!("schema does not compile in jsonschema: {e}"))?;

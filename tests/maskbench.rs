@@ -60,7 +60,7 @@ fn check_chunk(index: usize) -> Result<(), Failed> {
         )
         .into());
     }
-    mlx::jit::isolate_per_test_slot();
+    support::on_cpu();
     let model = CorpusModel::load(&model_dir("qwen3-target"), MAX_TOKENS)?;
     let size = files.len().div_ceil(CHUNKS);
     let mut problems = Vec::new();

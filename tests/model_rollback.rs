@@ -223,7 +223,7 @@ fn qwen3_4bit_with_quantized_kv_rollback_equals_a_fresh_run() {
 /// by more than the tolerance of every GPU backend, on every architecture.
 #[test]
 fn keeping_rejected_tokens_exceeds_the_gpu_tolerance() {
-    mlx::jit::isolate_per_test_slot();
+    support::on_cpu();
     let case = Case {
         prompt: vec![11, 12, 13, 14, 15, 16, 17, 18],
         rounds: vec![Round {

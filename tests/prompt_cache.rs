@@ -34,7 +34,7 @@ fn prefix_caches(
 }
 
 fn warm_equals_cold(fixture: &str, trace: &str, kv: Option<KvQuantization>) {
-    mlx::jit::isolate_per_test_slot();
+    support::on_cpu();
     let bundle = bundle(fixture);
     let model = bundle.model();
     let (prompt, mut params) = golden_input(trace, 12);

@@ -13,7 +13,7 @@ use verity::speculative::{
 
 /// The trained target and its draft, with this test's MLX JIT cache isolated first.
 fn trained_pair() -> (ModelBundle, ModelBundle) {
-    mlx::jit::isolate_per_test_slot();
+    support::on_cpu();
     (bundle("qwen3-target"), bundle("qwen3-draft"))
 }
 
@@ -70,7 +70,7 @@ struct Rollbacks {
 /// Speculative ≡ plain with both sources over the first `prompt_len` tokens of a golden
 /// prompt; returns how many rounds were rolled back and refused.
 fn spec_equals_plain(target_name: &str, trace: &str, prompt_len: usize) -> Rollbacks {
-    mlx::jit::isolate_per_test_slot();
+    support::on_cpu();
     let target = bundle(target_name);
     let draft = bundle("llama-draft");
     let (mut prompt, params) = golden_input(trace, 48);
@@ -141,7 +141,7 @@ fn greedy_speculation_with_logits_processors_equals_plain() {
 
 #[test]
 fn self_drafting_accepts_everything_and_equals_plain() {
-    mlx::jit::isolate_per_test_slot();
+    support::on_cpu();
     let target = bundle("qwen3-target");
     let (prompt, params) = golden_input("qwen3-target/greedy/code", 40);
     let mut source = DraftModel::new(target.model());

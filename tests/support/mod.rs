@@ -1,4 +1,4 @@
-//! What the integration tests share: the repository root, golden traces and fixture models,
+//! What the integration tests share: the CPU pin of bit-exact tests, the repository root, golden traces and fixture models,
 //! the trial arguments of the libtest-mimic suites, and proptest case counts per profile.
 //! Each test binary uses its own part of it.
 #![allow(dead_code)]
@@ -10,6 +10,15 @@ use verity::bundle::ModelBundle;
 use verity::generate::GenerateParams;
 use verity::parity::replay;
 use verity_harness::trace::Trace;
+
+/// Runs this test's MLX work on the CPU backend, first isolating its JIT cache. Its assertions
+/// are bit-exact (the engine's own invariants, or replays of the CPU golden set), and only the
+/// CPU's kernels give the same bits for a different number of tokens per call; on a GPU the
+/// backend-facing tests (goldens, model_rollback) judge with their own tolerances.
+pub fn on_cpu() {
+    mlx::jit::isolate_per_test_slot();
+    mlx::set_default_device(mlx::Device::Cpu).unwrap();
+}
 
 /// The repository root (fixtures ship with the repo; a missing one is a failure).
 pub fn root() -> &'static Path {
