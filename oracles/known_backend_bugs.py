@@ -6,11 +6,10 @@ bugs still show, 1 when one no longer does (retire the entry), 2 when a reproduc
     python oracles/known_backend_bugs.py [ID...]
 """
 
-import sys
-import tomllib
 from pathlib import Path
 
 import mlx.core as mx
+from reproducers import run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,22 +41,7 @@ REPRODUCERS = {"cuda-qmm-k64": cuda_qmm_k64}
 
 
 def main():
-    bugs = tomllib.loads((ROOT / "golden" / "known-backend-bugs.toml").read_text())["bug"]
-    wanted = set(sys.argv[1:])
-    status = 0
-    for bug in bugs:
-        if wanted and bug["id"] not in wanted:
-            continue
-        try:
-            still = REPRODUCERS[bug["id"]]()
-        except Exception as e:  # a reproducer that cannot run is an error, not a retirement
-            print(f"ERROR   {bug['id']}: {type(e).__name__}: {e}")
-            status = max(status, 2)
-            continue
-        print(f"{'still  ' if still else 'FIXED  '} {bug['id']}")
-        if not still:
-            status = max(status, 1)
-    sys.exit(status)
+    run(ROOT / "golden" / "known-backend-bugs.toml", lambda bug: REPRODUCERS[bug["id"]])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import mlx.core as mx
 from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_logits_processors
+from reproducers import run
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "golden" / "models"
@@ -114,22 +114,7 @@ def server_top_logprobs_unsorted():
 
 def main():
     mx.set_default_device(mx.cpu)
-    bugs = tomllib.loads((ROOT / "golden" / "known-oracle-bugs.toml").read_text())["bug"]
-    wanted = set(sys.argv[1:])
-    status = 0
-    for bug in bugs:
-        if wanted and bug["id"] not in wanted:
-            continue
-        try:
-            still = globals()[bug["reproducer"]]()
-        except Exception as e:  # a reproducer that cannot run is an error, not a retirement
-            print(f"ERROR   {bug['id']}: {type(e).__name__}: {e}")
-            status = max(status, 2)
-            continue
-        print(f"{'still  ' if still else 'FIXED  '} {bug['id']}")
-        if not still:
-            status = max(status, 1)
-    sys.exit(status)
+    run(ROOT / "golden" / "known-oracle-bugs.toml", lambda bug: globals()[bug["reproducer"]])
 
 
 if __name__ == "__main__":
