@@ -2,7 +2,7 @@
 //! recording backend it must be exact (every step's logprob bits, and the replayed acceptance
 //! of speculative traces equal to the oracle's), and an engine that is wrong by a little — a
 //! RoPE base off by 1% — must fail it under the cross-backend tolerances, or those tolerances
-//! would hide real bugs.
+//! would hide real bugs. A registered engine gap lowers a trace to tier B without excusing it.
 
 mod support;
 
@@ -11,11 +11,12 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use support::{golden, root};
-use verity::parity::judge::model_class;
+use verity::parity::judge::{judge, model_class, Outcome};
 use verity::parity::replay::replay_forced;
 use verity::parity::Models;
 use verity_harness::forced::judge_forced;
 use verity_harness::registry::{Limits, Registry};
+use verity_harness::report::Status;
 
 /// One trace per suite, and every greedy speculative trace (their acceptance is replayed).
 const SAMPLE: [&str; 14] = [
@@ -126,4 +127,45 @@ fn a_rope_base_off_by_one_percent_fails_cross_backend_tier_b() {
         ],
     );
     fs::remove_dir_all(&scratch).unwrap();
+}
+
+/// A registered engine gap lowers its backend's own traces to tier B, never excuses them: a
+/// hybrid trace of this backend under a gap for it is teacher-forced and reported as explained
+/// with the gap named, and the same trace corrupted beyond the tolerance still fails.
+#[test]
+fn an_engine_gap_judges_its_backends_traces_at_tier_b() {
+    support::on_cpu();
+    let golden_dir = std::env::temp_dir().join(format!("verity-gap-{}", std::process::id()));
+    fs::create_dir_all(&golden_dir).unwrap();
+    for file in [
+        "tolerances.toml",
+        "known-backend-bugs.toml",
+        "MANIFEST.toml",
+    ] {
+        fs::copy(root().join("golden").join(file), golden_dir.join(file)).unwrap();
+    }
+    let gaps = fs::read_to_string(root().join("golden/known-engine-gaps.toml")).unwrap();
+    fs::write(
+        golden_dir.join("known-engine-gaps.toml"),
+        gaps.replace("backend = \"metal\"", "backend = \"cpu\""),
+    )
+    .unwrap();
+    let registry = Registry::load(&golden_dir).unwrap();
+    fs::remove_dir_all(&golden_dir).unwrap();
+    let mut models = Models::new(root());
+
+    let trace = golden("qwen3_next/greedy/code");
+    let judgement = judge(&trace, &mut models, "cpu", &registry).unwrap();
+    assert!(matches!(judgement.outcome, Outcome::Forced { .. }));
+    assert_eq!(judgement.status(), Status::Explained);
+    let report = judgement.report(&trace).unwrap();
+    assert!(
+        report.contains("tier B, not A: known engine gap metal-gated-delta-kernel"),
+        "{report}"
+    );
+
+    let mut corrupted = trace.clone();
+    corrupted.steps[3].logprob -= 0.5;
+    let judgement = judge(&corrupted, &mut models, "cpu", &registry).unwrap();
+    assert_eq!(judgement.status(), Status::Fail);
 }

@@ -88,6 +88,23 @@ struct BugsFile {
     bug: Vec<BackendBug>,
 }
 
+/// A path verity knowingly computes differently from the oracle on a backend (another kernel
+/// for the same math), so that backend's own traces of these models cannot be bit-exact: they
+/// are judged teacher-forced (tier B) instead, and the report names the gap.
+#[derive(Clone, Debug, Deserialize)]
+pub struct EngineGap {
+    pub id: String,
+    pub backend: String,
+    pub summary: String,
+    /// Repository-relative model folders whose traces it concerns.
+    pub models: Vec<String>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+struct GapsFile {
+    gap: Vec<EngineGap>,
+}
+
 /// Manifest cases a backend cannot run, and the error it gives: the cases of the listed
 /// variants and of the listed models (each list, where given, must match).
 #[derive(Clone, Debug, Deserialize)]
@@ -129,6 +146,7 @@ pub struct Tolerance {
 pub struct Registry {
     tolerances: Vec<PairTolerance>,
     bugs: Vec<BackendBug>,
+    gaps: Vec<EngineGap>,
     unsupported: Vec<Unsupported>,
 }
 
@@ -149,7 +167,7 @@ fn read<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, RegistryError> {
 }
 
 impl Registry {
-    /// Reads the three files under `golden`.
+    /// Reads the four files under `golden`.
     pub fn load(golden: &Path) -> Result<Registry, RegistryError> {
         let path = golden.join("tolerances.toml");
         let tolerances: TolerancesFile = read(&path)?;
@@ -163,10 +181,12 @@ impl Registry {
             });
         }
         let bugs: BugsFile = read(&golden.join("known-backend-bugs.toml"))?;
+        let gaps: GapsFile = read(&golden.join("known-engine-gaps.toml"))?;
         let manifest: ManifestFile = read(&golden.join("MANIFEST.toml"))?;
         Ok(Registry {
             tolerances: tolerances.pair,
             bugs: bugs.bug,
+            gaps: gaps.gap,
             unsupported: manifest.unsupported,
         })
     }
@@ -211,6 +231,13 @@ impl Registry {
                     .iter()
                     .any(|m| *m == trace.model || Some(m.as_str()) == draft)
         })
+    }
+
+    /// The engine gap that keeps `trace`, recorded on `backend`, from tier A there, if any.
+    pub fn gap_for(&self, trace: &Trace, backend: &str) -> Option<&EngineGap> {
+        self.gaps
+            .iter()
+            .find(|g| g.backend == backend && g.models.contains(&trace.model))
     }
 
     /// Why `backend` cannot run `trace`'s case, if the manifest says so.

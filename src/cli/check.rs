@@ -78,6 +78,7 @@ impl Checked {
             doc["recorded"] = json!(j.recorded);
             doc["replayed"] = json!(j.replayed);
             doc["explained_by"] = json!(j.explained_by);
+            doc["lowered_by"] = json!(j.lowered_by);
             if let Outcome::Forced {
                 check,
                 tolerance,

@@ -2,7 +2,9 @@
 //! replayed free-running under its own tier; one recorded on another backend is replayed
 //! teacher-forced under cross-backend tier B, at the tolerance golden/tolerances.toml gives for
 //! the pair and the model's class. A case this backend cannot run is reported with the
-//! manifest's reason, and a failure a known backend bug explains is reported as explained.
+//! manifest's reason, and a failure a known backend bug explains is reported as explained. A
+//! trace of this backend that a known engine gap keeps from tier A is teacher-forced too, and
+//! reported as explained when it holds there.
 
 use std::rc::Rc;
 
@@ -42,6 +44,8 @@ pub struct Judgement {
     pub outcome: Outcome,
     /// A failure's registered explanation (a known backend bug).
     pub explained_by: Option<String>,
+    /// Why a trace of this backend was judged at tier B (a known engine gap).
+    pub lowered_by: Option<String>,
     bundle: Option<Rc<ModelBundle>>,
 }
 
@@ -70,13 +74,18 @@ pub fn judge(
         replayed: backend.to_string(),
         outcome: Outcome::Unsupported(String::new()),
         explained_by: None,
+        lowered_by: None,
         bundle: None,
     };
     if let Some(u) = registry.unsupported(trace, backend) {
         judgement.outcome = Outcome::Unsupported(format!("{} ({})", u.why, u.error));
         return Ok(judgement);
     }
-    let (outcome, bundle) = if recorded == backend {
+    let gap = registry
+        .gap_for(trace, backend)
+        .filter(|_| recorded == backend);
+    judgement.lowered_by = gap.map(|g| format!("known engine gap {}: {}", g.id, g.summary));
+    let (outcome, bundle) = if recorded == backend && gap.is_none() {
         let (run, bundle) = replay(trace, models)?;
         let verdict = compare(trace, &run);
         (Outcome::Replayed { run, verdict }, bundle)
@@ -133,6 +142,7 @@ impl Judgement {
         match (&self.outcome, self.failed(), &self.explained_by) {
             (Outcome::Unsupported(_), _, _) | (_, true, Some(_)) => Status::Explained,
             (_, true, None) => Status::Fail,
+            _ if self.lowered_by.is_some() => Status::Explained,
             (
                 Outcome::Replayed {
                     verdict: Verdict::NearTie(_),
@@ -190,6 +200,9 @@ impl Judgement {
         };
         if let Some(e) = &self.explained_by {
             out.push_str(&format!("  explained: {e}\n"));
+        }
+        if let Some(g) = &self.lowered_by {
+            out.push_str(&format!("  tier B, not A: {g}\n"));
         }
         Some(out)
     }
