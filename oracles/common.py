@@ -52,9 +52,21 @@ def die(msg: str) -> "NoReturn":  # noqa: F821
     raise SystemExit(2)
 
 
+def write_text(path: Path, text: str) -> None:
+    """Writes `text` atomically: a temporary file in the same folder, then a rename, so a killed
+    run never leaves a truncated golden where a valid one was."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_json(path: Path, obj) -> None:
     """Stable JSON: fixed indent, insertion order kept, trailing newline (byte-identical reruns)."""
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 def read_json(path: Path):

@@ -9,7 +9,7 @@ import argparse
 import hashlib
 import sys
 
-from common import GOLDEN, MODELS, TOKENIZER, die, log
+from common import GOLDEN, MODELS, TOKENIZER, die, log, write_text
 
 SUMS = MODELS / "SHA256SUMS"
 
@@ -35,7 +35,7 @@ def main():
             sys.exit(1)
         log(f"{SUMS} matches ({text.count(chr(10))} files)")
         return
-    SUMS.write_text(text)
+    write_text(SUMS, text)
     total = sum(p.stat().st_size for root in (MODELS, TOKENIZER) for p in root.rglob("*") if p.is_file())
     log(f"wrote {SUMS.relative_to(GOLDEN.parent)}: {text.count(chr(10))} files, golden total {total / 1e6:.1f} MB")
 

@@ -12,7 +12,7 @@ k, measured here with stream_generate.
 import common  # noqa: F401  (offline guard first)
 
 import corpus
-from common import GOLDEN, log, model_dir
+from common import GOLDEN, log, model_dir, write_text
 from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_sampler
 
@@ -69,7 +69,7 @@ def main():
             "[oracle.from_draft]",
             *[f'"{k}" = {v!r}' for k, v in fractions.items()],
         ]
-        (out_dir / f"{name}.toml").write_text("\n".join(lines) + "\n")
+        write_text(out_dir / f"{name}.toml", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_promp
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from tqdm import tqdm
 
+from common import write_text
+
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "golden"
 TOP_K = 5
@@ -276,7 +278,7 @@ def main():
         trace = record_case(case, models, backend, cache_dir)
         path = out_dir / f"{case['id']}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(dumps(trace))
+        write_text(path, dumps(trace))
         written.add(path)
         if trace["prompt_cache"]:
             written.add(ROOT / trace["prompt_cache"]["file"])

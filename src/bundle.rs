@@ -31,6 +31,23 @@ impl ModelBundle {
                 eos_token_ids.push(id);
             }
         }
+        // The tokenizer's ids index the embedding: one it can produce past the last row would
+        // read outside it.
+        let (rows, tokens) = (model.vocab_size(), tokenizer.vocab_size());
+        if tokens > rows {
+            return Err(config
+                .error(format!(
+                    "the tokenizer has {tokens} tokens but the embedding only {rows} rows"
+                ))
+                .into());
+        }
+        if let Some(&id) = eos_token_ids.iter().find(|&&id| id as usize >= rows) {
+            return Err(config
+                .error(format!(
+                    "eos token id {id} is past the vocabulary ({rows} tokens)"
+                ))
+                .into());
+        }
         Ok(ModelBundle {
             dir: dir.to_path_buf(),
             model,
@@ -50,6 +67,20 @@ impl ModelBundle {
         self.tokenizer
             .decode(ids)
             .unwrap_or_else(|e| format!("<undecodable: {e}>"))
+    }
+
+    /// Refuses `draft` as a draft model for this target unless both index the same vocabulary
+    /// with the same tokenizer (drafts are fed to the target as ids).
+    pub fn check_draft(&self, draft: &ModelBundle) -> Result<()> {
+        crate::validate::draft_vocabulary(self.model(), draft.model())?;
+        if !self.tokenizer.same_vocabulary(&draft.tokenizer) {
+            return Err(crate::Error::Params(format!(
+                "the draft model {} has another tokenizer than {} (its token ids mean other text)",
+                draft.dir.display(),
+                self.dir.display()
+            )));
+        }
+        Ok(())
     }
 
     /// llguidance's view of the tokenizer, built once.

@@ -56,6 +56,12 @@ impl Error {
     }
 }
 
+/// A value from outside that the validation layer refuses: `input` names it (a parameter, a
+/// field, a token position), `value` is what was given, `allowed` says what would be accepted.
+pub(crate) fn invalid(input: &str, value: impl std::fmt::Display, allowed: &str) -> Error {
+    Error::Params(format!("{input} is {value}, {allowed}"))
+}
+
 /// A contract violation, for `Err(contract(..))`.
 pub(crate) fn contract(message: impl Into<String>) -> Error {
     Error::Contract(message.into())

@@ -14,7 +14,7 @@ use crate::model::LanguageModel;
 use crate::sample::{
     LogitsProcessors, Masking, ProcessorParams, Sampler, SamplerParams, StepSampler,
 };
-use crate::{Error, Result};
+use crate::{validate, Result};
 
 /// Why a generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,30 +49,17 @@ pub struct GenerateParams {
 }
 
 impl GenerateParams {
-    /// Validates a request and builds its step sampler (sampler, processors, seeded key
-    /// sequence, grammar), as plain and speculative decoding share it.
+    /// Validates a request against `model` (crate::validate) and builds its step sampler
+    /// (sampler, processors, seeded key sequence, grammar), as plain and speculative decoding
+    /// share it.
     pub fn step_sampler(
         &self,
+        model: &dyn LanguageModel,
         prompt: &[u32],
         constraint: Option<Constraint>,
     ) -> Result<StepSampler> {
-        let invalid = |m: &str| Err(Error::Params(m.to_string()));
-        if prompt.is_empty() {
-            return invalid("the prompt is empty");
-        }
-        if self.max_tokens == 0 {
-            return invalid("max_tokens must be at least 1");
-        }
-        if self.prefill_step_size == 0 {
-            return invalid("prefill_step_size must be at least 1");
-        }
-        if self.sampler.temp > 0.0 && self.seed.is_none() {
-            return Err(Error::Params(format!(
-                "sampling at temperature {} needs a seed (unseeded sampling cannot be replayed)",
-                self.sampler.temp
-            )));
-        }
-        let sampler = Sampler::new(self.sampler.clone())?;
+        validate::request(model, prompt, self)?;
+        let sampler = Sampler::new(self.sampler.clone());
         let processors = LogitsProcessors::new(&self.processors)?;
         StepSampler::new(sampler, processors, self.seed, constraint)
     }
@@ -157,9 +144,10 @@ pub fn cache_prompt(
     tokens: &[u32],
     params: &GenerateParams,
 ) -> Result<Vec<LayerCache>> {
-    let Some((&last, head)) = tokens.split_last() else {
-        return Err(Error::Params("the prompt is empty".into()));
-    };
+    validate::request(model, tokens, params)?;
+    let (&last, head) = tokens
+        .split_last()
+        .expect("validate refuses an empty prompt");
     let mut caches = model.make_cache(params.max_kv_size);
     prefill(model, &mut caches, &token_array(head)?, params, |_| Ok(()))?;
     let kv = params.kv_quantization.as_ref();
@@ -204,10 +192,11 @@ pub fn score(
     params: &GenerateParams,
     mut on_step: impl FnMut(usize, &Array) -> Result<()>,
 ) -> Result<()> {
-    let mut sampler = params.step_sampler(prompt, None)?;
+    let mut sampler = params.step_sampler(model, prompt, None)?;
+    validate::token_ids("continuation", continuation, model.vocab_size())?;
     let (&last, head) = prompt
         .split_last()
-        .expect("step_sampler refuses an empty prompt");
+        .expect("validate refuses an empty prompt");
     prefill(model, &mut caches, &token_array(head)?, params, |chunk| {
         sampler.extend_history(chunk)
     })?;
@@ -264,7 +253,7 @@ impl<'m> Generation<'m> {
         params: &GenerateParams,
         constraint: Option<Constraint>,
     ) -> Result<Generation<'m>> {
-        let step_sampler = params.step_sampler(prompt, constraint)?;
+        let step_sampler = params.step_sampler(model, prompt, constraint)?;
         let mut g = Generation {
             model,
             caches,
@@ -276,7 +265,7 @@ impl<'m> Generation<'m> {
         };
         let (&last, head) = prompt
             .split_last()
-            .expect("step_sampler refuses an empty prompt");
+            .expect("validate refuses an empty prompt");
         let step_sampler = &mut g.step_sampler;
         prefill(model, &mut g.caches, &token_array(head)?, params, |chunk| {
             step_sampler.extend_history(chunk)

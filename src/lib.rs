@@ -4,7 +4,8 @@
 //! `cache` holds per-layer state and the rollback contract; `model` runs the families;
 //! `grammar` compiles output constraints; `sample` turns logits into tokens; `generate` is the
 //! plain decode loop and `speculative` the one verify/accept executor; `bundle` ties a loaded
-//! folder together; `parity` replays the harness's traces and suites on top of all of it.
+//! folder together; `parity` replays the harness's traces and suites on top of all of it. `validate` checks every value from outside against the model
+//! before it reaches MLX.
 
 pub mod bundle;
 pub mod cache;
@@ -17,5 +18,6 @@ pub mod parity;
 pub mod sample;
 pub mod speculative;
 pub mod tokenizer;
+pub mod validate;
 
 pub use error::{Error, Result};

@@ -2,7 +2,8 @@
 //! recording backend it must be exact (every step's logprob bits, and the replayed acceptance
 //! of speculative traces equal to the oracle's), and an engine that is wrong by a little — a
 //! RoPE base off by 1% — must fail it under the cross-backend tolerances, or those tolerances
-//! would hide real bugs. A registered engine gap lowers a trace to tier B without excusing it.
+//! would hide real bugs. A registered engine gap lowers a trace to tier B without excusing it;
+//! a known oracle bug moves the traces its conditions name to tier C.
 
 mod support;
 
@@ -12,8 +13,9 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use support::{golden, root};
 use verity::parity::judge::{judge, model_class, Outcome};
-use verity::parity::replay::replay_forced;
+use verity::parity::replay::{replay, replay_forced};
 use verity::parity::Models;
+use verity_harness::compare;
 use verity_harness::forced::judge_forced;
 use verity_harness::registry::{Limits, Registry};
 use verity_harness::report::Status;
@@ -140,6 +142,7 @@ fn an_engine_gap_judges_its_backends_traces_at_tier_b() {
     for file in [
         "tolerances.toml",
         "known-backend-bugs.toml",
+        "known-oracle-bugs.toml",
         "MANIFEST.toml",
     ] {
         fs::copy(root().join("golden").join(file), golden_dir.join(file)).unwrap();
@@ -168,4 +171,42 @@ fn an_engine_gap_judges_its_backends_traces_at_tier_b() {
     corrupted.steps[3].logprob -= 0.5;
     let judgement = judge(&corrupted, &mut models, "cpu", &registry).unwrap();
     assert_eq!(judgement.status(), Status::Fail);
+}
+
+/// The draft-model traces with a repetition penalty record mlx-lm's wrong output (its
+/// processors never see the prompt while speculating): the registry's conditions put them under
+/// that bug, they are judged at tier C and pass there, and the oracle's tokens really are wrong
+/// (verity's plain run, which mlx-lm's plain run matches, diverges from them). Without the
+/// penalty or without the draft the bug does not apply.
+#[test]
+fn a_known_oracle_bug_judges_its_traces_at_tier_c() {
+    support::on_cpu();
+    let registry = Registry::load(&root().join("golden")).unwrap();
+    let mut models = Models::new(root());
+    for prompt in ["code", "chat"] {
+        let trace = golden(&format!("qwen3-target/spec-repetition/{prompt}"));
+        let bug = registry.oracle_bug_for(&trace).map(|b| b.id.clone());
+        assert_eq!(
+            bug.as_deref(),
+            Some("speculative-processors-hide-the-prompt")
+        );
+        let judgement = judge(&trace, &mut models, "cpu", &registry).unwrap();
+        assert_eq!(judgement.status(), Status::TierC, "{prompt}");
+
+        let mut no_penalty = trace.clone();
+        no_penalty
+            .params
+            .processors
+            .insert("repetition_penalty".into(), Value::from(0.0));
+        assert!(registry.oracle_bug_for(&no_penalty).is_none());
+        let mut plain = trace.clone();
+        plain.draft = None;
+        assert!(registry.oracle_bug_for(&plain).is_none());
+        let (run, _) = replay(&plain, &mut models).unwrap();
+        assert!(
+            compare(&trace, &run).is_failure(),
+            "{prompt}: the oracle's speculative tokens equal verity's plain run, so this trace \
+             does not show the bug"
+        );
+    }
 }

@@ -165,7 +165,7 @@ fn check_schema(path: &Path, targets: &[Target]) -> Result<(), Failed> {
         for &k in draft_lengths() {
             let sources: [Box<dyn DraftSource>; 2] = [
                 Box::new(DraftModel::new(t.draft.model())),
-                Box::new(NgramLookup::new(1, 3)),
+                Box::new(NgramLookup::new(1, 3).unwrap()),
             ];
             for (which, mut source) in ["draft model", "n-gram"].into_iter().zip(sources) {
                 let (got, mut live) =

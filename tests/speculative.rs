@@ -80,7 +80,7 @@ fn spec_equals_plain(target_name: &str, trace: &str, prompt_len: usize) -> Rollb
     for k in [2, 4] {
         let sources: [Box<dyn DraftSource>; 2] = [
             Box::new(DraftModel::new(draft.model())),
-            Box::new(NgramLookup::new(1, 3)),
+            Box::new(NgramLookup::new(1, 3).unwrap()),
         ];
         for mut source in sources {
             let (got, stats) = speculative(&target, source.as_mut(), &prompt, &params, k, None);

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::stats::Acceptance;
 
 pub const SUITE_FORMAT: &str = "verity-accept/1";
-pub const BASELINE_FORMAT: &str = "verity-accept-baseline/2";
+pub const BASELINE_FORMAT: &str = "verity-accept-baseline/3";
 
 /// Where a suite's drafts come from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -47,6 +47,8 @@ pub struct OracleAcceptance {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Baseline {
     pub format: String,
+    /// The suite it was measured on (the suite file's stem).
+    pub suite: String,
     pub acceptance: BTreeMap<usize, Acceptance>,
 }
 
@@ -95,7 +97,26 @@ impl Suite {
         if suite.num_draft_tokens.is_empty() || suite.max_tokens == 0 {
             return Err(invalid(path, "needs num_draft_tokens and max_tokens > 0"));
         }
+        let mut ks = suite.num_draft_tokens.clone();
+        ks.sort_unstable();
+        ks.dedup();
+        if ks.len() != suite.num_draft_tokens.len() || ks[0] == 0 {
+            return Err(invalid(
+                path,
+                format!(
+                    "num_draft_tokens {:?} must be distinct and at least 1",
+                    suite.num_draft_tokens
+                ),
+            ));
+        }
         Ok(suite)
+    }
+
+    /// The suite's name: its file's stem.
+    pub fn name(path: &Path) -> String {
+        path.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default()
     }
 
     /// The suite's committed baseline: `<suite>.baseline.json` next to it.
@@ -105,24 +126,53 @@ impl Suite {
 }
 
 impl Baseline {
-    pub fn new(acceptance: BTreeMap<usize, Acceptance>) -> Baseline {
+    pub fn new(suite: String, acceptance: BTreeMap<usize, Acceptance>) -> Baseline {
         Baseline {
             format: BASELINE_FORMAT.into(),
+            suite,
             acceptance,
         }
     }
 
-    pub fn load(path: &Path) -> Result<Baseline, AcceptError> {
-        read(
+    /// Reads the baseline at `path` and checks that it covers `suite_path`'s suite: named
+    /// after it, with a row for every num_draft_tokens it runs and no other (a baseline that
+    /// compares nothing must not pass).
+    pub fn load_for(
+        path: &Path,
+        suite_path: &Path,
+        suite: &Suite,
+    ) -> Result<Baseline, AcceptError> {
+        let b: Baseline = read(
             path,
             BASELINE_FORMAT,
             |t| serde_json::from_str(t),
             |b: &Baseline| &b.format,
-        )
+        )?;
+        let name = Suite::name(suite_path);
+        if b.suite != name {
+            return Err(invalid(
+                path,
+                format!("is the baseline of suite {:?}, not {name:?}", b.suite),
+            ));
+        }
+        let wanted: Vec<usize> = {
+            let mut ks = suite.num_draft_tokens.clone();
+            ks.sort_unstable();
+            ks
+        };
+        let has: Vec<usize> = b.acceptance.keys().copied().collect();
+        if has != wanted {
+            return Err(invalid(
+                path,
+                format!("has rows for num_draft_tokens {has:?}, suite {name:?} runs {wanted:?}"),
+            ));
+        }
+        Ok(b)
     }
 
     pub fn save(&self, path: &Path) -> Result<(), AcceptError> {
         let text = serde_json::to_string_pretty(self).map_err(|e| invalid(path, e.to_string()))?;
-        std::fs::write(path, text + "\n").map_err(|e| invalid(path, e.to_string()))
+        crate::atomic::write(path, (text + "\n").as_bytes())
+            .map_err(|e| invalid(path, e.to_string()))
     }
 }

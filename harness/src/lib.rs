@@ -5,6 +5,7 @@
 //! and can judge traces produced by any engine.
 
 pub mod acceptance;
+pub mod atomic;
 #[cfg(any(test, feature = "strategies"))]
 pub mod cache_model;
 pub mod compare;

@@ -105,6 +105,66 @@ struct GapsFile {
     gap: Vec<EngineGap>,
 }
 
+/// An upstream misbehaviour of an oracle (golden/known-oracle-bugs.toml): a trace it applies to
+/// records the oracle's wrong output, so it is judged at tier C (verity speculative ≡ verity
+/// plain) instead of against the oracle's tokens.
+#[derive(Clone, Debug, Deserialize)]
+pub struct OracleBug {
+    pub id: String,
+    pub summary: String,
+    pub reproducer: String,
+    /// Which traces it applies to; a bug without conditions applies to none (it concerns a
+    /// path no trace records).
+    #[serde(default)]
+    pub when: Option<Conditions>,
+}
+
+/// When an oracle bug applies to a trace: every listed condition holds.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Conditions {
+    /// The trace's oracle tool (e.g. "mlx_lm.server").
+    pub tool: Option<String>,
+    /// The trace's draft kind ("model", "mtp").
+    pub draft: Option<Vec<String>>,
+    /// Fixture names of the trace's target model (the last path component).
+    pub models: Option<Vec<String>>,
+    /// Processor or sampler parameters of which at least one is set and non-zero.
+    pub params_set: Option<Vec<String>>,
+}
+
+impl Conditions {
+    fn hold(&self, trace: &Trace) -> bool {
+        let draft_kind = trace.draft.as_ref().map(|d| match d {
+            crate::trace::Draft::Model { .. } => "model",
+            crate::trace::Draft::Mtp { .. } => "mtp",
+        });
+        let fixture = trace.model.rsplit('/').next().unwrap_or(&trace.model);
+        let set = |name: &String| {
+            let p = &trace.params;
+            p.processors
+                .get(name)
+                .or_else(|| p.sampler.get(name))
+                .is_some_and(|v| !v.is_null() && v.as_f64() != Some(0.0))
+        };
+        self.tool.as_ref().is_none_or(|t| *t == trace.oracle.tool)
+            && self
+                .draft
+                .as_ref()
+                .is_none_or(|kinds| draft_kind.is_some_and(|k| kinds.iter().any(|x| x == k)))
+            && self
+                .models
+                .as_ref()
+                .is_none_or(|m| m.iter().any(|x| x == fixture))
+            && self.params_set.as_ref().is_none_or(|ps| ps.iter().any(set))
+    }
+}
+
+#[derive(Clone, Debug, Deserialize)]
+struct OracleBugsFile {
+    bug: Vec<OracleBug>,
+}
+
 /// Manifest cases a backend cannot run, and the error it gives: the cases of the listed
 /// variants and of the listed models (each list, where given, must match).
 #[derive(Clone, Debug, Deserialize)]
@@ -147,6 +207,7 @@ pub struct Registry {
     tolerances: Vec<PairTolerance>,
     bugs: Vec<BackendBug>,
     gaps: Vec<EngineGap>,
+    oracle_bugs: Vec<OracleBug>,
     unsupported: Vec<Unsupported>,
 }
 
@@ -167,7 +228,7 @@ fn read<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, RegistryError> {
 }
 
 impl Registry {
-    /// Reads the four files under `golden`.
+    /// Reads the five files under `golden`.
     pub fn load(golden: &Path) -> Result<Registry, RegistryError> {
         let path = golden.join("tolerances.toml");
         let tolerances: TolerancesFile = read(&path)?;
@@ -183,10 +244,12 @@ impl Registry {
         let bugs: BugsFile = read(&golden.join("known-backend-bugs.toml"))?;
         let gaps: GapsFile = read(&golden.join("known-engine-gaps.toml"))?;
         let manifest: ManifestFile = read(&golden.join("MANIFEST.toml"))?;
+        let oracle_bugs: OracleBugsFile = read(&golden.join("known-oracle-bugs.toml"))?;
         Ok(Registry {
             tolerances: tolerances.pair,
             bugs: bugs.bug,
             gaps: gaps.gap,
+            oracle_bugs: oracle_bugs.bug,
             unsupported: manifest.unsupported,
         })
     }
@@ -231,6 +294,13 @@ impl Registry {
                     .iter()
                     .any(|m| *m == trace.model || Some(m.as_str()) == draft)
         })
+    }
+
+    /// The known oracle bug whose conditions `trace` meets, if any.
+    pub fn oracle_bug_for(&self, trace: &Trace) -> Option<&OracleBug> {
+        self.oracle_bugs
+            .iter()
+            .find(|b| b.when.as_ref().is_some_and(|c| c.hold(trace)))
     }
 
     /// The engine gap that keeps `trace`, recorded on `backend`, from tier A there, if any.

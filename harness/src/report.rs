@@ -148,6 +148,9 @@ pub enum Status {
     Pass,
     /// Passed, with the top choice flipped at an oracle near-tie somewhere.
     NearTie,
+    /// A trace under a known oracle bug, judged at tier C (verity speculative ≡ verity plain)
+    /// instead of against the oracle's wrong tokens, and passing there.
+    TierC,
     /// Did not pass or could not run, for a registered reason (a case the backend cannot
     /// run, a known backend bug).
     Explained,
@@ -159,6 +162,7 @@ pub enum Status {
 pub struct Counts {
     pub pass: usize,
     pub near_tie: usize,
+    pub tier_c: usize,
     pub explained: usize,
     pub fail: usize,
 }
@@ -168,6 +172,7 @@ impl Counts {
         match status {
             Status::Pass => self.pass += 1,
             Status::NearTie => self.near_tie += 1,
+            Status::TierC => self.tier_c += 1,
             Status::Explained => self.explained += 1,
             Status::Fail => self.fail += 1,
         }
@@ -176,12 +181,13 @@ impl Counts {
     fn add_counts(&mut self, other: &Counts) {
         self.pass += other.pass;
         self.near_tie += other.near_tie;
+        self.tier_c += other.tier_c;
         self.explained += other.explained;
         self.fail += other.fail;
     }
 
     pub fn total(&self) -> usize {
-        self.pass + self.near_tie + self.explained + self.fail
+        self.pass + self.near_tie + self.tier_c + self.explained + self.fail
     }
 }
 
@@ -191,15 +197,16 @@ pub fn suite_table(suites: &BTreeMap<String, Counts>) -> String {
     let mut out = String::new();
     let row = |out: &mut String, name: &str, c: &Counts| {
         let (t, p, n, e, f) = (c.total(), c.pass, c.near_tie, c.explained, c.fail);
+        let tc = c.tier_c;
         let _ = writeln!(
             out,
-            "{name:<width$}  {t:>6}  {p:>6}  {n:>8}  {e:>9}  {f:>6}"
+            "{name:<width$}  {t:>6}  {p:>6}  {n:>8}  {tc:>6}  {e:>9}  {f:>6}"
         );
     };
     let _ = writeln!(
         out,
-        "{:<width$}  {:>6}  {:>6}  {:>8}  {:>9}  {:>6}",
-        "suite", "traces", "pass", "near-tie", "explained", "fail"
+        "{:<width$}  {:>6}  {:>6}  {:>8}  {:>6}  {:>9}  {:>6}",
+        "suite", "traces", "pass", "near-tie", "tier C", "explained", "fail"
     );
     let mut total = Counts::default();
     for (name, c) in suites {

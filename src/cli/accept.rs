@@ -60,24 +60,33 @@ fn run(a: AcceptArgs) -> anyhow::Result<bool> {
         a.baseline.is_none() || suites.len() == 1,
         "--baseline needs exactly one --suite"
     );
-    let mut models = Models::new(&root);
-    let mut regressed = false;
-    for path in &suites {
-        let suite = Suite::load(path)?;
-        let stats = run_suite(&suite, &mut models)?;
-        print!("{}", table(path, &suite, &stats));
-        let measured: BTreeMap<usize, Acceptance> =
-            stats.iter().map(|(k, s)| (*k, acceptance(s))).collect();
+    // Every suite and baseline is read and checked before anything runs.
+    let mut jobs = Vec::new();
+    for path in suites {
+        let suite = Suite::load(&path)?;
         let baseline_path = a
             .baseline
             .clone()
-            .unwrap_or_else(|| Suite::baseline_path(path));
-        if a.write_baseline {
-            Baseline::new(measured).save(&baseline_path)?;
+            .unwrap_or_else(|| Suite::baseline_path(&path));
+        let baseline = if a.write_baseline {
+            None
+        } else {
+            Some(Baseline::load_for(&baseline_path, &path, &suite)?)
+        };
+        jobs.push((path, suite, baseline_path, baseline));
+    }
+    let mut models = Models::new(&root);
+    let mut regressed = false;
+    for (path, suite, baseline_path, baseline) in jobs {
+        let stats = run_suite(&suite, &mut models)?;
+        print!("{}", table(&path, &suite, &stats));
+        let measured: BTreeMap<usize, Acceptance> =
+            stats.iter().map(|(k, s)| (*k, acceptance(s))).collect();
+        let Some(baseline) = baseline else {
+            Baseline::new(Suite::name(&path), measured).save(&baseline_path)?;
             println!("wrote {}\n", baseline_path.display());
             continue;
-        }
-        let baseline = Baseline::load(&baseline_path)?;
+        };
         let mut problems = Vec::new();
         for (k, base) in &baseline.acceptance {
             match measured.get(k) {
@@ -86,11 +95,15 @@ fn run(a: AcceptArgs) -> anyhow::Result<bool> {
                         .into_iter()
                         .map(|m| format!("k={k}: {m}")),
                 ),
-                None => problems.push(format!("k={k}: in the baseline but not in the suite")),
+                None => problems.push(format!("k={k}: in the baseline but not measured")),
             }
         }
         if problems.is_empty() {
-            println!("within tolerance of {}\n", baseline_path.display());
+            println!(
+                "{} rows within tolerance of {}\n",
+                baseline.acceptance.len(),
+                baseline_path.display()
+            );
         } else {
             regressed = true;
             println!(
@@ -106,10 +119,7 @@ fn run(a: AcceptArgs) -> anyhow::Result<bool> {
 /// The per-k table, with per-position acceptance and mlx-lm's from_draft fraction.
 fn table(path: &Path, suite: &Suite, stats: &BTreeMap<usize, SpeculationStats>) -> String {
     let mut out = String::new();
-    let name = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let name = Suite::name(path);
     let (target, source, max) = (&suite.target, &suite.source, suite.max_tokens);
     let prompts = suite.prompts.len();
     let _ = writeln!(

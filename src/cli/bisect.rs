@@ -50,6 +50,15 @@ fn git(dir: &Path, args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// The scratch folder of one bisect, removed whatever way the bisect ends.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A worktree removed (with its bisect state) when dropped.
 struct Worktree {
     repo: PathBuf,
@@ -67,7 +76,17 @@ impl Drop for Worktree {
 }
 
 pub fn bisect(a: BisectArgs) -> anyhow::Result<ExitCode> {
-    let repo = super::root_or_cwd(a.repo)?.canonicalize()?;
+    let repo = super::root_or_cwd(a.repo)?;
+    let repo = repo
+        .canonicalize()
+        .with_context(|| format!("--repo {}", repo.display()))?;
+    if !repo.join(&a.suite).is_file() {
+        bail!(
+            "--suite {}: no such file in {}",
+            a.suite.display(),
+            repo.display()
+        );
+    }
     let good = git(
         &repo,
         &["rev-parse", "--verify", &format!("{}^{{commit}}", a.good)],
@@ -83,15 +102,20 @@ pub fn bisect(a: BisectArgs) -> anyhow::Result<ExitCode> {
     let target_dir = a.target_dir.unwrap_or_else(|| repo.join("target/bisect"));
     std::fs::create_dir_all(&target_dir)?;
     let target_dir = target_dir.canonicalize()?;
-    let scratch = std::env::temp_dir().join(format!("verity-bisect-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&scratch);
-    std::fs::create_dir_all(&scratch)?;
-    let baseline = match &a.baseline {
-        Some(b) => b
-            .canonicalize()
-            .with_context(|| format!("{}", b.display()))?,
-        None => scratch.join("baseline.json"),
-    };
+    let baseline = a
+        .baseline
+        .as_ref()
+        .map(|b| {
+            b.canonicalize()
+                .with_context(|| format!("--baseline {}", b.display()))
+        })
+        .transpose()?;
+    let scratch =
+        Scratch(std::env::temp_dir().join(format!("verity-bisect-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&scratch.0);
+    std::fs::create_dir_all(&scratch.0)?;
+    let scratch = &scratch.0;
+    let baseline = baseline.unwrap_or_else(|| scratch.join("baseline.json"));
     let worktree = Worktree {
         repo: repo.clone(),
         dir: scratch.join("worktree"),

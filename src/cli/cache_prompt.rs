@@ -50,7 +50,7 @@ pub fn cache_prompt_cmd(a: CachePromptArgs) -> anyhow::Result<ExitCode> {
         (None, None) => bail!("give --prompt or --tokens"),
     };
     let start = Instant::now();
-    let caches = cache_prompt(bundle.model(), &tokens, &a.cache.prompt_params()?)?;
+    let caches = cache_prompt(bundle.model(), &tokens, &a.cache.prompt_params())?;
     let metadata = BTreeMap::from([
         ("model".to_string(), a.model.display().to_string()),
         (

@@ -2,7 +2,7 @@
 //! streamed to stdout, speed and peak memory on stderr).
 
 use std::io::{Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -17,6 +17,7 @@ use verity::speculative::{
     generate_speculative, Control, DraftModel, DraftSource, NgramLookup, SpeculationStats,
 };
 use verity::tokenizer::{StreamingDetokenizer, UserTurn};
+use verity::validate;
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -118,26 +119,23 @@ pub struct CacheArgs {
 }
 
 impl CacheArgs {
-    pub fn kv_quantization(&self) -> anyhow::Result<Option<KvQuantization>> {
-        match self.kv_bits {
-            None => Ok(None),
-            Some(bits @ (4 | 8)) => Ok(Some(KvQuantization {
-                bits,
-                group_size: self.kv_group_size,
-                start: self.quantized_kv_start,
-            })),
-            Some(_) => bail!("--kv-bits must be 4 or 8"),
-        }
+    /// The KV quantization the flags ask for (validated with the model, crate::validate).
+    pub fn kv_quantization(&self) -> Option<KvQuantization> {
+        self.kv_bits.map(|bits| KvQuantization {
+            bits,
+            group_size: self.kv_group_size,
+            start: self.quantized_kv_start,
+        })
     }
 
     /// Generation parameters for processing a prompt only (greedy, no processors).
-    pub fn prompt_params(&self) -> anyhow::Result<GenerateParams> {
-        Ok(GenerateParams {
+    pub fn prompt_params(&self) -> GenerateParams {
+        GenerateParams {
             prefill_step_size: self.prefill_step_size,
             max_kv_size: self.max_kv_size,
-            kv_quantization: self.kv_quantization()?,
+            kv_quantization: self.kv_quantization(),
             ..GenerateParams::greedy(1, Vec::new())
-        })
+        }
     }
 }
 
@@ -232,7 +230,7 @@ fn generate_params(a: &GenerateArgs, bundle: &ModelBundle) -> anyhow::Result<Gen
         seed,
         prefill_step_size: a.cache.prefill_step_size,
         max_kv_size: a.cache.max_kv_size,
-        kv_quantization: a.cache.kv_quantization()?,
+        kv_quantization: a.cache.kv_quantization(),
         eos_token_ids: bundle.eos_token_ids.clone(),
     })
 }
@@ -260,15 +258,22 @@ fn starting_caches(
     let Some(file) = &a.prompt_cache_file else {
         return Ok(model.make_cache(params.max_kv_size));
     };
-    let (caches, _) = load_prompt_cache(file)?;
-    if caches.len() != model.num_layers() {
-        bail!(
-            "{}: {} cache layers, the model has {}",
-            file.display(),
-            caches.len(),
-            model.num_layers()
-        );
+    let (caches, metadata) = load_prompt_cache(file)?;
+    if let Some(written_for) = metadata.get("model") {
+        let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => a == b,
+        };
+        if !same(Path::new(written_for), &a.model) {
+            bail!(
+                "{}: the prompt cache was made with model {written_for}, not {} (mlx-lm refuses \
+                 this too)",
+                file.display(),
+                a.model.display()
+            );
+        }
     }
+    validate::prompt_cache(&file.display().to_string(), model, &caches, params)?;
     Ok(caches)
 }
 
@@ -290,9 +295,12 @@ fn speculate(
         .as_deref()
         .map(ModelBundle::load)
         .transpose()?;
+    if let Some(d) = &draft {
+        bundle.check_draft(d)?;
+    }
     let mut source: Box<dyn DraftSource> = match &draft {
         Some(d) => Box::new(DraftModel::new(d.model())),
-        None => Box::new(NgramLookup::new(a.ngram_min, a.ngram_max)),
+        None => Box::new(NgramLookup::new(a.ngram_min, a.ngram_max)?),
     };
     let mut emit = |step: &GeneratedToken| out.emit(step);
     let (stats, _) = generate_speculative(

@@ -78,6 +78,13 @@ fn run_corpus(
 }
 
 pub fn corpus(a: CorpusArgs) -> anyhow::Result<ExitCode> {
+    // The expected outcome is read before the run, so a wrong path fails at once.
+    let expected = if a.write_expected {
+        String::new()
+    } else {
+        std::fs::read_to_string(&a.expected)
+            .with_context(|| format!("--expected {}", a.expected.display()))?
+    };
     let (outcomes, _, _) = run_corpus(&a.dir, &a.model, a.max_tokens)?;
     let compiled: Vec<&SchemaOutcome> = outcomes.iter().filter(|o| o.compile == "ok").collect();
     let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
@@ -116,12 +123,11 @@ pub fn corpus(a: CorpusArgs) -> anyhow::Result<ExitCode> {
     );
     let doc = serde_json::to_string_pretty(&outcomes)? + "\n";
     if a.write_expected {
-        std::fs::write(&a.expected, doc)?;
+        verity_harness::atomic::write(&a.expected, doc.as_bytes())
+            .with_context(|| format!("writing {}", a.expected.display()))?;
         println!("wrote {}", a.expected.display());
         return Ok(ExitCode::SUCCESS);
     }
-    let expected = std::fs::read_to_string(&a.expected)
-        .with_context(|| format!("{}", a.expected.display()))?;
     let changed = expected != doc;
     if changed {
         let diff = similar::TextDiff::from_lines(&expected, &doc);

@@ -41,6 +41,13 @@ pub enum LoadError {
         expected: Vec<i32>,
         found: Vec<i32>,
     },
+    #[error("{folder}: tensor {key} is {dtype}, must be {allowed}")]
+    TensorDtype {
+        folder: PathBuf,
+        key: String,
+        dtype: String,
+        allowed: &'static str,
+    },
     #[error("{folder}: unexpected tensors the model does not use: {keys}")]
     UnexpectedTensors { folder: PathBuf, keys: String },
     #[error("{folder}: MLX: {source}")]

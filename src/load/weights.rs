@@ -44,6 +44,7 @@ impl Weights {
             })?;
             tensors.extend(loaded.tensors);
         }
+        check_dtypes(dir, &tensors)?;
         Ok(Weights {
             folder: dir.to_path_buf(),
             tensors,
@@ -151,6 +152,36 @@ impl Weights {
     }
 }
 
+/// Every tensor holds floats, except the packed uint32 weights of a quantized layer (those with
+/// `.scales` beside them): an integer tensor where the model computes with floats would be
+/// reinterpreted, not converted.
+fn check_dtypes(dir: &Path, tensors: &BTreeMap<String, Array>) -> Result<(), LoadError> {
+    use mlx::Dtype::{Bfloat16, Float16, Float32, Uint32};
+    for (key, a) in tensors {
+        let packed = key
+            .strip_suffix(".weight")
+            .is_some_and(|stem| tensors.contains_key(&format!("{stem}.scales")));
+        let ok = match a.dtype() {
+            Float16 | Bfloat16 | Float32 => !packed,
+            Uint32 => packed,
+            _ => false,
+        };
+        if !ok {
+            return Err(LoadError::TensorDtype {
+                folder: dir.to_path_buf(),
+                key: key.clone(),
+                dtype: format!("{:?}", a.dtype()),
+                allowed: if packed {
+                    "uint32 (a quantized weight: it has .scales)"
+                } else {
+                    "float16, bfloat16 or float32"
+                },
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Validates a safetensors file's header against its size before MLX maps it, so a truncated
 /// or corrupt file fails at load with a clear message instead of at first use.
 fn check_safetensors(path: &Path) -> Result<(), LoadError> {
@@ -185,6 +216,38 @@ fn check_safetensors(path: &Path) -> Result<(), LoadError> {
             .and_then(|o| o.get(1))
             .and_then(serde_json::Value::as_u64)
             .ok_or_else(|| bad(format!("tensor {name} has no data_offsets")))?;
+        let dtype = info
+            .get("dtype")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("");
+        let width = match dtype {
+            "BOOL" | "U8" | "I8" => 1,
+            "F16" | "BF16" | "U16" | "I16" => 2,
+            "F32" | "U32" | "I32" => 4,
+            "F64" | "U64" | "I64" => 8,
+            other => return Err(bad(format!("tensor {name} has unknown dtype {other:?}"))),
+        };
+        let elements = info
+            .get("shape")
+            .and_then(serde_json::Value::as_array)
+            .and_then(|s| {
+                s.iter()
+                    .map(serde_json::Value::as_u64)
+                    .product::<Option<u64>>()
+            })
+            .ok_or_else(|| bad(format!("tensor {name} has no valid shape")))?;
+        let start = info
+            .get("data_offsets")
+            .and_then(|o| o.get(0))
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(u64::MAX);
+        if end < start || end - start != elements.saturating_mul(width) {
+            return Err(bad(format!(
+                "tensor {name}: {dtype} x {elements} elements needs {} bytes, its data_offsets span {}",
+                elements.saturating_mul(width),
+                end.saturating_sub(start)
+            )));
+        }
         if end > data_len {
             return Err(bad(format!(
                 "tensor {name} ends at byte {end} of the data section, which holds {data_len} (truncated?)"

@@ -66,6 +66,7 @@ pub struct Model {
     outer: OuterLayers,
     layers: Vec<Block>,
     embed_scale: f32,
+    head_dim: usize,
     window: usize,
     pattern: usize,
 }
@@ -81,6 +82,9 @@ impl Model {
             "sliding_window": 512, "sliding_window_pattern": 6,
         }))?;
         let d = &a.dims;
+        if a.sliding_window == 0 {
+            return Err(config.error("sliding_window must be at least 1"));
+        }
         if a.sliding_window_pattern == 0 || a.sliding_window_pattern > d.num_hidden_layers {
             return Err(
                 config.error("sliding_window_pattern must be between 1 and the layer count")
@@ -137,6 +141,7 @@ impl Model {
             layers,
             // Python rounds `hidden_size**0.5` to bf16 (mx.array(.., mx.bfloat16)) every call.
             embed_scale: (d.hidden_size as f64).sqrt() as f32,
+            head_dim: d.head_dim() as usize,
             window: a.sliding_window,
             pattern: a.sliding_window_pattern,
         })
@@ -172,6 +177,10 @@ impl LanguageModel for Model {
 
     fn num_layers(&self) -> usize {
         self.layers.len()
+    }
+
+    fn attention_head_dim(&self) -> usize {
+        self.head_dim
     }
 
     fn own_caches(&self) -> Option<Vec<LayerCache>> {

@@ -53,6 +53,7 @@ pub struct Model {
     outer: OuterLayers,
     layers: Vec<Block>,
     sliding_window: Option<usize>,
+    head_dim: usize,
     fa_idx: usize,
     swa_idx: Option<usize>,
     own_make_cache: bool,
@@ -109,6 +110,9 @@ impl Model {
             .position(|t| t == "full_attention")
             .ok_or_else(|| s.config.error("no full_attention layer in layer_types"))?;
         let swa_idx = s.layer_types.iter().position(|t| t == "sliding_attention");
+        if s.sliding_window == Some(0) {
+            return Err(s.config.error("sliding_window must be at least 1"));
+        }
         if swa_idx.is_some() && s.sliding_window.is_none() {
             return Err(s
                 .config
@@ -159,6 +163,7 @@ impl Model {
             outer: OuterLayers::load(w, q, "", d, s.tied)?,
             layers,
             sliding_window: s.sliding_window,
+            head_dim: d.head_dim() as usize,
             fa_idx,
             swa_idx,
             own_make_cache: s.own_make_cache,
@@ -187,6 +192,10 @@ impl LanguageModel for Model {
 
     fn num_layers(&self) -> usize {
         self.layers.len()
+    }
+
+    fn attention_head_dim(&self) -> usize {
+        self.head_dim
     }
 
     fn own_caches(&self) -> Option<Vec<LayerCache>> {

@@ -55,6 +55,10 @@ pub trait LanguageModel {
         self.own_caches().is_some()
     }
 
+    /// The head dimension of the attention layers' keys and values (what a quantized KV
+    /// cache's group size must divide).
+    fn attention_head_dim(&self) -> usize;
+
     /// The width of the logits.
     fn vocab_size(&self) -> usize {
         self.outer().vocab()

@@ -181,6 +181,7 @@ pub struct Model {
     outer: OuterLayers,
     layers: Vec<DecoderLayer>,
     fa_idx: usize,
+    head_dim: usize,
 }
 
 impl Model {
@@ -317,6 +318,7 @@ impl Model {
             outer: OuterLayers::load(w, q, s.prefix, d, s.tied)?,
             layers,
             fa_idx: s.interval - 1,
+            head_dim: d.head_dim() as usize,
         })
     }
 }
@@ -340,6 +342,10 @@ impl LanguageModel for Model {
 
     fn num_layers(&self) -> usize {
         self.layers.len()
+    }
+
+    fn attention_head_dim(&self) -> usize {
+        self.head_dim
     }
 
     fn own_caches(&self) -> Option<Vec<LayerCache>> {

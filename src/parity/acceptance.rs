@@ -38,7 +38,7 @@ pub fn run_suite(suite: &Suite, models: &mut Models) -> Result<BTreeMap<usize, S
         for prompt in &suite.prompts {
             let mut source: Box<dyn DraftSource> = match (&draft_model, &suite.source) {
                 (Some(d), _) => Box::new(DraftModel::new(d.model())),
-                (None, Source::Ngram { min, max }) => Box::new(NgramLookup::new(*min, *max)),
+                (None, Source::Ngram { min, max }) => Box::new(NgramLookup::new(*min, *max)?),
                 (None, Source::Model { .. }) => unreachable!("a model source is loaded above"),
             };
             let mut ignore = |_: &GeneratedToken| Control::Continue;

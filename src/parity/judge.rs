@@ -33,6 +33,13 @@ pub enum Outcome {
         /// tokens that came from the draft.
         acceptance: Option<(usize, usize)>,
     },
+    /// A known oracle bug applies: the oracle's tokens are wrong, so verity's speculative run
+    /// is held to verity's plain run on the same prompt and params (tier C).
+    TierC {
+        bug: String,
+        speculative: Vec<u32>,
+        plain: Vec<u32>,
+    },
     /// This backend cannot run the case: the manifest's error and reason.
     Unsupported(String),
 }
@@ -79,6 +86,27 @@ pub fn judge(
     };
     if let Some(u) = registry.unsupported(trace, backend) {
         judgement.outcome = Outcome::Unsupported(format!("{} ({})", u.why, u.error));
+        return Ok(judgement);
+    }
+    if let Some(bug) = registry.oracle_bug_for(trace) {
+        let bug = format!("known oracle bug {}: {}", bug.id, bug.summary);
+        if trace.params.temperature() > 0.0 || trace.draft.is_none() {
+            judgement.outcome =
+                Outcome::Unsupported(format!("{bug} (tier C needs a greedy speculative trace)"));
+            return Ok(judgement);
+        }
+        let (speculative, bundle) = replay(trace, models)?;
+        let plain_trace = Trace {
+            draft: None,
+            ..trace.clone()
+        };
+        let (plain, _) = replay(&plain_trace, models)?;
+        judgement.outcome = Outcome::TierC {
+            bug,
+            speculative: speculative.tokens(),
+            plain: plain.tokens(),
+        };
+        judgement.bundle = Some(bundle);
         return Ok(judgement);
     }
     let gap = registry
@@ -134,6 +162,9 @@ impl Judgement {
                     || acceptance
                         .is_some_and(|(oracle, replayed)| !acceptance_agrees(oracle, replayed))
             }
+            Outcome::TierC {
+                speculative, plain, ..
+            } => speculative != plain,
             Outcome::Unsupported(_) => false,
         }
     }
@@ -142,6 +173,7 @@ impl Judgement {
         match (&self.outcome, self.failed(), &self.explained_by) {
             (Outcome::Unsupported(_), _, _) | (_, true, Some(_)) => Status::Explained,
             (_, true, None) => Status::Fail,
+            (Outcome::TierC { .. }, false, _) => Status::TierC,
             _ if self.lowered_by.is_some() => Status::Explained,
             (
                 Outcome::Replayed {
@@ -153,6 +185,14 @@ impl Judgement {
             ) => Status::NearTie,
             (Outcome::Forced { check, .. }, _, _) if !check.near_ties.is_empty() => Status::NearTie,
             _ => Status::Pass,
+        }
+    }
+
+    /// The known oracle bug a tier C judgement names.
+    pub fn oracle_bug(&self) -> Option<String> {
+        match &self.outcome {
+            Outcome::TierC { bug, .. } => Some(bug.clone()),
+            _ => None,
         }
     }
 
@@ -193,6 +233,27 @@ impl Judgement {
                     ));
                 }
                 out
+            }
+            Outcome::TierC {
+                bug,
+                speculative,
+                plain,
+            } => {
+                if speculative == plain {
+                    return None;
+                }
+                let at = speculative
+                    .iter()
+                    .zip(plain)
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(speculative.len().min(plain.len()));
+                format!(
+                    "TIER C FAIL {}: verity speculative differs from verity plain at token {at}\n  \
+                     speculative: {:?}\n  plain:       {:?}\n  ({bug})\n",
+                    trace.id,
+                    self.decode(&speculative[at..]),
+                    self.decode(&plain[at..]),
+                )
             }
             Outcome::Unsupported(why) => {
                 format!("UNSUPPORTED {} on {}: {why}\n", trace.id, self.replayed)

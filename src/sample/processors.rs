@@ -4,7 +4,7 @@
 use mlx::{ops, Array};
 
 use super::ProcessorParams;
-use crate::{Error, Result};
+use crate::Result;
 
 enum Processor {
     /// `logits.at[:, ids].add(values)`.
@@ -37,11 +37,6 @@ impl LogitsProcessors {
         }
         let active = |v: Option<f64>| v.filter(|&x| x != 0.0).map(|x| x as f32);
         if let Some(penalty) = active(p.repetition_penalty) {
-            if penalty < 0.0 {
-                return Err(Error::Params(format!(
-                    "penalty must be a non-negative float, got {penalty}"
-                )));
-            }
             list.push(Processor::Repetition {
                 penalty,
                 context: p.repetition_context_size,
@@ -174,17 +169,12 @@ mod tests {
     }
 
     #[test]
-    fn zero_penalties_add_no_processor_and_negative_repetition_is_an_error() {
+    fn zero_penalties_add_no_processor() {
         let p = ProcessorParams {
             repetition_penalty: Some(0.0),
             frequency_penalty: Some(0.0),
             ..ProcessorParams::default()
         };
         assert!(LogitsProcessors::new(&p).unwrap().is_empty());
-        let err = LogitsProcessors::new(&ProcessorParams {
-            repetition_penalty: Some(-1.0),
-            ..ProcessorParams::default()
-        });
-        assert!(err.is_err());
     }
 }

@@ -92,4 +92,8 @@ impl DraftSource for DraftModel<'_> {
         self.pending.extend(next);
         Ok(())
     }
+
+    fn draft_model(&self) -> Option<&dyn LanguageModel> {
+        Some(self.model)
+    }
 }

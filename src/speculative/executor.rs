@@ -18,7 +18,7 @@ use crate::generate::{forward_tokens, prefill, token_array, GenerateParams, Gene
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
 use crate::sample::{Masking, StepSampler};
-use crate::{Error, Result};
+use crate::{validate, Result};
 
 /// What the token callback tells the executor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,10 +102,11 @@ pub fn generate_speculative(
     constraint: Option<Constraint>,
     on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
 ) -> Result<(SpeculationStats, Option<Constraint>)> {
-    let sampler = params.step_sampler(prompt, constraint)?;
+    validate::speculation(model, source.draft_model(), num_draft_tokens, params)?;
+    let sampler = params.step_sampler(model, prompt, constraint)?;
     let (&last, head) = prompt
         .split_last()
-        .ok_or_else(|| Error::Params("the prompt is empty".into()))?;
+        .expect("validate refuses an empty prompt");
     // mlx-lm's speculative path builds the target's own caches, ignoring max_kv_size.
     let mut ex = Executor {
         model,

@@ -3,7 +3,7 @@
 //! works with every target, and costs nothing when it finds nothing.
 
 use super::{DraftContext, DraftSource};
-use crate::Result;
+use crate::{validate, Result};
 
 pub struct NgramLookup {
     min_n: usize,
@@ -14,15 +14,16 @@ pub struct NgramLookup {
 }
 
 impl NgramLookup {
-    /// Matches n-grams of `min_n..=max_n` tokens (longest first).
-    pub fn new(min_n: usize, max_n: usize) -> NgramLookup {
-        let min_n = min_n.max(1);
-        NgramLookup {
+    /// Matches n-grams of `min_n..=max_n` tokens (longest first); the bounds are validated
+    /// (crate::validate::ngram).
+    pub fn new(min_n: usize, max_n: usize) -> Result<NgramLookup> {
+        validate::ngram(min_n, max_n)?;
+        Ok(NgramLookup {
             min_n,
-            max_n: max_n.max(min_n),
+            max_n,
             history: Vec::new(),
             drafts: Vec::new(),
-        }
+        })
     }
 
     /// The continuation of the latest earlier match of the last `size` tokens, up to `n` long.
@@ -71,7 +72,7 @@ mod tests {
 
     #[test]
     fn the_longest_latest_match_wins_and_is_cut_to_n() {
-        let mut s = NgramLookup::new(1, 3);
+        let mut s = NgramLookup::new(1, 3).unwrap();
         s.history = vec![1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3];
         // "2 3" last seen before at 5..7, followed by 7 8 5.
         assert_eq!(s.lookup(2, 2), Some(&[7, 8][..]));

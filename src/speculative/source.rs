@@ -3,6 +3,7 @@
 use mlx::Array;
 
 use crate::generate::GenerateParams;
+use crate::model::LanguageModel;
 use crate::sample::{Masking, StepSampler};
 use crate::Result;
 
@@ -40,4 +41,10 @@ pub trait DraftSource {
     /// The round's outcome: of the `drafted` proposals the first `accepted` were emitted,
     /// followed by the target's own token `next` (None when the request ended first).
     fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> Result<()>;
+
+    /// The draft model this source runs, if any, so the executor can check it against the
+    /// target before anything runs.
+    fn draft_model(&self) -> Option<&dyn LanguageModel> {
+        None
+    }
 }

@@ -301,6 +301,11 @@ impl Tokenizer {
         self.backend.hf.get_vocab_size(true)
     }
 
+    /// Whether `other` maps every token string to the same id (added tokens included).
+    pub fn same_vocabulary(&self, other: &Tokenizer) -> bool {
+        self.backend.hf.get_vocab(true) == other.backend.hf.get_vocab(true)
+    }
+
     /// Added tokens included, so eos names from a model config (e.g. `<|im_end|>`) resolve.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.backend.hf.token_to_id(token)
