@@ -47,6 +47,20 @@ pub enum PromptFileError {
 }
 
 impl Error {
+    /// Whether this error is a refusal of bad input (a value, a model folder, a tokenizer, a
+    /// prompt cache or a grammar), as opposed to a failure of the engine or of MLX.
+    pub fn is_bad_input(&self) -> bool {
+        match self {
+            Error::Params(_)
+            | Error::Grammar(_)
+            | Error::Load(_)
+            | Error::Tokenizer(_)
+            | Error::PromptCache(_) => true,
+            Error::Context { source, .. } => source.is_bad_input(),
+            Error::Mlx(_) | Error::Unsupported(_) | Error::Contract(_) => false,
+        }
+    }
+
     /// This error, prefixed with what it happened in.
     pub fn context(self, what: impl Into<String>) -> Error {
         Error::Context {

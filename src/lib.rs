@@ -2,10 +2,11 @@
 //!
 //! Layers, each importing only those before it: `load` and `tokenizer` read a model folder;
 //! `cache` holds per-layer state and the rollback contract; `model` runs the families;
-//! `grammar` compiles output constraints; `sample` turns logits into tokens; `generate` is the
-//! plain decode loop and `speculative` the one verify/accept executor; `bundle` ties a loaded
-//! folder together; `parity` replays the harness's traces and suites on top of all of it. `validate` checks every value from outside against the model
-//! before it reaches MLX.
+//! `grammar` compiles output constraints; `sample` turns logits into tokens; `request` holds
+//! what a caller asks for and `validate` checks it (and every other value from outside)
+//! against the model before it reaches MLX; `generate` is the plain decode loop and
+//! `speculative` the one verify/accept executor; `bundle` ties a loaded folder together;
+//! `parity` replays the harness's traces and suites on top of all of it.
 
 pub mod bundle;
 pub mod cache;
@@ -15,6 +16,7 @@ pub mod grammar;
 pub mod load;
 pub mod model;
 pub mod parity;
+pub mod request;
 pub mod sample;
 pub mod speculative;
 pub mod tokenizer;

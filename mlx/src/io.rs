@@ -36,7 +36,7 @@ pub fn save_safetensors(
     tensors: &BTreeMap<String, Array>,
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
-    let fail = |why: String| Error::Invalid(format!("{}: {why}", path.display()));
+    let fail = Error::Invalid;
     if path.is_dir() {
         return Err(fail("is a directory".into()));
     }

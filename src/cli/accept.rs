@@ -36,7 +36,7 @@ pub fn accept(a: AcceptArgs) -> anyhow::Result<ExitCode> {
     match run(a) {
         Ok(regressed) => Ok(ExitCode::from(u8::from(regressed))),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", super::one_line(&e));
             Ok(ExitCode::from(CANNOT_RUN))
         }
     }

@@ -118,11 +118,16 @@ fn run_traces(
     backend: &str,
     quiet: bool,
 ) -> anyhow::Result<Vec<Checked>> {
-    let registry = Registry::load(&root.join("golden"))?;
     let traces = paths
         .iter()
         .map(|p| Trace::load(p).map_err(anyhow::Error::from))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let registry = Registry::load(&root.join("golden")).with_context(|| {
+        format!(
+            "{} is not a verity repository root (pass --root)",
+            root.display()
+        )
+    })?;
     // Ten copies of one trace are one trace, not ten passes.
     let mut seen: BTreeMap<&str, &Path> = BTreeMap::new();
     for (trace, path) in traces.iter().zip(paths) {
@@ -149,7 +154,17 @@ fn run_traces(
     let mut checked = Vec::with_capacity(traces.len());
     for trace in traces {
         bar.set_message(trace.id.clone());
-        let judgement = judge(&trace, &mut models, backend, &registry).map_err(|e| e.to_string());
+        let judgement = match judge(&trace, &mut models, backend, &registry) {
+            Err(e) if e.is_bad_input() => {
+                bar.finish_and_clear();
+                let e = e.to_string();
+                match e.contains(&trace.id) {
+                    true => bail!("trace {e}"),
+                    false => bail!("trace {}: {e}", trace.id),
+                }
+            }
+            j => j.map_err(|e| e.to_string()),
+        };
         checked.push(Checked { trace, judgement });
         bar.inc(1);
     }

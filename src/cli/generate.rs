@@ -150,6 +150,7 @@ fn parse_bias(s: &str) -> Result<(u32, f64), String> {
 pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
     let bundle = ModelBundle::load(&a.model)?;
     let prompt = prompt_tokens(&a, &bundle)?;
+    warn_past_context(&bundle, prompt.len() + a.max_tokens);
     let params = generate_params(&a, &bundle)?;
     let constraint = a.grammar()?.map(|g| bundle.constraint(&g)).transpose()?;
     let mut out = Printer::new(&bundle);
@@ -168,6 +169,22 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
     };
     out.finish(prompt.len(), stats.as_ref())?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Warns when a request runs past the context the model was trained for: it still runs (as in
+/// mlx-lm), but slowly and, past that length, into positions the model never saw.
+fn warn_past_context(bundle: &ModelBundle, tokens: usize) {
+    let json = &bundle.config.json;
+    let context = json
+        .get("max_position_embeddings")
+        .or_else(|| json.get("text_config")?.get("max_position_embeddings"))
+        .and_then(serde_json::Value::as_u64);
+    if let Some(context) = context.filter(|&c| tokens as u64 > c) {
+        eprintln!(
+            "warning: prompt plus --max-tokens is {tokens} tokens, past the model's context of \
+             {context} (max_position_embeddings)"
+        );
+    }
 }
 
 /// The prompt as mlx_lm.generate builds it: `-` reads standard input, the literal escapes \n

@@ -79,6 +79,20 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// An error and its causes on one line, each cause once: most of the library's errors already
+/// quote their source in their own message, which `{:#}` would print a second time.
+pub fn one_line(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !out.contains(&cause) {
+            out.push_str(": ");
+            out.push_str(&cause);
+        }
+    }
+    out
+}
+
 /// The repository root: `--root`, else the current directory.
 fn root_or_cwd(root: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(match root {

@@ -19,6 +19,10 @@ pub struct QuantConfig {
     block: Option<Map<String, Value>>,
 }
 
+/// Bits and group sizes mlx's quantized kernels support.
+const QUANT_BITS: &[i64] = &[2, 3, 4, 5, 6, 8];
+const QUANT_GROUP_SIZES: &[i64] = &[16, 32, 64, 128];
+
 impl QuantConfig {
     /// Reads `quantization` from the config (absent: nothing is quantized).
     pub fn from_config(config: &Config) -> Result<QuantConfig, LoadError> {
@@ -33,9 +37,20 @@ impl QuantConfig {
                 }
                 Ok(QuantConfig { block: None })
             }
-            Some(Value::Object(map)) => Ok(QuantConfig {
-                block: Some(map.clone()),
-            }),
+            Some(Value::Object(map)) => {
+                for (key, allowed) in [("bits", QUANT_BITS), ("group_size", QUANT_GROUP_SIZES)] {
+                    if let Some(v) = map.get(key) {
+                        if !v.as_i64().is_some_and(|n| allowed.contains(&n)) {
+                            return Err(config.error(format!(
+                                "quantization.{key} is {v}, must be one of {allowed:?}"
+                            )));
+                        }
+                    }
+                }
+                Ok(QuantConfig {
+                    block: Some(map.clone()),
+                })
+            }
             Some(_) => Err(config.error("\"quantization\" must be an object")),
         }
     }
@@ -73,6 +88,16 @@ impl QuantConfig {
         }
         let group_size = in_dims / groups;
         let bits = weight.dim(-1) * 32 / in_dims;
+        for (key, inferred) in [("bits", bits), ("group_size", group_size)] {
+            let declared = block.get(key).and_then(Value::as_i64);
+            if scales.dtype() != mlx::Dtype::Uint8 && declared.is_some_and(|d| d != inferred as i64)
+            {
+                return Err(weights.config_error(format!(
+                    "quantization.{key} is {}, but {path} is stored with {key} {inferred}",
+                    declared.unwrap_or_default()
+                )));
+            }
+        }
         let mode = if scales.dtype() != mlx::Dtype::Uint8 {
             "affine"
         } else {

@@ -56,6 +56,9 @@ pub struct CorpusModel {
 
 impl CorpusModel {
     pub fn load(dir: &Path, max_tokens: usize) -> Result<CorpusModel> {
+        if max_tokens == 0 {
+            return Err(crate::error::invalid("max_tokens", 0, "must be at least 1"));
+        }
         let bundle = ModelBundle::load(dir)?;
         let start = Instant::now();
         bundle.token_env()?;

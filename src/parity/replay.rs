@@ -16,7 +16,7 @@ use crate::bundle::ModelBundle;
 use crate::cache::{load_prompt_cache, KvQuantization, LayerCache};
 use crate::generate::{score, FinishReason, GenerateParams, GeneratedToken, Generation};
 use crate::speculative::{generate_speculative, Control, DraftModel};
-use crate::{Error, Result};
+use crate::{validate, Error, Result};
 
 /// How many of the best entries a trace records per step.
 pub const TOP_K: usize = 5;
@@ -44,9 +44,22 @@ fn arguments<T: DeserializeOwned>(what: &str, args: &Map<String, Value>) -> Resu
         .map_err(|e| Error::Params(format!("params.{what}: {e}")))
 }
 
-/// The generation parameters a trace was recorded with.
+/// The generation parameters a trace was recorded with, stopping on the model's EOS set
+/// `eos_token_ids` (which must be the one the trace records, when it records one).
 pub fn params(trace: &Trace, eos_token_ids: Vec<u32>) -> Result<GenerateParams> {
     let p = &trace.params;
+    let sorted = |ids: &[u32]| {
+        let mut ids = ids.to_vec();
+        ids.sort_unstable();
+        ids
+    };
+    let differs = |r: &&Vec<u32>| sorted(r) != sorted(&eos_token_ids);
+    if let Some(recorded) = trace.eos_token_ids.as_ref().filter(differs) {
+        return Err(Error::Params(format!(
+            "eos_token_ids is {recorded:?}, but the model stops on {eos_token_ids:?} (a trace of \
+             another model or tokenizer?)"
+        )));
+    }
     Ok(GenerateParams {
         max_tokens: p.max_tokens,
         sampler: arguments("sampler", &p.sampler)?,
@@ -76,6 +89,7 @@ fn starting_caches(
     trace: &Trace,
     models: &Models,
     bundle: &ModelBundle,
+    params: &GenerateParams,
 ) -> Result<Vec<LayerCache>> {
     let model = bundle.model();
     let Some(cached) = &trace.prompt_cache else {
@@ -86,15 +100,8 @@ fn starting_caches(
         return Ok(model.make_cache(max_kv_size));
     };
     let (caches, _) = load_prompt_cache(&models.path(&cached.file))?;
-    if caches.len() != model.num_layers() {
-        return Err(Error::Unsupported(format!(
-            "{}: {} holds {} layers, the model has {}",
-            trace.id,
-            cached.file,
-            caches.len(),
-            model.num_layers()
-        )));
-    }
+    validate::prompt_cache(&cached.file, model, &caches, params)
+        .map_err(|e| e.context(&trace.id))?;
     Ok(caches)
 }
 
@@ -114,7 +121,7 @@ pub fn replay_forced(trace: &Trace, models: &mut Models) -> Result<(ForcedRun, R
     let params = params(trace, bundle.eos_token_ids.clone()).map_err(|e| e.context(&trace.id))?;
     let emitted = trace.tokens();
     let mut scored = Vec::with_capacity(emitted.len());
-    let caches = starting_caches(trace, models, &bundle)?;
+    let caches = starting_caches(trace, models, &bundle, &params)?;
     score(
         bundle.model(),
         caches,
@@ -212,7 +219,7 @@ pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle
             }
         }
         (None, _) => {
-            let caches = starting_caches(trace, models, &bundle)?;
+            let caches = starting_caches(trace, models, &bundle, &params)?;
             let generation = Generation::start(model, caches, &trace.prompt.tokens, &params, None)
                 .map_err(|e| e.context(&trace.id))?;
             for token in generation {

@@ -10,8 +10,8 @@ mod prompt_cache;
 pub use prompt_cache::prompt_cache;
 
 use crate::error::invalid;
-use crate::generate::GenerateParams;
 use crate::model::LanguageModel;
+use crate::request::GenerateParams;
 use crate::sample::{ProcessorParams, SamplerParams};
 use crate::Result;
 

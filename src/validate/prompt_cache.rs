@@ -8,8 +8,8 @@ use mlx::Array;
 
 use crate::cache::LayerCache;
 use crate::error::invalid;
-use crate::generate::{token_array, GenerateParams};
 use crate::model::LanguageModel;
+use crate::request::GenerateParams;
 use crate::Result;
 
 /// Checks `caches` (read from `file`) against what `model` builds for `p`: the layer count,
@@ -29,7 +29,7 @@ pub fn prompt_cache(
         ));
     }
     let mut probe = model.make_cache(p.max_kv_size);
-    model.forward(&token_array(&[0])?.expand_dims(&[0])?, &mut probe, &[])?;
+    model.forward(&Array::from_slice(&[0i32], &[1, 1])?, &mut probe, &[])?;
     for (i, (found, fresh)) in caches.iter().zip(&probe).enumerate() {
         layer(found, fresh, p).map_err(|why| {
             crate::Error::Params(format!(

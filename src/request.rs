@@ -1,0 +1,67 @@
+//! What a caller asks of a generation, besides the model and the prompt: the engine-owned
+//! request parameters and why a generation ends. The validation layer checks these against the
+//! model; the decode loops read them.
+
+use std::fmt;
+
+use crate::cache::KvQuantization;
+use crate::sample::{ProcessorParams, SamplerParams};
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS token was generated (and counts as generated).
+    Stop,
+    /// max_tokens were generated.
+    Length,
+}
+
+impl fmt::Display for FinishReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        })
+    }
+}
+
+/// Everything a generation needs besides the model and the prompt.
+#[derive(Clone, Debug)]
+pub struct GenerateParams {
+    pub max_tokens: usize,
+    pub sampler: SamplerParams,
+    pub processors: ProcessorParams,
+    pub seed: Option<u64>,
+    pub prefill_step_size: usize,
+    pub max_kv_size: Option<usize>,
+    pub kv_quantization: Option<KvQuantization>,
+    /// Tokens that end generation with finish reason "stop".
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl GenerateParams {
+    /// Greedy, no processors, mlx-lm's defaults otherwise.
+    pub fn greedy(max_tokens: usize, eos_token_ids: Vec<u32>) -> GenerateParams {
+        GenerateParams {
+            max_tokens,
+            sampler: SamplerParams::default(),
+            processors: ProcessorParams::default(),
+            seed: None,
+            prefill_step_size: 2048,
+            max_kv_size: None,
+            kv_quantization: None,
+            eos_token_ids,
+        }
+    }
+
+    /// "stop" for an EOS, "length" for the `n`-th token at max_tokens.
+    pub fn finish_for(&self, token: u32, n: usize) -> Option<FinishReason> {
+        if self.eos_token_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if n == self.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+}

@@ -1,0 +1,1400 @@
+//! The bad-input suite: every verb of the `verity` binary fed what a hostile user would give it
+//! (out-of-range token ids, NaN and out-of-range options, broken model folders, foreign prompt
+//! caches, bad traces, suites and baselines). Each case asserts the documented exit code (2, or
+//! 125 for `accept`, which `git bisect run` reads as "cannot run"), an `error:` line naming the
+//! problem, no signal and no panic, and no output file left behind. The binary runs with
+//! MALLOC_CHECK_=3 so that heap corruption aborts loudly instead of passing. Broken fixtures are
+//! made by each case from the shipped ones, in its own scratch folder.
+
+mod support;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use libtest_mimic::{Failed, Trial};
+use serde_json::{json, Map, Value};
+use support::{model_dir, root};
+
+/// One bad input and what must come of it.
+struct Case {
+    name: String,
+    /// Arguments after `verity --device cpu`; `{S}` is the case's scratch folder and `{R}`
+    /// the repository root.
+    args: Vec<String>,
+    /// Prepares the scratch folder (broken fixtures, files the arguments name).
+    setup: Setup,
+    code: i32,
+    /// Substrings the error line must contain (the input, the value, what is allowed).
+    needles: Vec<String>,
+}
+
+type Setup = Box<dyn Fn(&Path) + Send + Sync>;
+
+fn no_setup() -> Setup {
+    Box::new(|_| {})
+}
+
+fn case(name: &str, args: &[&str], code: i32, needles: &[&str], setup: Setup) -> Case {
+    Case {
+        name: name.to_string(),
+        args: args.iter().map(|a| a.to_string()).collect(),
+        setup,
+        code,
+        needles: needles.iter().map(|n| n.to_string()).collect(),
+    }
+}
+
+fn model_arg(name: &str) -> String {
+    model_dir(name).to_string_lossy().into_owned()
+}
+
+/// Copies fixture `name` to `<scratch>/m` and returns that folder.
+fn copy_model(scratch: &Path, name: &str) -> PathBuf {
+    let to = scratch.join("m");
+    fs::create_dir_all(&to).unwrap();
+    for entry in fs::read_dir(model_dir(name)).unwrap() {
+        let entry = entry.unwrap();
+        fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+    to
+}
+
+fn edit_json(path: &Path, edit: impl FnOnce(&mut Map<String, Value>)) {
+    let mut doc: Map<String, Value> =
+        serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap();
+    edit(&mut doc);
+    fs::write(path, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
+}
+
+/// A copy of fixture `name` at `<scratch>/m` with its config.json edited.
+fn broken_config(name: &'static str, edit: fn(&mut Map<String, Value>)) -> Setup {
+    Box::new(move |s| edit_json(&copy_model(s, name).join("config.json"), edit))
+}
+
+/// A copy of qwen3 at `<scratch>/m` with one tensor's safetensors header entry edited.
+fn broken_header(tensor: &'static str, edit: fn(&mut Map<String, Value>)) -> Setup {
+    Box::new(move |s| {
+        let path = copy_model(s, "qwen3").join("model.safetensors");
+        let bytes = fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut header: Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        edit(header.get_mut(tensor).unwrap().as_object_mut().unwrap());
+        let text = serde_json::to_vec(&header).unwrap();
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend(text);
+        out.extend(&bytes[8 + n..]);
+        fs::write(&path, out).unwrap();
+    })
+}
+
+/// A copy of qwen3 at `<scratch>/m` with `file` replaced by `contents` (or removed).
+fn replaced_file(file: &'static str, contents: Option<&'static str>) -> Setup {
+    Box::new(move |s| {
+        let path = copy_model(s, "qwen3").join(file);
+        match contents {
+            Some(c) => fs::write(path, c).unwrap(),
+            None => fs::remove_file(path).unwrap(),
+        }
+    })
+}
+
+/// Writes `contents` to `<scratch>/<name>`.
+fn file(name: &'static str, contents: String) -> Setup {
+    Box::new(move |s| fs::write(s.join(name), &contents).unwrap())
+}
+
+/// Runs the binary on the CPU with heap checking on.
+fn verity(args: &[String], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args(["--device", "cpu"])
+        .args(args)
+        .current_dir(cwd)
+        .env("MALLOC_CHECK_", "3")
+        .env("CI", "true")
+        .output()
+        .unwrap()
+}
+
+/// Runs a case-independent helper command inside a case's setup (e.g. writing a prompt cache
+/// with another model), which must succeed.
+fn verity_ok(args: &[&str], cwd: &Path) {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let out = verity(&args, cwd);
+    assert!(
+        out.status.success(),
+        "setup command {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn run(case: &Case) -> Result<(), Failed> {
+    let scratch = std::env::temp_dir().join(format!(
+        "verity-bad-{}-{}",
+        case.name.replace('/', "-"),
+        std::process::id()
+    ));
+    let _ = fs::remove_dir_all(&scratch);
+    fs::create_dir_all(&scratch).unwrap();
+    (case.setup)(&scratch);
+    let before = listing(&scratch);
+    let fill = |a: &String| {
+        a.replace("{S}", &scratch.to_string_lossy())
+            .replace("{R}", &root().to_string_lossy())
+    };
+    let args: Vec<String> = case.args.iter().map(fill).collect();
+    let needles: Vec<String> = case.needles.iter().map(fill).collect();
+    let out = verity(&args, &scratch);
+    let after = listing(&scratch);
+    let _ = fs::remove_dir_all(&scratch);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let Some(code) = out.status.code() else {
+        return Err(format!("killed by a signal ({:?}); stderr: {stderr}", out.status).into());
+    };
+    if code != case.code {
+        return Err(format!("exit {code}, expected {}; stderr: {stderr}", case.code).into());
+    }
+    if stderr.contains("panicked") || stderr.contains("RUST_BACKTRACE") {
+        return Err(format!("panicked: {stderr}").into());
+    }
+    let Some(line) = stderr.lines().find(|l| l.starts_with("error:")) else {
+        return Err(format!("no `error:` line; stderr: {stderr}").into());
+    };
+    for needle in &needles {
+        if !line.contains(needle.as_str()) {
+            return Err(format!("the error line does not name {needle:?}: {line}").into());
+        }
+    }
+    if after != before {
+        return Err(format!("files left behind: before {before:?}, after {after:?}").into());
+    }
+    Ok(())
+}
+
+/// Every path under `dir`, sorted.
+fn listing(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p.clone());
+            }
+            out.push(p.strip_prefix(dir).unwrap().to_string_lossy().into_owned());
+        }
+    }
+    out.sort();
+    out
+}
+
+/// `verity generate` on the qwen3 fixture with one flag set to each bad value: (flag, value,
+/// what the message must name, `|`-separated).
+const GENERATE_FLAGS: &[(&str, &str, &str)] = &[
+    ("--max-tokens", "0", "max_tokens"),
+    ("--max-tokens", "x", "--max-tokens"),
+    ("--max-tokens", "-1", "-1"),
+    ("--temp", "NaN", "temperature"),
+    ("--temp", "inf", "temperature"),
+    ("--temp", "x", "--temp"),
+    ("--temp", "-1", "-1"),
+    ("--top-p", "2", "top_p"),
+    ("--top-p", "1.0001", "top_p"),
+    ("--top-p", "NaN", "top_p"),
+    ("--top-p", "inf", "top_p"),
+    ("--top-p", "-0.5", "-0"),
+    ("--min-p", "1.5", "min_p"),
+    ("--min-p", "NaN", "min_p"),
+    ("--top-k", "5000", "top_k"),
+    ("--top-k", "1025", "top_k"),
+    ("--top-k", "x", "--top-k"),
+    ("--min-tokens-to-keep", "0", "min_tokens_to_keep"),
+    ("--min-tokens-to-keep", "2000", "min_tokens_to_keep"),
+    ("--xtc-probability", "1.5", "xtc_probability"),
+    ("--xtc-probability", "NaN", "xtc_probability"),
+    ("--xtc-threshold", "0.9", "xtc_threshold"),
+    ("--xtc-threshold", "NaN", "xtc_threshold"),
+    ("--seed", "x", "--seed"),
+    ("--seed", "18446744073709551616", "--seed"),
+    (
+        "--logit-bias",
+        "1024=10",
+        "logit_bias token id|1024|vocabulary size 1024",
+    ),
+    ("--logit-bias", "5000=1", "logit_bias token id|5000"),
+    (
+        "--logit-bias",
+        "4294967295=1",
+        "logit_bias token id|4294967295",
+    ),
+    ("--logit-bias", "4294967296=1", "bad token id|4294967296=1"),
+    ("--logit-bias", "5=NaN", "logit_bias[5]|NaN|finite"),
+    ("--logit-bias", "5=inf", "logit_bias[5]|inf|finite"),
+    ("--logit-bias", "5=-inf", "logit_bias[5]|-inf|finite"),
+    ("--logit-bias", "5", "TOKEN_ID=BIAS"),
+    ("--logit-bias", "=5", "bad token id"),
+    ("--logit-bias", "abc=1", "bad token id"),
+    ("--logit-bias", "5=abc", "bad bias"),
+    ("--repetition-penalty", "NaN", "repetition_penalty"),
+    ("--repetition-penalty", "inf", "repetition_penalty"),
+    ("--repetition-context-size", "0", "repetition_context_size"),
+    ("--presence-penalty", "NaN", "presence_penalty"),
+    ("--presence-penalty", "inf", "presence_penalty"),
+    ("--presence-context-size", "0", "presence_context_size"),
+    ("--frequency-penalty", "NaN", "frequency_penalty"),
+    ("--frequency-context-size", "0", "frequency_context_size"),
+    ("--max-kv-size", "0", "max_kv_size"),
+    ("--max-kv-size", "1", "max_kv_size"),
+    ("--max-kv-size", "4", "max_kv_size"),
+    ("--max-kv-size", "x", "--max-kv-size"),
+    ("--kv-bits", "0", "kv_bits"),
+    ("--kv-bits", "1", "kv_bits"),
+    ("--kv-bits", "7", "kv_bits"),
+    ("--kv-bits", "16", "kv_bits"),
+    ("--kv-bits", "x", "--kv-bits"),
+    ("--prefill-step-size", "0", "prefill_step_size"),
+    ("--num-draft-tokens", "x", "--num-draft-tokens"),
+    ("--device", "tpu", "--device"),
+];
+
+/// With `--kv-bits 4`: group sizes mlx cannot use, or that do not divide the fixture's head
+/// dimension (32).
+const GROUP_SIZES: &[(&str, &str)] = &[
+    ("0", "must be one of"),
+    ("48", "must be one of"),
+    ("256", "must be one of"),
+    ("64", "must divide the model's attention head dimension 32"),
+    ("128", "must divide the model's attention head dimension 32"),
+    ("x", "--kv-group-size"),
+];
+
+fn generate_cases() -> Vec<Case> {
+    let q = model_arg("qwen3");
+    let mut cases = Vec::new();
+    for (flag, value, names) in GENERATE_FLAGS {
+        let mut needles: Vec<&str> = names.split('|').collect();
+        if !value.contains('=') && !value.starts_with('-') {
+            needles.push(value);
+        }
+        let mut args = vec!["generate", "--model", &q, flag, value];
+        if *flag != "--max-tokens" {
+            args.extend(["-m", "4"]);
+        }
+        cases.push(case(
+            &format!("generate/{}={value}", flag.trim_start_matches('-')),
+            &args,
+            2,
+            &needles,
+            no_setup(),
+        ));
+    }
+    for (size, names) in GROUP_SIZES {
+        cases.push(case(
+            &format!("generate/kv-group-size={size}"),
+            &[
+                "generate",
+                "--model",
+                &q,
+                "-m",
+                "4",
+                "--kv-bits",
+                "4",
+                "--kv-group-size",
+                size,
+            ],
+            2,
+            &[names, size],
+            no_setup(),
+        ));
+    }
+    let ngram = |name: &str, extra: &[&str], needles: &[&str]| {
+        let mut args = vec!["generate", "--model", &q, "-m", "4", "--draft-ngram"];
+        args.extend(extra);
+        case(name, &args, 2, needles, no_setup())
+    };
+    cases.extend([
+        ngram(
+            "generate/ngram-k0",
+            &["--num-draft-tokens", "0"],
+            &["num_draft_tokens", "0"],
+        ),
+        ngram(
+            "generate/ngram-k1000",
+            &["--num-draft-tokens", "1000"],
+            &["num_draft_tokens", "1000"],
+        ),
+        ngram(
+            "generate/ngram-min0",
+            &["--ngram-min", "0"],
+            &["ngram_min", "0"],
+        ),
+        ngram(
+            "generate/ngram-max100",
+            &["--ngram-max", "100"],
+            &["ngram_max", "100"],
+        ),
+        ngram(
+            "generate/ngram-min-above-max",
+            &["--ngram-min", "5", "--ngram-max", "2"],
+            &["ngram_max", "2", "[5, 64]"],
+        ),
+        ngram(
+            "generate/ngram-from-prompt-cache",
+            &["--prompt-cache-file", "{S}/c.safetensors"],
+            &["prompt cache"],
+        ),
+    ]);
+    let gen = |name: &str, extra: &[&str], needles: &[&str], setup: Setup| {
+        let mut args = vec!["generate", "--model", &q, "-m", "4"];
+        args.extend(extra);
+        case(name, &args, 2, needles, setup)
+    };
+    cases.extend([
+        gen(
+            "generate/empty-raw-prompt",
+            &["--ignore-chat-template", "--prompt", ""],
+            &["prompt", "empty"],
+            no_setup(),
+        ),
+        gen(
+            "generate/draft-missing",
+            &["--draft-model", "{S}/nope"],
+            &["{S}/nope", "no such model folder"],
+            no_setup(),
+        ),
+        gen(
+            "generate/draft-other-tokenizer",
+            &["--draft-model", "{S}/m"],
+            &["another tokenizer"],
+            Box::new(|s| {
+                edit_json(&copy_model(s, "qwen3").join("tokenizer.json"), |t| {
+                    let vocab = t["model"]["vocab"].as_object_mut().unwrap();
+                    let (a, b) = (vocab["a"].clone(), vocab["b"].clone());
+                    vocab.insert("a".into(), b);
+                    vocab.insert("b".into(), a);
+                })
+            }),
+        ),
+        gen(
+            "generate/draft-and-ngram",
+            &["--draft-model", &q, "--draft-ngram"],
+            &["--draft-ngram"],
+            no_setup(),
+        ),
+        gen(
+            "generate/json-schema-missing",
+            &["--json-schema", "{S}/nope.json"],
+            &["nope.json"],
+            no_setup(),
+        ),
+        gen(
+            "generate/json-schema-not-json",
+            &["--json-schema", "{S}/s.json"],
+            &["s.json"],
+            file("s.json", "{not json".into()),
+        ),
+        gen(
+            "generate/json-schema-bad-type",
+            &["--json-schema", "{S}/s.json"],
+            &["schema"],
+            file("s.json", r#"{"type": 5}"#.into()),
+        ),
+        gen(
+            "generate/regex-unbalanced",
+            &["--regex", "(ab"],
+            &["regex"],
+            no_setup(),
+        ),
+        gen(
+            "generate/grammar-missing",
+            &["--grammar", "{S}/g.lark"],
+            &["g.lark"],
+            no_setup(),
+        ),
+        gen(
+            "generate/grammar-bad-lark",
+            &["--grammar", "{S}/g.lark"],
+            &["grammar"],
+            file("g.lark", "start: ???\n".into()),
+        ),
+        gen(
+            "generate/two-constraints",
+            &["--regex", "a", "--choice", "b"],
+            &["--choice"],
+            no_setup(),
+        ),
+        gen(
+            "generate/prompt-cache-missing",
+            &["--prompt-cache-file", "{S}/c.safetensors"],
+            &["c.safetensors"],
+            no_setup(),
+        ),
+        gen(
+            "generate/prompt-cache-not-safetensors",
+            &["--prompt-cache-file", "{S}/c.safetensors"],
+            &["c.safetensors"],
+            file("c.safetensors", "hello".into()),
+        ),
+        gen(
+            "generate/prompt-cache-of-another-model",
+            &["--prompt-cache-file", "{S}/c.safetensors"],
+            &["c.safetensors", "made with model", "llama"],
+            Box::new(|s| {
+                verity_ok(
+                    &[
+                        "cache-prompt",
+                        "--model",
+                        &model_arg("llama"),
+                        "--tokens",
+                        "1,2,3",
+                        "--out",
+                        "c.safetensors",
+                    ],
+                    s,
+                )
+            }),
+        ),
+        gen(
+            "generate/prompt-cache-with-other-kv-settings",
+            &["--prompt-cache-file", "{S}/c.safetensors"],
+            &["c.safetensors", "layer 0", "rotating"],
+            Box::new(move |s| {
+                verity_ok(
+                    &[
+                        "cache-prompt",
+                        "--model",
+                        &model_arg("qwen3"),
+                        "--tokens",
+                        "1,2,3",
+                        "--max-kv-size",
+                        "64",
+                        "--out",
+                        "c.safetensors",
+                    ],
+                    s,
+                )
+            }),
+        ),
+        gen(
+            "generate/prompt-cache-quantized-other-bits",
+            &[
+                "--prompt-cache-file",
+                "{S}/c.safetensors",
+                "--kv-bits",
+                "4",
+                "--kv-group-size",
+                "32",
+            ],
+            &["c.safetensors", "8-bit", "4 bits"],
+            Box::new(move |s| {
+                verity_ok(
+                    &[
+                        "cache-prompt",
+                        "--model",
+                        &model_arg("qwen3"),
+                        "--tokens",
+                        "1,2,3",
+                        "--kv-bits",
+                        "8",
+                        "--kv-group-size",
+                        "32",
+                        "--quantized-kv-start",
+                        "0",
+                        "--out",
+                        "c.safetensors",
+                    ],
+                    s,
+                )
+            }),
+        ),
+    ]);
+    // A cache written for the model folder at {S}/m, whose contents were then swapped for
+    // another architecture: the metadata matches, the tensors do not.
+    cases.push(case(
+        "generate/prompt-cache-structure-mismatch",
+        &[
+            "generate",
+            "--model",
+            "{S}/m",
+            "-m",
+            "4",
+            "--prompt-cache-file",
+            "{S}/c.safetensors",
+        ],
+        2,
+        &["c.safetensors", "layer"],
+        Box::new(|s| {
+            let m = copy_model(s, "qwen3_next");
+            verity_ok(
+                &[
+                    "cache-prompt",
+                    "--model",
+                    &m.to_string_lossy(),
+                    "--tokens",
+                    "1,2,3",
+                    "--out",
+                    "c.safetensors",
+                ],
+                s,
+            );
+            fs::remove_dir_all(&m).unwrap();
+            copy_model(s, "qwen3");
+        }),
+    ));
+    cases
+}
+
+/// A model folder broken in one way, and what the error must name.
+fn model_folder_cases() -> Vec<Case> {
+    let folder = |name: &str, needles: &[&str], setup: Setup| {
+        case(
+            &format!("model/{name}"),
+            &["generate", "--model", "{S}/m", "-m", "2"],
+            2,
+            needles,
+            setup,
+        )
+    };
+    vec![
+        folder("missing", &["{S}/m", "no such model folder"], no_setup()),
+        folder(
+            "a-file",
+            &["{S}/m"],
+            Box::new(|s| fs::write(s.join("m"), "x").unwrap()),
+        ),
+        folder(
+            "empty",
+            &["config.json", "missing"],
+            Box::new(|s| fs::create_dir(s.join("m")).unwrap()),
+        ),
+        folder(
+            "config-not-json",
+            &["config.json"],
+            replaced_file("config.json", Some("{")),
+        ),
+        folder(
+            "config-an-array",
+            &["config.json", "object"],
+            replaced_file("config.json", Some("[1, 2]")),
+        ),
+        folder(
+            "unknown-model-type",
+            &["unknown model_type", "gpt9"],
+            broken_config("qwen3", |c| {
+                c.insert("model_type".into(), json!("gpt9"));
+            }),
+        ),
+        folder(
+            "no-model-type",
+            &["model_type"],
+            broken_config("qwen3", |c| {
+                c.remove("model_type");
+            }),
+        ),
+        folder(
+            "hidden-size-a-string",
+            &["config.json", "\"big\"", "expected i32"],
+            broken_config("qwen3", |c| {
+                c.insert("hidden_size".into(), json!("big"));
+            }),
+        ),
+        folder(
+            "vocab-size-changed",
+            &["embed_tokens", "shape"],
+            broken_config("qwen3", |c| {
+                c.insert("vocab_size".into(), json!(2048));
+            }),
+        ),
+        folder(
+            "hidden-size-changed",
+            &["shape"],
+            broken_config("qwen3", |c| {
+                c.insert("hidden_size".into(), json!(64));
+            }),
+        ),
+        folder(
+            "head-dim-zero",
+            &["shape"],
+            broken_config("qwen3", |c| {
+                c.insert("head_dim".into(), json!(0));
+            }),
+        ),
+        folder(
+            "more-layers",
+            &["missing tensor", "layers.2"],
+            broken_config("qwen3", |c| {
+                c.insert("num_hidden_layers".into(), json!(3));
+            }),
+        ),
+        folder(
+            "fewer-layers",
+            &["unexpected tensors", "layers.1"],
+            broken_config("qwen3", |c| {
+                c.insert("num_hidden_layers".into(), json!(1));
+            }),
+        ),
+        folder(
+            "eos-past-vocab",
+            &["eos token id 5000", "1024"],
+            broken_config("qwen3", |c| {
+                c.insert("eos_token_id".into(), json!(5000));
+            }),
+        ),
+        folder(
+            "eos-negative",
+            &["eos_token_id"],
+            broken_config("qwen3", |c| {
+                c.insert("eos_token_id".into(), json!(-1));
+            }),
+        ),
+        folder(
+            "sliding-window-zero",
+            &["sliding_window must be at least 1"],
+            broken_config("gemma3", |c| {
+                c.insert("sliding_window".into(), json!(0));
+            }),
+        ),
+        folder(
+            "sliding-window-pattern-zero",
+            &["sliding_window_pattern"],
+            broken_config("gemma3", |c| {
+                c.insert("sliding_window_pattern".into(), json!(0));
+            }),
+        ),
+        folder(
+            "full-attention-interval-zero",
+            &["full_attention_interval"],
+            broken_config("qwen3_next", |c| {
+                c.insert("full_attention_interval".into(), json!(0));
+            }),
+        ),
+        folder(
+            "quantization-group-zero",
+            &["quantization.group_size is 0"],
+            broken_config("qwen3-4bit", |c| {
+                c["quantization"]["group_size"] = json!(0);
+            }),
+        ),
+        folder(
+            "quantization-bits-zero",
+            &["quantization.bits is 0"],
+            broken_config("qwen3-4bit", |c| {
+                c["quantization"]["bits"] = json!(0);
+            }),
+        ),
+        folder(
+            "quantization-bits-disagree-with-the-weights",
+            &["quantization.bits is 8", "stored with bits 4"],
+            broken_config("qwen3-4bit", |c| {
+                c["quantization"]["bits"] = json!(8);
+            }),
+        ),
+        folder(
+            "quantization-not-an-object",
+            &["quantization"],
+            broken_config("qwen3-4bit", |c| {
+                c.insert("quantization".into(), json!(4));
+            }),
+        ),
+        folder(
+            "no-weights",
+            &["no model*.safetensors"],
+            replaced_file("model.safetensors", None),
+        ),
+        folder(
+            "weights-truncated",
+            &["model.safetensors"],
+            Box::new(|s| {
+                let path = copy_model(s, "qwen3").join("model.safetensors");
+                let bytes = fs::read(&path).unwrap();
+                fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+            }),
+        ),
+        folder(
+            "weights-garbage",
+            &["model.safetensors"],
+            replaced_file("model.safetensors", Some("not a safetensors file at all")),
+        ),
+        folder(
+            "weights-dtype-relabelled",
+            &["embed_tokens", "Int32", "float"],
+            broken_header("model.embed_tokens.weight", |t| {
+                t.insert("dtype".into(), json!("I32"));
+            }),
+        ),
+        folder(
+            "weights-dtype-size-mismatch",
+            &["embed_tokens", "bytes"],
+            broken_header("model.embed_tokens.weight", |t| {
+                t.insert("dtype".into(), json!("F16"));
+            }),
+        ),
+        folder(
+            "weights-unknown-dtype",
+            &["embed_tokens", "dtype"],
+            broken_header("model.embed_tokens.weight", |t| {
+                t.insert("dtype".into(), json!("F8_E4M3"));
+            }),
+        ),
+        folder(
+            "weights-shape-lies",
+            &["embed_tokens"],
+            broken_header("model.embed_tokens.weight", |t| {
+                t.insert("shape".into(), json!([2048, 128]));
+            }),
+        ),
+        folder(
+            "weights-offsets-past-end",
+            &["embed_tokens"],
+            broken_header("model.embed_tokens.weight", |t| {
+                t.insert("data_offsets".into(), json!([1116416, 99999999]));
+            }),
+        ),
+        folder(
+            "no-tokenizer",
+            &["tokenizer.json"],
+            replaced_file("tokenizer.json", None),
+        ),
+        folder(
+            "tokenizer-not-json",
+            &["tokenizer.json", "JSON"],
+            replaced_file("tokenizer.json", Some("{")),
+        ),
+        folder(
+            "tokenizer-larger-than-embedding",
+            &["tokenizer has 1025 tokens", "1024 rows"],
+            Box::new(|s| {
+                edit_json(&copy_model(s, "qwen3").join("tokenizer.json"), |t| {
+                    t["added_tokens"].as_array_mut().unwrap().push(json!({
+                        "id": 1024, "content": "<|extra|>", "single_word": false,
+                        "lstrip": false, "rstrip": false, "normalized": false,
+                        "special": true
+                    }));
+                })
+            }),
+        ),
+    ]
+}
+
+fn cache_prompt_cases() -> Vec<Case> {
+    let q = model_arg("qwen3");
+    let cp = |name: &str, extra: &[&str], needles: &[&str], setup: Setup| {
+        let mut args = vec!["cache-prompt", "--model", &q];
+        args.extend(extra);
+        case(&format!("cache-prompt/{name}"), &args, 2, needles, setup)
+    };
+    let out = ["--out", "{S}/c.safetensors"];
+    let with_out = |extra: &[&'static str]| -> Vec<&str> {
+        let mut v: Vec<&str> = extra.to_vec();
+        v.extend(out);
+        v
+    };
+    vec![
+        cp(
+            "token-past-vocab",
+            &with_out(&["--tokens", "1,2,5000"]),
+            &["prompt token 2", "5000", "1024"],
+            no_setup(),
+        ),
+        cp(
+            "token-u32-max",
+            &with_out(&["--tokens", "1,2,4294967295"]),
+            &["4294967295", "1024"],
+            no_setup(),
+        ),
+        cp(
+            "token-past-u32",
+            &with_out(&["--tokens", "1,4294967296"]),
+            &["4294967296"],
+            no_setup(),
+        ),
+        cp(
+            "token-negative",
+            &with_out(&["--tokens", "1,-2"]),
+            &["-2"],
+            no_setup(),
+        ),
+        cp(
+            "token-not-a-number",
+            &with_out(&["--tokens", "1,x"]),
+            &["--tokens"],
+            no_setup(),
+        ),
+        cp("no-prompt", &out, &["--prompt or --tokens"], no_setup()),
+        cp(
+            "out-is-a-directory",
+            &["--tokens", "1,2", "--out", "{S}/d"],
+            &["{S}/d", "is a directory"],
+            Box::new(|s| fs::create_dir(s.join("d")).unwrap()),
+        ),
+        cp(
+            "out-in-a-missing-folder",
+            &["--tokens", "1,2", "--out", "{S}/nope/c.safetensors"],
+            &["cannot write in", "No such file or directory"],
+            no_setup(),
+        ),
+        cp(
+            "kv-group-zero",
+            &with_out(&["--tokens", "1,2", "--kv-bits", "4", "--kv-group-size", "0"]),
+            &["kv_group_size", "0"],
+            no_setup(),
+        ),
+        cp(
+            "kv-bits-five-hundred",
+            &with_out(&["--tokens", "1,2", "--kv-bits", "500"]),
+            &["kv_bits", "500"],
+            no_setup(),
+        ),
+        cp(
+            "max-kv-size-two",
+            &with_out(&["--tokens", "1,2", "--max-kv-size", "2"]),
+            &["max_kv_size", "2"],
+            no_setup(),
+        ),
+        cp(
+            "prefill-step-zero",
+            &with_out(&["--tokens", "1,2", "--prefill-step-size", "0"]),
+            &["prefill_step_size", "0"],
+            no_setup(),
+        ),
+        cp(
+            "existing-out-kept-on-failure",
+            &with_out(&["--tokens", "1,5000"]),
+            &["5000"],
+            file("c.safetensors", "the previous cache".into()),
+        ),
+    ]
+}
+
+/// A golden trace, edited.
+fn trace_with(edit: fn(&mut Value)) -> String {
+    let path = root().join("golden/traces/qwen3-target/greedy/code.json");
+    let mut trace: Value = serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap();
+    edit(&mut trace);
+    serde_json::to_string(&trace).unwrap()
+}
+
+/// Bad traces, each through `replay` and through `check --traces`.
+fn trace_cases() -> Vec<Case> {
+    let bad: Vec<(&str, String, &[&str])> = vec![
+        ("not-json", "{".into(), &["t.json"]),
+        ("an-array", "[]".into(), &["t.json"]),
+        (
+            "unknown-format",
+            trace_with(|t| t["format"] = json!("verity-trace/99")),
+            &["unknown trace format"],
+        ),
+        (
+            "prompt-token-past-vocab",
+            trace_with(|t| t["prompt"]["tokens"][3] = json!(5000)),
+            &["prompt token 3", "5000"],
+        ),
+        (
+            "empty-prompt",
+            trace_with(|t| t["prompt"]["tokens"] = json!([])),
+            &["prompt", "empty"],
+        ),
+        (
+            "logit-bias-past-vocab",
+            trace_with(|t| t["params"]["processors"]["logit_bias"] = json!({"5000": 1.0})),
+            &["logit_bias token id", "5000"],
+        ),
+        (
+            "logit-bias-key-not-an-id",
+            trace_with(|t| t["params"]["processors"]["logit_bias"] = json!({"x": 1.0})),
+            &["logit_bias"],
+        ),
+        (
+            "top-p-two",
+            trace_with(|t| t["params"]["sampler"]["top_p"] = json!(2.0)),
+            &["top_p", "2"],
+        ),
+        (
+            "temp-negative",
+            trace_with(|t| t["params"]["sampler"]["temp"] = json!(-1.0)),
+            &["temperature", "-1"],
+        ),
+        (
+            "max-tokens-zero",
+            trace_with(|t| t["params"]["max_tokens"] = json!(0)),
+            &["of 0 tokens"],
+        ),
+        (
+            "kv-group-zero",
+            trace_with(|t| {
+                t["params"]["kv_bits"] = json!(4);
+                t["params"]["kv_group_size"] = json!(0);
+            }),
+            &["kv_group_size", "0"],
+        ),
+        (
+            "model-missing",
+            trace_with(|t| t["model"] = json!("golden/models/nope")),
+            &["nope", "no such model folder"],
+        ),
+        (
+            "draft-missing",
+            trace_with(|t| {
+                t["draft"] =
+                    json!({"kind": "model", "model": "golden/models/nope", "num_draft_tokens": 3})
+            }),
+            &["nope"],
+        ),
+        (
+            "draft-k-zero",
+            trace_with(
+                |t| t["draft"] = json!({"kind": "model", "model": "golden/models/qwen3-draft", "num_draft_tokens": 0}),
+            ),
+            &["num_draft_tokens", "0"],
+        ),
+        (
+            "prompt-cache-missing",
+            trace_with(|t| {
+                t["prompt_cache"] = json!({"file": "golden/nope.safetensors", "tokens": [1]})
+            }),
+            &["nope.safetensors"],
+        ),
+        (
+            "eos-past-vocab",
+            trace_with(|t| t["eos_token_ids"] = json!([5000])),
+            &["eos_token_ids is [5000]", "the model stops on"],
+        ),
+    ];
+    let mut cases = Vec::new();
+    for (name, text, needles) in bad {
+        cases.push(case(
+            &format!("replay/{name}"),
+            &["replay", "--root", "{R}", "{S}/t.json"],
+            2,
+            needles,
+            file("t.json", text.clone()),
+        ));
+        cases.push(case(
+            &format!("check/{name}"),
+            &["check", "--root", "{R}", "--traces", "{S}/set"],
+            2,
+            needles,
+            Box::new(move |s| {
+                fs::create_dir(s.join("set")).unwrap();
+                fs::write(s.join("set/t.json"), &text).unwrap();
+            }),
+        ));
+    }
+    let check = |name: &str, args: &[&str], needles: &[&str], setup: Setup| {
+        case(&format!("check/{name}"), args, 2, needles, setup)
+    };
+    cases.extend([
+        case(
+            "replay/missing-file",
+            &["replay", "--root", "{R}", "{S}/nope.json"],
+            2,
+            &["nope.json"],
+            no_setup(),
+        ),
+        case(
+            "replay/a-directory",
+            &["replay", "--root", "{R}", "{S}"],
+            2,
+            &["{S}"],
+            no_setup(),
+        ),
+        case(
+            "replay/outside-a-repository",
+            &[
+                "replay",
+                &root()
+                    .join("golden/traces/qwen3/greedy/code.json")
+                    .to_string_lossy(),
+            ],
+            2,
+            &["not a verity repository root"],
+            no_setup(),
+        ),
+        check(
+            "missing-folder",
+            &["check", "--root", "{R}", "--traces", "{S}/nope"],
+            &["{S}/nope"],
+            no_setup(),
+        ),
+        check(
+            "empty-folder",
+            &["check", "--root", "{R}", "--traces", "{S}"],
+            &["no trace files"],
+            no_setup(),
+        ),
+        check(
+            "only-matches-nothing",
+            &["check", "--root", "{R}", "--only", "zzz-no-such-suite"],
+            &["zzz-no-such-suite"],
+            no_setup(),
+        ),
+        check(
+            "root-without-goldens",
+            &["check", "--root", "{S}"],
+            &["no golden traces"],
+            no_setup(),
+        ),
+        check(
+            "duplicate-trace-ids",
+            &["check", "--root", "{R}", "--traces", "{S}/set"],
+            &["appears twice"],
+            Box::new(|s| {
+                fs::create_dir(s.join("set")).unwrap();
+                let text = trace_with(|_| {});
+                fs::write(s.join("set/a.json"), &text).unwrap();
+                fs::write(s.join("set/b.json"), &text).unwrap();
+            }),
+        ),
+    ]);
+    cases
+}
+
+/// An acceptance suite file, edited.
+fn suite_with(edit: fn(&mut toml::Table)) -> String {
+    let text = fs::read_to_string(root().join("golden/accept/noisy-draft.toml")).unwrap();
+    let mut suite: toml::Table = toml::from_str(&text).unwrap();
+    edit(&mut suite);
+    toml::to_string(&suite).unwrap()
+}
+
+/// The noisy-draft suite's committed baseline, edited.
+fn baseline_with(edit: fn(&mut Value)) -> String {
+    let path = root().join("golden/accept/noisy-draft.baseline.json");
+    let mut b: Value = serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap();
+    edit(&mut b);
+    serde_json::to_string(&b).unwrap()
+}
+
+/// `verity accept` exits 125 on anything it cannot run, so `git bisect run` skips the commit.
+fn accept_cases() -> Vec<Case> {
+    let suite = |name: &str, text: String, needles: &[&str]| {
+        case(
+            &format!("accept/suite-{name}"),
+            &["accept", "--root", "{R}", "--suite", "{S}/noisy-draft.toml"],
+            125,
+            needles,
+            Box::new(move |s| {
+                fs::write(s.join("noisy-draft.toml"), &text).unwrap();
+                fs::copy(
+                    root().join("golden/accept/noisy-draft.baseline.json"),
+                    s.join("noisy-draft.baseline.json"),
+                )
+                .unwrap();
+            }),
+        )
+    };
+    let baseline = |name: &str, text: String, needles: &[&str]| {
+        case(
+            &format!("accept/baseline-{name}"),
+            &[
+                "accept",
+                "--root",
+                "{R}",
+                "--suite",
+                "{R}/golden/accept/noisy-draft.toml",
+                "--baseline",
+                "{S}/b.json",
+            ],
+            125,
+            needles,
+            file("b.json", text),
+        )
+    };
+    vec![
+        case(
+            "accept/suite-missing",
+            &["accept", "--root", "{R}", "--suite", "{S}/nope.toml"],
+            125,
+            &["nope.toml"],
+            no_setup(),
+        ),
+        suite("not-toml", "[[[".into(), &["noisy-draft.toml"]),
+        suite(
+            "wrong-format",
+            suite_with(|s| {
+                s.insert("format".into(), "verity-accept/9".into());
+            }),
+            &["format"],
+        ),
+        suite(
+            "no-prompts",
+            suite_with(|s| {
+                s.insert("prompts".into(), toml::Value::Array(vec![]));
+            }),
+            &["prompts"],
+        ),
+        suite(
+            "k-zero",
+            suite_with(|s| {
+                s.insert(
+                    "num_draft_tokens".into(),
+                    toml::Value::Array(vec![0.into()]),
+                );
+            }),
+            &["num_draft_tokens"],
+        ),
+        suite(
+            "k-repeated",
+            suite_with(|s| {
+                s.insert(
+                    "num_draft_tokens".into(),
+                    toml::Value::Array(vec![3.into(), 3.into()]),
+                );
+            }),
+            &["distinct"],
+        ),
+        suite(
+            "prompt-token-past-vocab",
+            suite_with(|s| {
+                s["prompts"].as_array_mut().unwrap()[0]
+                    .as_array_mut()
+                    .unwrap()[0] = 5000.into();
+            }),
+            &["5000"],
+        ),
+        suite(
+            "target-missing",
+            suite_with(|s| {
+                s.insert("target".into(), "golden/models/nope".into());
+            }),
+            &["nope"],
+        ),
+        baseline("empty-file", String::new(), &["b.json"]),
+        case(
+            "accept/baseline-missing",
+            &[
+                "accept",
+                "--root",
+                "{R}",
+                "--suite",
+                "{R}/golden/accept/noisy-draft.toml",
+                "--baseline",
+                "{S}/nope.json",
+            ],
+            125,
+            &["nope.json"],
+            no_setup(),
+        ),
+        baseline("not-json", "{".into(), &["b.json"]),
+        baseline(
+            "wrong-format",
+            baseline_with(|b| b["format"] = json!("verity-accept-baseline/1")),
+            &["format"],
+        ),
+        baseline(
+            "empty",
+            baseline_with(|b| b["acceptance"] = json!({})),
+            &["has rows for num_draft_tokens []"],
+        ),
+        baseline(
+            "of-another-suite",
+            baseline_with(|b| b["suite"] = json!("trained-pair")),
+            &["trained-pair", "noisy-draft"],
+        ),
+        baseline(
+            "extra-row",
+            baseline_with(|b| {
+                let row = b["acceptance"]["3"].clone();
+                b["acceptance"]["4"] = row;
+            }),
+            &["[3, 4]"],
+        ),
+        case(
+            "accept/baseline-with-two-suites",
+            &[
+                "accept",
+                "--root",
+                "{R}",
+                "--suite",
+                "{R}/golden/accept/noisy-draft.toml",
+                "--suite",
+                "{R}/golden/accept/trained-pair.toml",
+                "--baseline",
+                "{R}/golden/accept/noisy-draft.baseline.json",
+            ],
+            125,
+            &["--baseline needs exactly one --suite"],
+            no_setup(),
+        ),
+    ]
+}
+
+/// `bisect`, `grammar-corpus` and `bench grammar`: bad arguments fail before any work.
+fn other_cases() -> Vec<Case> {
+    let r = "{R}";
+    vec![
+        case(
+            "bisect/unknown-good",
+            &[
+                "bisect",
+                "--repo",
+                r,
+                "--good",
+                "no-such-ref",
+                "--bad",
+                "HEAD",
+            ],
+            2,
+            &["no-such-ref"],
+            no_setup(),
+        ),
+        case(
+            "bisect/suite-missing",
+            &[
+                "bisect",
+                "--repo",
+                r,
+                "--good",
+                "HEAD",
+                "--bad",
+                "HEAD",
+                "--suite",
+                "nope.toml",
+            ],
+            2,
+            &["--suite", "nope.toml"],
+            no_setup(),
+        ),
+        case(
+            "bisect/baseline-missing",
+            &[
+                "bisect",
+                "--repo",
+                r,
+                "--good",
+                "HEAD",
+                "--bad",
+                "HEAD",
+                "--baseline",
+                "{S}/nope.json",
+            ],
+            2,
+            &["--baseline", "nope.json"],
+            no_setup(),
+        ),
+        case(
+            "bisect/repo-missing",
+            &["bisect", "--repo", "{S}/nope", "--good", "a", "--bad", "b"],
+            2,
+            &["--repo", "nope"],
+            no_setup(),
+        ),
+        case(
+            "grammar-corpus/missing-folder",
+            &[
+                "grammar-corpus",
+                "{S}/nope",
+                "--model",
+                &model_arg("qwen3-target"),
+                "--expected",
+                "{S}/e.json",
+            ],
+            2,
+            &["nope", "not a corpus folder"],
+            file("e.json", "[]".into()),
+        ),
+        case(
+            "grammar-corpus/empty-folder",
+            &[
+                "grammar-corpus",
+                "{S}/corpus",
+                "--model",
+                &model_arg("qwen3-target"),
+                "--expected",
+                "{S}/e.json",
+            ],
+            2,
+            &["no .json schema files"],
+            Box::new(|s| {
+                fs::create_dir(s.join("corpus")).unwrap();
+                fs::write(s.join("e.json"), "[]").unwrap();
+            }),
+        ),
+        case(
+            "grammar-corpus/expected-missing",
+            &[
+                "grammar-corpus",
+                "{R}/golden/schemas",
+                "--model",
+                &model_arg("qwen3-target"),
+                "--expected",
+                "{S}/nope.json",
+            ],
+            2,
+            &["--expected", "nope.json"],
+            no_setup(),
+        ),
+        case(
+            "grammar-corpus/model-missing",
+            &[
+                "grammar-corpus",
+                "{R}/golden/schemas",
+                "--model",
+                "{S}/nope",
+                "--expected",
+                "{S}/e.json",
+            ],
+            2,
+            &["nope"],
+            file("e.json", "[]".into()),
+        ),
+        case(
+            "bench-grammar/corpus-missing",
+            &["bench", "grammar", "--corpus", "{S}/nope"],
+            2,
+            &["nope"],
+            no_setup(),
+        ),
+        case(
+            "bench-grammar/max-tokens-zero",
+            &[
+                "bench",
+                "grammar",
+                "--corpus",
+                "{R}/golden/schemas",
+                "--model",
+                &model_arg("qwen3-target"),
+                "--max-tokens",
+                "0",
+            ],
+            2,
+            &["max_tokens", "0"],
+            no_setup(),
+        ),
+        case(
+            "cli/unknown-verb",
+            &["frobnicate"],
+            2,
+            &["frobnicate"],
+            no_setup(),
+        ),
+    ]
+}
+
+fn all_cases() -> Vec<Case> {
+    let mut cases = generate_cases();
+    cases.extend(model_folder_cases());
+    cases.extend(cache_prompt_cases());
+    cases.extend(trace_cases());
+    cases.extend(accept_cases());
+    cases.extend(other_cases());
+    cases
+}
+
+fn main() {
+    let args = libtest_mimic::Arguments::from_args();
+    let cases = all_cases();
+    let mut names: Vec<&str> = cases.iter().map(|c| c.name.as_str()).collect();
+    names.sort_unstable();
+    let count = names.len();
+    names.dedup();
+    assert_eq!(names.len(), count, "case names must be distinct");
+    let trials = cases
+        .into_iter()
+        .map(|c| {
+            let name = c.name.clone();
+            Trial::test(name, move || run(&c))
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
+}
