@@ -193,6 +193,19 @@ impl<'m> Generation<'m> {
         params: &GenerateParams,
         constraint: Option<Constraint>,
     ) -> Result<Generation<'m>> {
+        Self::start_reporting(model, caches, prompt, params, constraint, &mut |_| {})
+    }
+
+    /// [`Generation::start`], telling `prefilled` how many prompt tokens are processed after
+    /// each prefill chunk (a long prompt takes minutes on a CPU).
+    pub fn start_reporting(
+        model: &'m dyn LanguageModel,
+        caches: Vec<LayerCache>,
+        prompt: &[u32],
+        params: &GenerateParams,
+        constraint: Option<Constraint>,
+        prefilled: &mut dyn FnMut(usize),
+    ) -> Result<Generation<'m>> {
         let step_sampler = params.step_sampler(model, prompt, constraint)?;
         let mut g = Generation {
             model,
@@ -207,7 +220,10 @@ impl<'m> Generation<'m> {
             .split_last()
             .expect("validate refuses an empty prompt");
         let step_sampler = &mut g.step_sampler;
+        let mut done = 0;
         prefill(model, &mut g.caches, &token_array(head)?, params, |chunk| {
+            done += chunk.dim(0) as usize;
+            prefilled(done);
             step_sampler.extend_history(chunk)
         })?;
         let first = g.step(&token_array(&[last])?)?;

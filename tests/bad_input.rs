@@ -406,6 +406,18 @@ fn generate_cases() -> Vec<Case> {
             no_setup(),
         ),
         gen(
+            "generate/regex-matching-nothing",
+            &["--regex", "[^\\s\\S]"],
+            &["regex", "matches no text"],
+            no_setup(),
+        ),
+        gen(
+            "generate/grammar-without-a-base-case",
+            &["--grammar", "{S}/g.lark"],
+            &["grammar"],
+            file("g.lark", "start: \"a\" start\n".into()),
+        ),
+        gen(
             "generate/grammar-missing",
             &["--grammar", "{S}/g.lark"],
             &["g.lark"],
@@ -1198,6 +1210,28 @@ fn accept_cases() -> Vec<Case> {
                 b["acceptance"]["4"] = row;
             }),
             &["[3, 4]"],
+        ),
+        case(
+            "accept/baseline-covering-one-k-of-six",
+            &[
+                "accept",
+                "--root",
+                "{R}",
+                "--suite",
+                "{R}/golden/accept/trained-pair.toml",
+                "--baseline",
+                "{S}/b.json",
+            ],
+            125,
+            &["has rows for num_draft_tokens [3]", "[1, 2, 3, 4, 5, 6]"],
+            Box::new(|s| {
+                let path = root().join("golden/accept/trained-pair.baseline.json");
+                let mut b: Value =
+                    serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap();
+                let row = b["acceptance"]["3"].clone();
+                b["acceptance"] = json!({ "3": row });
+                fs::write(s.join("b.json"), b.to_string()).unwrap();
+            }),
         ),
         case(
             "accept/baseline-with-two-suites",

@@ -2,7 +2,7 @@
 //! itself, and one clear error line with exit code 2 for each kind of bad input.
 
 use std::fs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use serde_json::Value;
@@ -158,6 +158,61 @@ fn check_on_a_trace_folder_prints_the_suite_table() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}");
     assert_contains(&stdout, &["suite", "all traces pass"]);
+}
+
+/// `cache-prompt --out x.bin` writes exactly x.bin (MLX alone would write x.bin.safetensors),
+/// replaces a file already there whole, leaves no temporary file, and `generate` continues
+/// from it.
+#[test]
+fn cache_prompt_writes_exactly_the_named_file() {
+    let scratch = Scratch::new("cache-out");
+    let model = root().join("golden/models/qwen3");
+    let out = scratch.0.join("x.bin");
+    fs::write(&out, "an older file").unwrap();
+    let args = |m: &Path| {
+        vec![
+            "cache-prompt".to_string(),
+            "--model".into(),
+            m.to_string_lossy().into_owned(),
+            "--tokens".into(),
+            "1,2,3".into(),
+            "--out".into(),
+            out.to_string_lossy().into_owned(),
+        ]
+    };
+    let written = verity(&args(&model).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        written.status.success(),
+        "{}",
+        String::from_utf8_lossy(&written.stderr)
+    );
+    let names: Vec<String> = fs::read_dir(&scratch.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        names.iter().all(|n| n == "x.bin" || n == "golden"),
+        "{names:?}"
+    );
+    assert!(names.contains(&"x.bin".to_string()));
+    assert!(
+        fs::read(&out).unwrap().len() > 1000,
+        "the old file was not replaced"
+    );
+    let generated = verity(&[
+        "generate",
+        "--model",
+        &model.to_string_lossy(),
+        "--prompt-cache-file",
+        &out.to_string_lossy(),
+        "-m",
+        "3",
+    ]);
+    assert!(
+        generated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&generated.stderr)
+    );
 }
 
 #[test]

@@ -27,3 +27,50 @@ pub fn write(path: &Path, contents: &[u8]) -> std::io::Result<()> {
     }
     written
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("verity-atomic-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn replaces_the_file_whole_and_leaves_no_temporary() {
+        let dir = scratch("replace");
+        let path = dir.join("a.json");
+        std::fs::write(&path, "old").unwrap();
+        write(&path, b"new contents").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "new contents");
+        assert_eq!(names(&dir), ["a.json"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_failed_write_keeps_the_old_file_and_leaves_no_temporary() {
+        let dir = scratch("fail");
+        let path = dir.join("a.json");
+        std::fs::write(&path, "old").unwrap();
+        // A directory at the path, and a folder that does not exist.
+        let blocked = dir.join("sub");
+        std::fs::create_dir_all(blocked.join("inner")).unwrap();
+        assert!(write(&blocked, b"x").is_err());
+        assert!(write(&dir.join("missing/a.json"), b"x").is_err());
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "old");
+        assert_eq!(names(&dir), ["a.json", "sub"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

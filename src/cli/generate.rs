@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 use verity::bundle::ModelBundle;
 use verity::cache::{load_prompt_cache, KvQuantization, LayerCache};
 use verity::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
@@ -159,7 +160,16 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
         speculate(&a, &bundle, &prompt, &params, constraint, &mut out)?
     } else {
         let caches = starting_caches(&a, &bundle, &params)?;
-        let generation = Generation::start(bundle.model(), caches, &prompt, &params, constraint)?;
+        let bar = prefill_bar(prompt.len(), params.prefill_step_size);
+        let generation = Generation::start_reporting(
+            bundle.model(),
+            caches,
+            &prompt,
+            &params,
+            constraint,
+            &mut |done| bar.set_position(done as u64),
+        )?;
+        bar.finish_and_clear();
         for step in generation {
             if out.emit(&step?) == Control::Stop {
                 break;
@@ -169,6 +179,21 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
     };
     out.finish(prompt.len(), stats.as_ref())?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// A progress bar over the prompt, for prompts of several prefill chunks (hidden otherwise, and
+/// when stderr is not a terminal).
+fn prefill_bar(tokens: usize, step: usize) -> ProgressBar {
+    if tokens <= 2 * step {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(tokens as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} prefill [{bar:30}] {pos}/{len} tokens {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar
 }
 
 /// Warns when a request runs past the context the model was trained for: it still runs (as in

@@ -161,13 +161,25 @@ impl TokenEnv {
                 kind: grammar.kind(),
                 message: e.to_string(),
             })?;
-        let matcher = Matcher::new(Ok(parser));
-        Ok(Constraint {
-            matcher,
+        let mut constraint = Constraint {
+            matcher: Matcher::new(Ok(parser)),
             eos: eos.to_vec(),
             vocab: self.vocab,
             advanced: Vec::new(),
-        })
+        };
+        // A grammar that no token can start (and that does not accept the empty text) would
+        // fail at the first token with llguidance's internal dump; refuse it here instead.
+        let startable = constraint
+            .allowed()
+            .map(|allowed| allowed.contains(&true))
+            .unwrap_or(false);
+        if !startable {
+            return Err(GrammarError::Compile {
+                kind: grammar.kind(),
+                message: "it matches no text this model's tokens can spell".into(),
+            });
+        }
+        Ok(constraint)
     }
 }
 
@@ -225,7 +237,7 @@ impl Constraint {
                 .consume_token(token)
                 .map_err(|e| GrammarError::Rejected {
                     token,
-                    message: e.to_string(),
+                    message: first_line(&e.to_string()),
                 })?;
         }
         self.advanced.push(advance);
@@ -242,7 +254,12 @@ impl Constraint {
     fn error(&self, e: impl std::fmt::Display) -> GrammarError {
         GrammarError::Rejected {
             token: 0,
-            message: e.to_string(),
+            message: first_line(&e.to_string()),
         }
     }
+}
+
+/// The first line of an llguidance error (the rest is its parser state dump).
+fn first_line(message: &str) -> String {
+    message.lines().next().unwrap_or_default().to_string()
 }
