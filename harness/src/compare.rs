@@ -212,7 +212,7 @@ pub fn compare(trace: &Trace, run: &Generation) -> Verdict {
 }
 
 /// Tier A: identical ids and bits. Tier B: the oracle's entries clear of the cut-off are in the
-/// engine's list within the tolerance ([`crate::forced::top_agrees`]).
+/// engine's list within the tolerance ([`crate::topk::top_agrees`]).
 fn top_matches(tier: Tier, tolerance: f32, oracle: &[(u32, f32)], engine: &[(u32, f32)]) -> bool {
     match tier {
         Tier::A => {
@@ -222,6 +222,6 @@ fn top_matches(tier: Tier, tolerance: f32, oracle: &[(u32, f32)], engine: &[(u32
                     .zip(engine)
                     .all(|(a, b)| a.0 == b.0 && a.1.to_bits() == b.1.to_bits())
         }
-        Tier::B => crate::forced::top_agrees(oracle, engine, tolerance),
+        Tier::B => crate::topk::top_agrees(oracle, engine, tolerance),
     }
 }

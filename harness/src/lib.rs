@@ -13,6 +13,7 @@ pub mod forced;
 pub mod registry;
 pub mod report;
 pub mod stats;
+pub mod topk;
 pub mod trace;
 
 pub use compare::{compare, Divergence, DivergenceKind, Generation, Verdict};
