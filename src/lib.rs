@@ -8,6 +8,7 @@
 //! `speculative` the one verify/accept executor; `bundle` ties a loaded folder together;
 //! `parity` replays the harness's traces and suites on top of all of it.
 
+pub mod bench;
 pub mod bundle;
 pub mod cache;
 pub mod error;

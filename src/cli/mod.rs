@@ -2,6 +2,7 @@
 //! `replay` exit 1 when a trace diverges.
 
 mod accept;
+mod bench;
 mod bisect;
 mod cache_prompt;
 mod check;
@@ -29,6 +30,9 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Bench {
+    /// Prefill, time to first token, decode, peak memory, cold start, speculative and grammar
+    /// rows, against mlx-lm in the same run (ratios and the memory-bandwidth floor).
+    Speed(bench::SpeedArgs),
     /// Grammar compile time and mask time per token (p50, p99).
     Grammar(grammar::BenchGrammarArgs),
 }
@@ -75,6 +79,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Accept(a) => accept::accept(a),
         Command::Bisect(a) => bisect::bisect(a),
         Command::GrammarCorpus(a) => grammar::corpus(a),
+        Command::Bench(Bench::Speed(a)) => bench::speed(a, device),
         Command::Bench(Bench::Grammar(a)) => grammar::bench(a),
     }
 }

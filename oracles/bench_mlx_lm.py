@@ -1,0 +1,77 @@
+"""mlx-lm's side of `verity bench speed`: loads a model (and a draft) once, then times runs that
+verity asks for, one JSON line per request on stdin and one per answer on stdout, so that both
+engines are measured in the same run, interleaved, on the same prompts.
+
+    oracles/.venv/bin/python oracles/bench_mlx_lm.py --model DIR [--draft-model DIR] [--device gpu]
+
+Requests: {"prompt": [ids], "max_tokens": N, "prefill_step_size": S, "num_draft_tokens": K or
+null}. A run is mlx-lm's own decode loop (generate_step, or speculative_generate_step with the
+draft), greedy, without EOS stopping, so both engines produce the same number of tokens. The
+answer: {"ttft_s", "decode_s", "generated", "peak_bytes"}; an error is {"error": message}.
+"""
+
+import common  # noqa: F401  (offline guard first)
+
+import argparse
+import json
+import sys
+import time
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.sample_utils import make_sampler
+
+
+def run(model, draft, request):
+    prompt = mx.array(request["prompt"], dtype=mx.uint32)
+    k = request.get("num_draft_tokens")
+    common_args = dict(
+        max_tokens=request["max_tokens"],
+        sampler=make_sampler(0.0),
+        prefill_step_size=request["prefill_step_size"],
+    )
+    if k is None:
+        steps = generate_step(prompt, model, **common_args)
+    else:
+        steps = speculative_generate_step(prompt, model, draft, num_draft_tokens=k, **common_args)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    first = last = None
+    generated = 0
+    for step in steps:
+        token = step[0]
+        int(token)  # the token id on the host, as a caller would use it
+        last = time.perf_counter()
+        first = first or last
+        generated += 1
+    return {
+        "ttft_s": first - start,
+        "decode_s": last - first,
+        "generated": generated,
+        "peak_bytes": mx.get_peak_memory(),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft-model")
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    args = ap.parse_args()
+    mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    start = time.perf_counter()
+    model, _ = load(args.model)
+    draft = load(args.draft_model)[0] if args.draft_model else None
+    print(json.dumps({"ready": True, "load_s": time.perf_counter() - start}), flush=True)
+    for line in sys.stdin:
+        try:
+            answer = run(model, draft, json.loads(line))
+        except Exception as e:  # noqa: BLE001  (the error goes back to the caller)
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()

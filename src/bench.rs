@@ -1,0 +1,124 @@
+//! Timing generations for `verity bench speed`, measured exactly as oracles/bench_mlx_lm.py
+//! measures mlx-lm's loop: from the call to the first token id on the host (time to first
+//! token, which holds the prefill), then to the last one (decode), with the peak memory of the
+//! run. Requests run greedy and without EOS, so both engines produce the same token count.
+
+use std::time::Instant;
+
+use mlx::{Array, Dtype};
+
+use crate::generate::{GeneratedToken, Generation};
+use crate::grammar::Constraint;
+use crate::model::LanguageModel;
+use crate::request::GenerateParams;
+use crate::speculative::{generate_speculative, Control, DraftSource};
+use crate::Result;
+
+/// One timed generation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timing {
+    /// Seconds from the call to the first token id on the host.
+    pub ttft_s: f64,
+    /// Seconds from the first token to the last.
+    pub decode_s: f64,
+    pub generated: usize,
+    pub peak_bytes: usize,
+}
+
+impl Timing {
+    /// Prompt tokens per second, the first token's step included (mlx-lm's `prompt_tps`).
+    pub fn prefill_tps(&self, prompt_tokens: usize) -> f64 {
+        prompt_tokens as f64 / self.ttft_s
+    }
+
+    /// Tokens per second after the first (mlx-lm's `generation_tps` counts from there too).
+    pub fn decode_tps(&self) -> f64 {
+        self.generated.saturating_sub(1) as f64 / self.decode_s
+    }
+}
+
+/// Records when tokens arrive.
+struct Clock {
+    start: Instant,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    generated: usize,
+}
+
+impl Clock {
+    fn start() -> Clock {
+        mlx::memory::reset_peak();
+        Clock {
+            start: Instant::now(),
+            first: None,
+            last: None,
+            generated: 0,
+        }
+    }
+
+    fn token(&mut self) {
+        let now = Instant::now();
+        self.first.get_or_insert(now);
+        self.last = Some(now);
+        self.generated += 1;
+    }
+
+    fn stop(self) -> Timing {
+        let first = self.first.unwrap_or(self.start);
+        Timing {
+            ttft_s: (first - self.start).as_secs_f64(),
+            decode_s: (self.last.unwrap_or(first) - first).as_secs_f64(),
+            generated: self.generated,
+            peak_bytes: mlx::memory::peak(),
+        }
+    }
+}
+
+/// Times plain decoding of `prompt` (fresh caches), optionally under a grammar.
+pub fn time_plain(
+    model: &dyn LanguageModel,
+    prompt: &[u32],
+    params: &GenerateParams,
+    constraint: Option<Constraint>,
+) -> Result<Timing> {
+    let mut clock = Clock::start();
+    let caches = model.make_cache(params.max_kv_size);
+    for step in Generation::start(model, caches, prompt, params, constraint)? {
+        step?;
+        clock.token();
+    }
+    Ok(clock.stop())
+}
+
+/// Times speculative decoding of `prompt` with `source` proposing `k` drafts a round.
+pub fn time_speculative(
+    model: &dyn LanguageModel,
+    source: &mut dyn DraftSource,
+    prompt: &[u32],
+    params: &GenerateParams,
+    k: usize,
+) -> Result<Timing> {
+    let mut clock = Clock::start();
+    let mut on_token = |_: &GeneratedToken| {
+        clock.token();
+        Control::Continue
+    };
+    generate_speculative(model, source, prompt, params, k, None, &mut on_token)?;
+    Ok(clock.stop())
+}
+
+/// The memory bandwidth MLX reaches on the default device, in bytes per second: the best of a
+/// few passes reading and writing a 256 MiB buffer. Decode of a batch of one reads every
+/// weight once per token, so weight bytes / bandwidth is the floor of a token's time.
+pub fn memory_bandwidth() -> Result<f64> {
+    const ELEMENTS: i32 = 64 << 20;
+    let x = Array::zeros(&[ELEMENTS], Dtype::Float32)?;
+    x.eval()?;
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let start = Instant::now();
+        x.add_scalar(1.0)?.eval()?;
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * 4.0 * ELEMENTS as f64 / best)
+}

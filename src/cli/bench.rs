@@ -1,0 +1,570 @@
+//! `verity bench speed`: verity against mlx-lm on one model, in one run. mlx-lm runs in a child
+//! process (oracles/bench_mlx_lm.py, the oracle venv's Python) that loads the model once;
+//! every measurement alternates a verity run in this process with an mlx-lm run on the same
+//! prompt, after a warm-up run of each, and reports the median with min and max. Decode rows
+//! also show the floor: weight bytes per token over the measured memory bandwidth.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, ExitCode, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
+use verity::bench::{memory_bandwidth, time_plain, time_speculative, Timing};
+use verity::bundle::ModelBundle;
+use verity::grammar::Grammar;
+use verity::request::GenerateParams;
+use verity::speculative::{DraftModel, NgramLookup};
+
+#[derive(Args)]
+pub struct SpeedArgs {
+    /// Model folder.
+    #[arg(long)]
+    model: PathBuf,
+    /// Draft model folder: adds speculative rows (both engines).
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    #[arg(long, default_value_t = 3)]
+    num_draft_tokens: usize,
+    /// Prompt lengths of the prefill rows.
+    #[arg(long, value_delimiter = ',', default_value = "128,1024,4096")]
+    prompt_lens: Vec<usize>,
+    /// Tokens decoded per run.
+    #[arg(long, default_value_t = 128)]
+    decode_tokens: usize,
+    /// Measured runs per row and engine (after one warm-up run each).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Python of the oracle venv.
+    #[arg(long, default_value = "oracles/.venv/bin/python")]
+    python: PathBuf,
+    /// Measure verity alone.
+    #[arg(long)]
+    no_mlx_lm: bool,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A text prompt for the speculative rows: drafting needs text with structure to accept
+/// anything, which random ids lack.
+const TEXT_PROMPT: &str = "import os\n\n\ndef read_config(path):\n    \"\"\"Return the parsed \
+    configuration of the file at path.\"\"\"\n    with open(path) as f:\n";
+
+/// The mlx-lm child process.
+struct MlxLm {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl MlxLm {
+    fn start(a: &SpeedArgs, device: mlx::Device) -> anyhow::Result<MlxLm> {
+        let script = Path::new("oracles/bench_mlx_lm.py");
+        if !script.is_file() || !a.python.is_file() {
+            bail!(
+                "mlx-lm needs {} and the oracle venv's {} (run from the repository root after \
+                 `bash oracles/venv.sh`, or pass --no-mlx-lm)",
+                script.display(),
+                a.python.display()
+            );
+        }
+        let mut cmd = Command::new(&a.python);
+        cmd.arg(script).arg("--model").arg(&a.model);
+        if let Some(d) = &a.draft_model {
+            cmd.arg("--draft-model").arg(d);
+        }
+        cmd.args([
+            "--device",
+            if device == mlx::Device::Cpu {
+                "cpu"
+            } else {
+                "gpu"
+            },
+        ]);
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {}", a.python.display()))?;
+        let stdin = child.stdin.take().context("mlx-lm stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("mlx-lm stdout")?);
+        let mut m = MlxLm {
+            child,
+            stdin,
+            stdout,
+        };
+        m.answer()?;
+        Ok(m)
+    }
+
+    fn answer(&mut self) -> anyhow::Result<Value> {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line)?;
+        if line.is_empty() {
+            bail!("the mlx-lm driver exited (see its error above)");
+        }
+        let v: Value = serde_json::from_str(&line).context("the mlx-lm driver's answer")?;
+        if let Some(e) = v.get("error") {
+            bail!("mlx-lm: {e}");
+        }
+        Ok(v)
+    }
+
+    fn run(
+        &mut self,
+        prompt: &[u32],
+        p: &GenerateParams,
+        k: Option<usize>,
+    ) -> anyhow::Result<Timing> {
+        let request = json!({
+            "prompt": prompt,
+            "max_tokens": p.max_tokens,
+            "prefill_step_size": p.prefill_step_size,
+            "num_draft_tokens": k,
+        });
+        writeln!(self.stdin, "{request}")?;
+        self.stdin.flush()?;
+        let v = self.answer()?;
+        let num = |k: &str| {
+            v[k].as_f64()
+                .with_context(|| format!("mlx-lm answer lacks {k}"))
+        };
+        Ok(Timing {
+            ttft_s: num("ttft_s")?,
+            decode_s: num("decode_s")?,
+            generated: num("generated")? as usize,
+            peak_bytes: num("peak_bytes")? as usize,
+        })
+    }
+}
+
+impl Drop for MlxLm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What one row measures, for both engines.
+enum Workload {
+    Plain { prompt: Vec<u32> },
+    Draft { prompt: Vec<u32> },
+    Ngram { prompt: Vec<u32> },
+    Grammar { prompt: Vec<u32> },
+}
+
+/// Median, min and max of one engine's samples.
+#[derive(Clone, Copy)]
+struct Spread {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Spread {
+    fn of(mut v: Vec<f64>) -> Option<Spread> {
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(Spread {
+            median: v[v.len() / 2],
+            min: v[0],
+            max: v[v.len() - 1],
+        })
+    }
+}
+
+/// One printed row.
+struct Row {
+    name: String,
+    unit: &'static str,
+    /// Whether a larger value is better (tok/s) or worse (ms, bytes).
+    higher_is_better: bool,
+    verity: Option<Spread>,
+    mlx_lm: Option<Spread>,
+    /// Decode rows: the floor in tok/s.
+    floor: Option<f64>,
+}
+
+impl Row {
+    /// verity relative to mlx-lm, > 1 when verity is better.
+    fn ratio(&self) -> Option<f64> {
+        let (v, m) = (self.verity?.median, self.mlx_lm?.median);
+        Some(if self.higher_is_better { v / m } else { m / v })
+    }
+
+    fn to_json(&self) -> Value {
+        let spread =
+            |s: Option<Spread>| s.map(|s| json!({"median": s.median, "min": s.min, "max": s.max}));
+        json!({
+            "row": self.name, "unit": self.unit,
+            "verity": spread(self.verity), "mlx_lm": spread(self.mlx_lm),
+            "ratio": self.ratio(), "floor": self.floor,
+        })
+    }
+}
+
+/// Deterministic prompt ids below `vocab`, avoiding the first few (special tokens).
+fn random_prompt(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            3 + ((state >> 33) % (vocab as u64 - 3)) as u32
+        })
+        .collect()
+}
+
+pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(a.runs >= 1, "--runs is 0, must be at least 1");
+    anyhow::ensure!(
+        a.decode_tokens >= 2,
+        "--decode-tokens is {}, must be at least 2",
+        a.decode_tokens
+    );
+    let bundle = ModelBundle::load(&a.model)?;
+    let draft = a
+        .draft_model
+        .as_deref()
+        .map(ModelBundle::load)
+        .transpose()?;
+    if let Some(d) = &draft {
+        bundle.check_draft(d)?;
+    }
+    let mut mlx_lm = if a.no_mlx_lm {
+        None
+    } else {
+        Some(MlxLm::start(&a, device)?)
+    };
+    let vocab = bundle
+        .tokenizer
+        .vocab_size()
+        .min(bundle.model().vocab_size());
+    let params = |max_tokens| GenerateParams {
+        max_tokens,
+        eos_token_ids: Vec::new(),
+        ..GenerateParams::greedy(max_tokens, Vec::new())
+    };
+    let text = bundle.tokenizer.encode(TEXT_PROMPT, true)?;
+    let mut workloads: Vec<(String, Workload)> = a
+        .prompt_lens
+        .iter()
+        .map(|&l| {
+            (
+                format!("{l}"),
+                Workload::Plain {
+                    prompt: random_prompt(l, vocab, l as u64),
+                },
+            )
+        })
+        .collect();
+    workloads.push((
+        "text".into(),
+        Workload::Plain {
+            prompt: text.clone(),
+        },
+    ));
+    if draft.is_some() {
+        workloads.push((
+            "text".into(),
+            Workload::Draft {
+                prompt: text.clone(),
+            },
+        ));
+    }
+    workloads.push((
+        "text".into(),
+        Workload::Ngram {
+            prompt: text.clone(),
+        },
+    ));
+    workloads.push(("text".into(), Workload::Grammar { prompt: text }));
+
+    let bar = ProgressBar::new((workloads.len() * (a.runs + 1)) as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} {wide_msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let p = params(a.decode_tokens);
+    let k = a.num_draft_tokens;
+    let grammar = Grammar::Regex("(?s:.*)".into());
+    let mut measured: Vec<(String, &Workload, Vec<Timing>, Vec<Timing>)> = Vec::new();
+    for (label, w) in &workloads {
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for run in 0..=a.runs {
+            bar.set_message(format!("{label} run {run}"));
+            let t = match w {
+                Workload::Plain { prompt } => time_plain(bundle.model(), prompt, &p, None)?,
+                Workload::Grammar { prompt } => time_plain(
+                    bundle.model(),
+                    prompt,
+                    &p,
+                    Some(bundle.constraint(&grammar)?),
+                )?,
+                Workload::Draft { prompt } => {
+                    let d = draft.as_ref().context("draft model")?;
+                    time_speculative(
+                        bundle.model(),
+                        &mut DraftModel::new(d.model()),
+                        prompt,
+                        &p,
+                        k,
+                    )?
+                }
+                Workload::Ngram { prompt } => {
+                    time_speculative(bundle.model(), &mut NgramLookup::new(1, 3)?, prompt, &p, k)?
+                }
+            };
+            let oracle = match (w, mlx_lm.as_mut()) {
+                (Workload::Plain { prompt }, Some(m)) => Some(m.run(prompt, &p, None)?),
+                (Workload::Draft { prompt }, Some(m)) => Some(m.run(prompt, &p, Some(k))?),
+                _ => None,
+            };
+            if run > 0 {
+                ours.push(t);
+                theirs.extend(oracle);
+            }
+            bar.inc(1);
+        }
+        measured.push((label.clone(), w, ours, theirs));
+    }
+    bar.finish_and_clear();
+
+    let weight_bytes = weight_bytes(&a.model)?;
+    let bandwidth = memory_bandwidth()?;
+    let floor = bandwidth / weight_bytes as f64;
+    let mut rows = Vec::new();
+    let plain_text_decode = measured
+        .iter()
+        .find(|(l, w, ..)| l == "text" && matches!(w, Workload::Plain { .. }))
+        .and_then(|(_, _, ours, _)| {
+            Spread::of(
+                ours.iter()
+                    .map(|t| t.generated as f64 / (t.ttft_s + t.decode_s))
+                    .collect(),
+            )
+        });
+    for (label, w, ours, theirs) in &measured {
+        let spread =
+            |ts: &[Timing], f: &dyn Fn(&Timing) -> f64| Spread::of(ts.iter().map(f).collect());
+        let row = |name: String, unit, higher, f: &dyn Fn(&Timing) -> f64, floor| Row {
+            name,
+            unit,
+            higher_is_better: higher,
+            verity: spread(ours, f),
+            mlx_lm: spread(theirs, f),
+            floor,
+        };
+        match w {
+            Workload::Plain { prompt } if label != "text" => {
+                let n = prompt.len();
+                rows.push(row(
+                    format!("prefill {n}"),
+                    "tok/s",
+                    true,
+                    &|t| t.prefill_tps(n),
+                    None,
+                ));
+                rows.push(row(
+                    format!("ttft {n}"),
+                    "ms",
+                    false,
+                    &|t| t.ttft_s * 1e3,
+                    None,
+                ));
+                rows.push(row(
+                    format!("decode after {n}"),
+                    "tok/s",
+                    true,
+                    &|t| t.decode_tps(),
+                    Some(floor),
+                ));
+                rows.push(row(
+                    format!("peak memory {n}"),
+                    "MB",
+                    false,
+                    &|t| t.peak_bytes as f64 / 1e6,
+                    None,
+                ));
+            }
+            Workload::Plain { .. } => rows.push(row(
+                "text prompt, plain".into(),
+                "tok/s",
+                true,
+                &|t| t.generated as f64 / (t.ttft_s + t.decode_s),
+                None,
+            )),
+            Workload::Draft { .. } => rows.push(row(
+                format!("text prompt, draft model k={k}"),
+                "tok/s",
+                true,
+                &|t| t.generated as f64 / (t.ttft_s + t.decode_s),
+                None,
+            )),
+            Workload::Ngram { .. } => rows.push(row(
+                format!("text prompt, n-gram k={k}"),
+                "tok/s",
+                true,
+                &|t| t.generated as f64 / (t.ttft_s + t.decode_s),
+                None,
+            )),
+            Workload::Grammar { .. } => rows.push(row(
+                "text prompt, regex grammar".into(),
+                "tok/s",
+                true,
+                &|t| t.generated as f64 / (t.ttft_s + t.decode_s),
+                None,
+            )),
+        }
+    }
+    let cold = cold_start(&a, device, mlx_lm.is_some())?;
+    rows.push(cold);
+    drop(mlx_lm);
+
+    if a.json {
+        let doc = json!({
+            "model": a.model, "device": device.name(), "mlx_version": mlx::version(),
+            "weight_bytes": weight_bytes, "bandwidth_bytes_per_s": bandwidth, "floor_tok_s": floor,
+            "decode_tokens": a.decode_tokens, "runs": a.runs,
+            "rows": rows.iter().map(Row::to_json).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "verity bench speed: {} on {} (MLX {}), {} decode tokens, median of {} runs [min-max]",
+        a.model.display(),
+        device.name(),
+        mlx::version(),
+        a.decode_tokens,
+        a.runs
+    );
+    println!(
+        "weights {:.1} MB, memory bandwidth {:.1} GB/s: floor {floor:.1} tok/s\n",
+        weight_bytes as f64 / 1e6,
+        bandwidth / 1e9
+    );
+    print!("{}", table(&rows));
+    if let (Some(plain), Some(spec)) = (
+        plain_text_decode,
+        rows.iter()
+            .find(|r| r.name.starts_with("text prompt, draft"))
+            .and_then(|r| r.verity),
+    ) {
+        println!(
+            "\nspeculative (draft model) / plain on the text prompt, end to end, verity: {:.2}x",
+            spec.median / plain.median
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The printed table.
+fn table(rows: &[Row]) -> String {
+    let cell = |s: Option<Spread>| {
+        s.map_or("-".into(), |s| {
+            format!("{:.1} [{:.1}-{:.1}]", s.median, s.min, s.max)
+        })
+    };
+    let mut out = format!(
+        "{:<32} {:>6}  {:>26}  {:>26}  {:>7}  {:>15}\n",
+        "row", "unit", "verity", "mlx-lm", "ratio", "floor v / m"
+    );
+    for r in rows {
+        let floor = r.floor.map_or("-".into(), |f| {
+            let pct = |s: Option<Spread>| {
+                s.map_or("-".into(), |s| format!("{:.0}%", 100.0 * s.median / f))
+            };
+            format!("{} / {}", pct(r.verity), pct(r.mlx_lm))
+        });
+        out.push_str(&format!(
+            "{:<32} {:>6}  {:>26}  {:>26}  {:>7}  {:>15}\n",
+            r.name,
+            r.unit,
+            cell(r.verity),
+            cell(r.mlx_lm),
+            r.ratio().map_or("-".into(), |x| format!("{x:.2}x")),
+            floor
+        ));
+    }
+    out
+}
+
+/// The bytes of the model's weight files (what a decode step reads).
+fn weight_bytes(dir: &Path) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for e in std::fs::read_dir(dir)? {
+        let path = e?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with("model") && name.ends_with(".safetensors") {
+            total += std::fs::metadata(&path)?.len();
+        }
+    }
+    Ok(total)
+}
+
+/// Load plus first token in a fresh process, for verity (`verity generate`) and mlx-lm
+/// (`python -m mlx_lm generate`), each the median of three.
+fn cold_start(a: &SpeedArgs, device: mlx::Device, with_mlx_lm: bool) -> anyhow::Result<Row> {
+    let model = a.model.to_string_lossy().into_owned();
+    let dev = if device == mlx::Device::Cpu {
+        "cpu"
+    } else {
+        "gpu"
+    };
+    let time = |cmd: &mut Command| -> anyhow::Result<f64> {
+        let start = Instant::now();
+        let out = cmd.output()?;
+        if !out.status.success() {
+            bail!(
+                "cold start: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    };
+    let args = [
+        "--prompt",
+        "hello",
+        "--ignore-chat-template",
+        "--max-tokens",
+        "1",
+    ];
+    let exe = std::env::current_exe()?;
+    let mut ours = Vec::new();
+    let mut theirs = Vec::new();
+    for _ in 0..3 {
+        ours.push(time(
+            Command::new(&exe)
+                .args(["--device", dev, "generate", "--model", &model])
+                .args(args),
+        )?);
+        // mlx_lm.generate runs on MLX's default device, so it is timed only on that one.
+        if with_mlx_lm && device == mlx::Device::best_available() {
+            theirs.push(time(
+                Command::new(&a.python)
+                    .args(["-m", "mlx_lm", "generate", "--model", &model])
+                    .args(args)
+                    .env("HF_HUB_OFFLINE", "1"),
+            )?);
+        }
+    }
+    Ok(Row {
+        name: "cold start (load + 1 token)".into(),
+        unit: "ms",
+        higher_is_better: false,
+        verity: Spread::of(ours),
+        mlx_lm: Spread::of(theirs),
+        floor: None,
+    })
+}
