@@ -18,12 +18,12 @@ import sys
 import time
 
 import mlx.core as mx
-from mlx_lm import load
-from mlx_lm.generate import generate_step, speculative_generate_step
-from mlx_lm.sample_utils import make_sampler
 
 
 def run(model, draft, request):
+    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.sample_utils import make_sampler
+
     prompt = mx.array(request["prompt"], dtype=mx.uint32)
     k = request.get("num_draft_tokens")
     common_args = dict(
@@ -60,7 +60,11 @@ def main():
     ap.add_argument("--draft-model")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     args = ap.parse_args()
+    # Before mlx_lm.generate is imported: it creates its generation stream on the default
+    # device at import time (and common.py selects the CPU).
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    from mlx_lm import load
+
     start = time.perf_counter()
     model, _ = load(args.model)
     draft = load(args.draft_model)[0] if args.draft_model else None

@@ -1396,6 +1396,77 @@ fn other_cases() -> Vec<Case> {
             no_setup(),
         ),
         case(
+            "bench-speed/runs-zero",
+            &[
+                "bench",
+                "speed",
+                "--model",
+                &model_arg("qwen3"),
+                "--runs",
+                "0",
+            ],
+            2,
+            &["--runs", "0"],
+            no_setup(),
+        ),
+        case(
+            "bench-speed/one-decode-token",
+            &[
+                "bench",
+                "speed",
+                "--model",
+                &model_arg("qwen3"),
+                "--decode-tokens",
+                "1",
+            ],
+            2,
+            &["--decode-tokens", "1"],
+            no_setup(),
+        ),
+        case(
+            "bench-speed/model-missing",
+            &["bench", "speed", "--model", "{S}/nope", "--no-mlx-lm"],
+            2,
+            &["nope", "no such model folder"],
+            no_setup(),
+        ),
+        case(
+            "bench-speed/no-oracle-venv",
+            &[
+                "bench",
+                "speed",
+                "--model",
+                &model_arg("qwen3"),
+                "--python",
+                "{S}/python",
+            ],
+            2,
+            &["oracle venv", "--no-mlx-lm"],
+            no_setup(),
+        ),
+        case(
+            "bench-speed/draft-of-another-vocabulary",
+            &[
+                "bench",
+                "speed",
+                "--model",
+                &model_arg("qwen3"),
+                "--draft-model",
+                "{S}/m",
+                "--no-mlx-lm",
+            ],
+            2,
+            &["another tokenizer"],
+            Box::new(|s| {
+                edit_json(&copy_model(s, "qwen3").join("tokenizer.json"), |t| {
+                    let vocab = t["model"]["vocab"].as_object_mut().unwrap();
+                    let (a, b) = (vocab["a"].clone(), vocab["b"].clone());
+                    vocab.insert("a".into(), b);
+                    vocab.insert("b".into(), a);
+                })
+            }),
+        ),
+        case(
             "cli/unknown-verb",
             &["frobnicate"],
             2,

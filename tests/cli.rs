@@ -311,3 +311,59 @@ fn generate_streams_the_same_tokens_as_the_golden_trace() {
         "{stderr}"
     );
 }
+
+/// `bench speed` runs every row and prints the table (verity alone: the oracle venv is not part
+/// of the test setup). No timing is asserted: speed is judged by the bench, never by a test.
+#[test]
+fn bench_speed_prints_every_row() {
+    let model = root().join("golden/models/qwen3-target");
+    let draft = root().join("golden/models/qwen3-draft");
+    let out = verity(&[
+        "bench",
+        "speed",
+        "--model",
+        &model.to_string_lossy(),
+        "--draft-model",
+        &draft.to_string_lossy(),
+        "--no-mlx-lm",
+        "--runs",
+        "1",
+        "--prompt-lens",
+        "16",
+        "--decode-tokens",
+        "4",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows: Vec<&str> = doc["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["row"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            "prefill 16",
+            "ttft 16",
+            "decode after 16",
+            "peak memory 16",
+            "text prompt, plain",
+            "text prompt, draft model k=3",
+            "text prompt, n-gram k=3",
+            "text prompt, regex grammar",
+            "cold start (load + 1 token)",
+        ]
+    );
+    for r in doc["rows"].as_array().unwrap() {
+        let median = r["verity"]["median"].as_f64().unwrap();
+        assert!(median.is_finite() && median > 0.0, "{r}");
+        assert!(r["mlx_lm"].is_null());
+    }
+    assert!(doc["floor_tok_s"].as_f64().unwrap() > 0.0);
+}

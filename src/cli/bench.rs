@@ -64,7 +64,9 @@ struct MlxLm {
 impl MlxLm {
     fn start(a: &SpeedArgs, device: mlx::Device) -> anyhow::Result<MlxLm> {
         let script = Path::new("oracles/bench_mlx_lm.py");
-        if !script.is_file() || !a.python.is_file() {
+        // A bare name (python3) is looked up on PATH by the spawn; a path must exist.
+        let python_missing = a.python.components().count() > 1 && !a.python.is_file();
+        if !script.is_file() || python_missing {
             bail!(
                 "mlx-lm needs {} and the oracle venv's {} (run from the repository root after \
                  `bash oracles/venv.sh`, or pass --no-mlx-lm)",
