@@ -69,9 +69,15 @@ impl ModelBundle {
             .unwrap_or_else(|e| format!("<undecodable: {e}>"))
     }
 
-    /// Refuses `draft` as a draft model for this target unless both index the same vocabulary
-    /// with the same tokenizer (drafts are fed to the target as ids).
-    pub fn check_draft(&self, draft: &ModelBundle) -> Result<()> {
+    /// Loads the model folder `dir` as a draft model for this target, refusing it unless both
+    /// index the same vocabulary with the same tokenizer (drafts are fed to the target as ids).
+    pub fn load_draft(&self, dir: &Path) -> Result<ModelBundle> {
+        let draft = ModelBundle::load(dir)?;
+        self.check_draft(&draft)?;
+        Ok(draft)
+    }
+
+    fn check_draft(&self, draft: &ModelBundle) -> Result<()> {
         crate::validate::draft_vocabulary(self.model(), draft.model())?;
         if !self.tokenizer.same_vocabulary(&draft.tokenizer) {
             return Err(crate::Error::Params(format!(

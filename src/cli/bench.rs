@@ -237,11 +237,8 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     let draft = a
         .draft_model
         .as_deref()
-        .map(ModelBundle::load)
+        .map(|d| bundle.load_draft(d))
         .transpose()?;
-    if let Some(d) = &draft {
-        bundle.check_draft(d)?;
-    }
     let mut mlx_lm = if a.no_mlx_lm {
         None
     } else {

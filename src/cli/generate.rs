@@ -335,11 +335,8 @@ fn speculate(
     let draft = a
         .draft_model
         .as_deref()
-        .map(ModelBundle::load)
+        .map(|d| bundle.load_draft(d))
         .transpose()?;
-    if let Some(d) = &draft {
-        bundle.check_draft(d)?;
-    }
     let mut source: Box<dyn DraftSource> = match &draft {
         Some(d) => Box::new(DraftModel::new(d.model())),
         None => Box::new(NgramLookup::new(a.ngram_min, a.ngram_max)?),
