@@ -31,6 +31,12 @@ impl Timing {
         prompt_tokens as f64 / self.ttft_s
     }
 
+    /// Tokens per second over the whole call, prefill included: how a speculative or
+    /// constrained run compares with a plain one.
+    pub fn end_to_end_tps(&self) -> f64 {
+        self.generated as f64 / (self.ttft_s + self.decode_s)
+    }
+
     /// Tokens per second after the first (mlx-lm's `generation_tps` counts from there too).
     pub fn decode_tps(&self) -> f64 {
         self.generated.saturating_sub(1) as f64 / self.decode_s

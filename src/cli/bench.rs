@@ -151,12 +151,33 @@ impl Drop for MlxLm {
     }
 }
 
-/// What one row measures, for both engines.
-enum Workload {
-    Plain { prompt: Vec<u32> },
-    Draft { prompt: Vec<u32> },
-    Ngram { prompt: Vec<u32> },
-    Grammar { prompt: Vec<u32> },
+/// How a workload decodes.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Plain,
+    Draft,
+    Ngram,
+    Grammar,
+}
+
+/// What one measurement runs, for both engines (mlx-lm has no n-gram or grammar decoding).
+struct Workload {
+    kind: Kind,
+    prompt: Vec<u32>,
+    /// A prefill row's random prompt (four rows), or the text prompt (one end-to-end row).
+    prefill_row: bool,
+}
+
+impl Workload {
+    /// The name of a text-prompt row.
+    fn text_row(&self, k: usize) -> String {
+        match self.kind {
+            Kind::Plain => "text prompt, plain".into(),
+            Kind::Draft => format!("text prompt, draft model k={k}"),
+            Kind::Ngram => format!("text prompt, n-gram k={k}"),
+            Kind::Grammar => "text prompt, regex grammar".into(),
+        }
+    }
 }
 
 /// Median, min and max of one engine's samples.
@@ -254,39 +275,26 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         ..GenerateParams::greedy(max_tokens, Vec::new())
     };
     let text = bundle.tokenizer.encode(TEXT_PROMPT, true)?;
-    let mut workloads: Vec<(String, Workload)> = a
+    let mut workloads: Vec<Workload> = a
         .prompt_lens
         .iter()
-        .map(|&l| {
-            (
-                format!("{l}"),
-                Workload::Plain {
-                    prompt: random_prompt(l, vocab, l as u64),
-                },
-            )
+        .map(|&l| Workload {
+            kind: Kind::Plain,
+            prompt: random_prompt(l, vocab, l as u64),
+            prefill_row: true,
         })
         .collect();
-    workloads.push((
-        "text".into(),
-        Workload::Plain {
-            prompt: text.clone(),
-        },
-    ));
-    if draft.is_some() {
-        workloads.push((
-            "text".into(),
-            Workload::Draft {
+    let text_kinds = [Kind::Plain, Kind::Draft, Kind::Ngram, Kind::Grammar];
+    workloads.extend(
+        text_kinds
+            .into_iter()
+            .filter(|&kind| kind != Kind::Draft || draft.is_some())
+            .map(|kind| Workload {
+                kind,
                 prompt: text.clone(),
-            },
-        ));
-    }
-    workloads.push((
-        "text".into(),
-        Workload::Ngram {
-            prompt: text.clone(),
-        },
-    ));
-    workloads.push(("text".into(), Workload::Grammar { prompt: text }));
+                prefill_row: false,
+            }),
+    );
 
     let bar = ProgressBar::new((workloads.len() * (a.runs + 1)) as u64);
     bar.set_style(
@@ -297,36 +305,26 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     let p = params(a.decode_tokens);
     let k = a.num_draft_tokens;
     let grammar = Grammar::Regex("(?s:.*)".into());
-    let mut measured: Vec<(String, &Workload, Vec<Timing>, Vec<Timing>)> = Vec::new();
-    for (label, w) in &workloads {
+    let mut measured: Vec<(&Workload, Vec<Timing>, Vec<Timing>)> = Vec::new();
+    for w in &workloads {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for run in 0..=a.runs {
-            bar.set_message(format!("{label} run {run}"));
-            let t = match w {
-                Workload::Plain { prompt } => time_plain(bundle.model(), prompt, &p, None)?,
-                Workload::Grammar { prompt } => time_plain(
-                    bundle.model(),
-                    prompt,
-                    &p,
-                    Some(bundle.constraint(&grammar)?),
-                )?,
-                Workload::Draft { prompt } => {
+            bar.set_message(format!("{} tokens, run {run}", w.prompt.len()));
+            let (model, prompt) = (bundle.model(), &w.prompt);
+            let t = match w.kind {
+                Kind::Plain => time_plain(model, prompt, &p, None)?,
+                Kind::Grammar => time_plain(model, prompt, &p, Some(bundle.constraint(&grammar)?))?,
+                Kind::Draft => {
                     let d = draft.as_ref().context("draft model")?;
-                    time_speculative(
-                        bundle.model(),
-                        &mut DraftModel::new(d.model()),
-                        prompt,
-                        &p,
-                        k,
-                    )?
+                    time_speculative(model, &mut DraftModel::new(d.model()), prompt, &p, k)?
                 }
-                Workload::Ngram { prompt } => {
-                    time_speculative(bundle.model(), &mut NgramLookup::new(1, 3)?, prompt, &p, k)?
+                Kind::Ngram => {
+                    time_speculative(model, &mut NgramLookup::new(1, 3)?, prompt, &p, k)?
                 }
             };
-            let oracle = match (w, mlx_lm.as_mut()) {
-                (Workload::Plain { prompt }, Some(m)) => Some(m.run(prompt, &p, None)?),
-                (Workload::Draft { prompt }, Some(m)) => Some(m.run(prompt, &p, Some(k))?),
+            let oracle = match (w.kind, mlx_lm.as_mut()) {
+                (Kind::Plain, Some(m)) => Some(m.run(prompt, &p, None)?),
+                (Kind::Draft, Some(m)) => Some(m.run(prompt, &p, Some(k))?),
                 _ => None,
             };
             if run > 0 {
@@ -335,7 +333,7 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             }
             bar.inc(1);
         }
-        measured.push((label.clone(), w, ours, theirs));
+        measured.push((w, ours, theirs));
     }
     bar.finish_and_clear();
 
@@ -343,17 +341,11 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     let bandwidth = memory_bandwidth()?;
     let floor = bandwidth / weight_bytes as f64;
     let mut rows = Vec::new();
-    let plain_text_decode = measured
+    let plain_text = measured
         .iter()
-        .find(|(l, w, ..)| l == "text" && matches!(w, Workload::Plain { .. }))
-        .and_then(|(_, _, ours, _)| {
-            Spread::of(
-                ours.iter()
-                    .map(|t| t.generated as f64 / (t.ttft_s + t.decode_s))
-                    .collect(),
-            )
-        });
-    for (label, w, ours, theirs) in &measured {
+        .find(|(w, ..)| !w.prefill_row && w.kind == Kind::Plain)
+        .and_then(|(_, ours, _)| Spread::of(ours.iter().map(Timing::end_to_end_tps).collect()));
+    for (w, ours, theirs) in &measured {
         let spread =
             |ts: &[Timing], f: &dyn Fn(&Timing) -> f64| Spread::of(ts.iter().map(f).collect());
         let row = |name: String, unit, higher, f: &dyn Fn(&Timing) -> f64, floor| Row {
@@ -364,67 +356,45 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             mlx_lm: spread(theirs, f),
             floor,
         };
-        match w {
-            Workload::Plain { prompt } if label != "text" => {
-                let n = prompt.len();
-                rows.push(row(
-                    format!("prefill {n}"),
-                    "tok/s",
-                    true,
-                    &|t| t.prefill_tps(n),
-                    None,
-                ));
-                rows.push(row(
-                    format!("ttft {n}"),
-                    "ms",
-                    false,
-                    &|t| t.ttft_s * 1e3,
-                    None,
-                ));
-                rows.push(row(
-                    format!("decode after {n}"),
-                    "tok/s",
-                    true,
-                    &|t| t.decode_tps(),
-                    Some(floor),
-                ));
-                rows.push(row(
-                    format!("peak memory {n}"),
-                    "MB",
-                    false,
-                    &|t| t.peak_bytes as f64 / 1e6,
-                    None,
-                ));
-            }
-            Workload::Plain { .. } => rows.push(row(
-                "text prompt, plain".into(),
+        if !w.prefill_row {
+            rows.push(row(
+                w.text_row(k),
                 "tok/s",
                 true,
-                &|t| t.generated as f64 / (t.ttft_s + t.decode_s),
+                &Timing::end_to_end_tps,
                 None,
-            )),
-            Workload::Draft { .. } => rows.push(row(
-                format!("text prompt, draft model k={k}"),
-                "tok/s",
-                true,
-                &|t| t.generated as f64 / (t.ttft_s + t.decode_s),
-                None,
-            )),
-            Workload::Ngram { .. } => rows.push(row(
-                format!("text prompt, n-gram k={k}"),
-                "tok/s",
-                true,
-                &|t| t.generated as f64 / (t.ttft_s + t.decode_s),
-                None,
-            )),
-            Workload::Grammar { .. } => rows.push(row(
-                "text prompt, regex grammar".into(),
-                "tok/s",
-                true,
-                &|t| t.generated as f64 / (t.ttft_s + t.decode_s),
-                None,
-            )),
+            ));
+            continue;
         }
+        let n = w.prompt.len();
+        rows.push(row(
+            format!("prefill {n}"),
+            "tok/s",
+            true,
+            &|t| t.prefill_tps(n),
+            None,
+        ));
+        rows.push(row(
+            format!("ttft {n}"),
+            "ms",
+            false,
+            &|t| t.ttft_s * 1e3,
+            None,
+        ));
+        rows.push(row(
+            format!("decode after {n}"),
+            "tok/s",
+            true,
+            &Timing::decode_tps,
+            Some(floor),
+        ));
+        rows.push(row(
+            format!("peak memory {n}"),
+            "MB",
+            false,
+            &|t| t.peak_bytes as f64 / 1e6,
+            None,
+        ));
     }
     let cold = cold_start(&a, device, mlx_lm.is_some())?;
     rows.push(cold);
@@ -455,7 +425,7 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     );
     print!("{}", table(&rows));
     if let (Some(plain), Some(spec)) = (
-        plain_text_decode,
+        plain_text,
         rows.iter()
             .find(|r| r.name.starts_with("text prompt, draft"))
             .and_then(|r| r.verity),
