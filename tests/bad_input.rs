@@ -72,6 +72,28 @@ fn broken_config(name: &'static str, edit: fn(&mut Map<String, Value>)) -> Setup
     Box::new(move |s| edit_json(&copy_model(s, name).join("config.json"), edit))
 }
 
+/// A copy of fixture `name` at `<scratch>/m` whose config.json sets `key` to `value`.
+fn config_value(name: &'static str, key: &'static str, value: Value) -> Setup {
+    Box::new(move |s| {
+        edit_json(&copy_model(s, name).join("config.json"), |c| {
+            c.insert(key.into(), value.clone());
+        })
+    })
+}
+
+/// A copy of qwen3 at `<scratch>/m` whose tokenizer maps two tokens the other way round: the
+/// same vocabulary size, another tokenizer.
+fn other_tokenizer() -> Setup {
+    Box::new(|s| {
+        edit_json(&copy_model(s, "qwen3").join("tokenizer.json"), |t| {
+            let vocab = t["model"]["vocab"].as_object_mut().unwrap();
+            let (a, b) = (vocab["a"].clone(), vocab["b"].clone());
+            vocab.insert("a".into(), b);
+            vocab.insert("b".into(), a);
+        })
+    })
+}
+
 /// A copy of qwen3 at `<scratch>/m` with one tensor's safetensors header entry edited.
 fn broken_header(tensor: &'static str, edit: fn(&mut Map<String, Value>)) -> Setup {
     Box::new(move |s| {
@@ -366,14 +388,7 @@ fn generate_cases() -> Vec<Case> {
             "generate/draft-other-tokenizer",
             &["--draft-model", "{S}/m"],
             &["another tokenizer"],
-            Box::new(|s| {
-                edit_json(&copy_model(s, "qwen3").join("tokenizer.json"), |t| {
-                    let vocab = t["model"]["vocab"].as_object_mut().unwrap();
-                    let (a, b) = (vocab["a"].clone(), vocab["b"].clone());
-                    vocab.insert("a".into(), b);
-                    vocab.insert("b".into(), a);
-                })
-            }),
+            other_tokenizer(),
         ),
         gen(
             "generate/draft-and-ngram",
@@ -592,9 +607,7 @@ fn model_folder_cases() -> Vec<Case> {
         folder(
             "unknown-model-type",
             &["unknown model_type", "gpt9"],
-            broken_config("qwen3", |c| {
-                c.insert("model_type".into(), json!("gpt9"));
-            }),
+            config_value("qwen3", "model_type", json!("gpt9")),
         ),
         folder(
             "no-model-type",
@@ -606,79 +619,57 @@ fn model_folder_cases() -> Vec<Case> {
         folder(
             "hidden-size-a-string",
             &["config.json", "\"big\"", "expected i32"],
-            broken_config("qwen3", |c| {
-                c.insert("hidden_size".into(), json!("big"));
-            }),
+            config_value("qwen3", "hidden_size", json!("big")),
         ),
         folder(
             "vocab-size-changed",
             &["embed_tokens", "shape"],
-            broken_config("qwen3", |c| {
-                c.insert("vocab_size".into(), json!(2048));
-            }),
+            config_value("qwen3", "vocab_size", json!(2048)),
         ),
         folder(
             "hidden-size-changed",
             &["shape"],
-            broken_config("qwen3", |c| {
-                c.insert("hidden_size".into(), json!(64));
-            }),
+            config_value("qwen3", "hidden_size", json!(64)),
         ),
         folder(
             "head-dim-zero",
             &["shape"],
-            broken_config("qwen3", |c| {
-                c.insert("head_dim".into(), json!(0));
-            }),
+            config_value("qwen3", "head_dim", json!(0)),
         ),
         folder(
             "more-layers",
             &["missing tensor", "layers.2"],
-            broken_config("qwen3", |c| {
-                c.insert("num_hidden_layers".into(), json!(3));
-            }),
+            config_value("qwen3", "num_hidden_layers", json!(3)),
         ),
         folder(
             "fewer-layers",
             &["unexpected tensors", "layers.1"],
-            broken_config("qwen3", |c| {
-                c.insert("num_hidden_layers".into(), json!(1));
-            }),
+            config_value("qwen3", "num_hidden_layers", json!(1)),
         ),
         folder(
             "eos-past-vocab",
             &["eos token id 5000", "1024"],
-            broken_config("qwen3", |c| {
-                c.insert("eos_token_id".into(), json!(5000));
-            }),
+            config_value("qwen3", "eos_token_id", json!(5000)),
         ),
         folder(
             "eos-negative",
             &["eos_token_id"],
-            broken_config("qwen3", |c| {
-                c.insert("eos_token_id".into(), json!(-1));
-            }),
+            config_value("qwen3", "eos_token_id", json!(-1)),
         ),
         folder(
             "sliding-window-zero",
             &["sliding_window must be at least 1"],
-            broken_config("gemma3", |c| {
-                c.insert("sliding_window".into(), json!(0));
-            }),
+            config_value("gemma3", "sliding_window", json!(0)),
         ),
         folder(
             "sliding-window-pattern-zero",
             &["sliding_window_pattern"],
-            broken_config("gemma3", |c| {
-                c.insert("sliding_window_pattern".into(), json!(0));
-            }),
+            config_value("gemma3", "sliding_window_pattern", json!(0)),
         ),
         folder(
             "full-attention-interval-zero",
             &["full_attention_interval"],
-            broken_config("qwen3_next", |c| {
-                c.insert("full_attention_interval".into(), json!(0));
-            }),
+            config_value("qwen3_next", "full_attention_interval", json!(0)),
         ),
         folder(
             "quantization-group-zero",
@@ -704,9 +695,7 @@ fn model_folder_cases() -> Vec<Case> {
         folder(
             "quantization-not-an-object",
             &["quantization"],
-            broken_config("qwen3-4bit", |c| {
-                c.insert("quantization".into(), json!(4));
-            }),
+            config_value("qwen3-4bit", "quantization", json!(4)),
         ),
         folder(
             "no-weights",
@@ -1457,14 +1446,7 @@ fn other_cases() -> Vec<Case> {
             ],
             2,
             &["another tokenizer"],
-            Box::new(|s| {
-                edit_json(&copy_model(s, "qwen3").join("tokenizer.json"), |t| {
-                    let vocab = t["model"]["vocab"].as_object_mut().unwrap();
-                    let (a, b) = (vocab["a"].clone(), vocab["b"].clone());
-                    vocab.insert("a".into(), b);
-                    vocab.insert("b".into(), a);
-                })
-            }),
+            other_tokenizer(),
         ),
         case(
             "cli/unknown-verb",
