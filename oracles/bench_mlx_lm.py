@@ -7,7 +7,11 @@ engines are measured in the same run, interleaved, on the same prompts.
 Requests: {"prompt": [ids], "max_tokens": N, "prefill_step_size": S, "num_draft_tokens": K or
 null}. A run is mlx-lm's own decode loop (generate_step, or speculative_generate_step with the
 draft), greedy, without EOS stopping, so both engines produce the same number of tokens. The
-answer: {"ttft_s", "decode_s", "generated", "peak_bytes"}; an error is {"error": message}.
+answer: {"ttft_s", "decode_s", "generated", "peak_bytes", "split"}; an error is
+{"error": message}. "split" (plain runs) tells where the host's decode time went, as verity's
+Generation measures it: building the next step's graph (generate_step's `_step`), handing it to
+MLX (`mx.async_eval`, timed by wrapping it), and waiting for the token (`y.item()`), summed over
+the steps after the first token.
 """
 
 import common  # noqa: F401  (offline guard first)
@@ -18,6 +22,26 @@ import sys
 import time
 
 import mlx.core as mx
+
+
+class AsyncEvalClock:
+    """Wraps mx.async_eval (generate_step looks it up on the module at each call) to note when
+    each call starts and ends."""
+
+    def __init__(self):
+        self.calls = 0
+        self.start = self.end = 0.0
+        self.inner = mx.async_eval
+        mx.async_eval = self
+
+    def __call__(self, *arrays):
+        self.start = time.perf_counter()
+        self.inner(*arrays)
+        self.end = time.perf_counter()
+        self.calls += 1
+
+
+ASYNC_EVAL = AsyncEvalClock()
 
 
 def run(model, draft, request):
@@ -40,10 +64,24 @@ def run(model, draft, request):
     start = time.perf_counter()
     first = last = None
     generated = 0
+    split = {"build_s": 0.0, "enqueue_s": 0.0, "wait_s": 0.0, "steps": 0}
+    seen = 0
     for step in steps:
+        # generate_step built and enqueued the next step, then waited in y.item(), before
+        # yielding this token.
         token = step[0]
         int(token)  # the token id on the host, as a caller would use it
-        last = time.perf_counter()
+        now = time.perf_counter()
+        if first is not None:
+            if ASYNC_EVAL.calls > seen:
+                split["build_s"] += ASYNC_EVAL.start - last
+                split["enqueue_s"] += ASYNC_EVAL.end - ASYNC_EVAL.start
+                split["wait_s"] += now - ASYNC_EVAL.end
+            else:
+                split["wait_s"] += now - last
+            split["steps"] += 1
+        seen = ASYNC_EVAL.calls
+        last = now
         first = first or last
         generated += 1
     return {
@@ -51,6 +89,7 @@ def run(model, draft, request):
         "decode_s": last - first,
         "generated": generated,
         "peak_bytes": mx.get_peak_memory(),
+        "split": split if k is None else None,
     }
 
 

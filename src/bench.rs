@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use mlx::{Array, Dtype};
 
-use crate::generate::{GeneratedToken, Generation};
+use crate::generate::{GeneratedToken, Generation, StepSplit};
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
 use crate::request::GenerateParams;
@@ -23,6 +23,8 @@ pub struct Timing {
     pub decode_s: f64,
     pub generated: usize,
     pub peak_bytes: usize,
+    /// Where plain decoding's host time went (speculative runs have no single step).
+    pub split: Option<StepSplit>,
 }
 
 impl Timing {
@@ -76,6 +78,7 @@ impl Clock {
             decode_s: (self.last.unwrap_or(first) - first).as_secs_f64(),
             generated: self.generated,
             peak_bytes: mlx::memory::peak(),
+            split: None,
         }
     }
 }
@@ -89,11 +92,15 @@ pub fn time_plain(
 ) -> Result<Timing> {
     let mut clock = Clock::start();
     let caches = model.make_cache(params.max_kv_size);
-    for step in Generation::start(model, caches, prompt, params, constraint)? {
+    let mut generation = Generation::start(model, caches, prompt, params, constraint)?;
+    for step in generation.by_ref() {
         step?;
         clock.token();
     }
-    Ok(clock.stop())
+    Ok(Timing {
+        split: Some(generation.step_split()),
+        ..clock.stop()
+    })
 }
 
 /// Times speculative decoding of `prompt` with `source` proposing `k` drafts a round.

@@ -165,6 +165,41 @@ pub struct Generation<'m> {
     pending: Option<(Array, Array)>,
     n: usize,
     done: bool,
+    split: StepSplit,
+}
+
+/// Where the host spends a decode step's time, summed over the steps after the first token:
+/// building the next step's graph, handing it to MLX (`async_eval`: on a GPU, the kernel
+/// launches), and waiting for the current token. A step whose build and enqueue take longer
+/// than the device's work is overhead-bound; `verity bench speed` prints the split per token.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepSplit {
+    pub build_s: f64,
+    pub enqueue_s: f64,
+    pub wait_s: f64,
+    /// The decode steps measured (tokens after the first).
+    pub steps: usize,
+}
+
+impl StepSplit {
+    /// The parts' names, in the order of [`StepSplit::per_step_us`].
+    pub const PARTS: [&str; 3] = ["build", "enqueue", "wait"];
+
+    /// Microseconds per measured step of each part, or None before any step.
+    pub fn per_step_us(&self) -> Option<[f64; 3]> {
+        let per = |s: f64| s / self.steps as f64 * 1e6;
+        (self.steps > 0).then(|| [per(self.build_s), per(self.enqueue_s), per(self.wait_s)])
+    }
+}
+
+/// Runs `f`, adding its wall time to `total` when `on`.
+fn timed<T>(on: bool, total: &mut f64, f: impl FnOnce() -> T) -> T {
+    let start = std::time::Instant::now();
+    let out = f();
+    if on {
+        *total += start.elapsed().as_secs_f64();
+    }
+    out
 }
 
 impl<'m> Generation<'m> {
@@ -215,6 +250,7 @@ impl<'m> Generation<'m> {
             pending: None,
             n: 0,
             done: false,
+            split: StepSplit::default(),
         };
         let (&last, head) = prompt
             .split_last()
@@ -248,10 +284,13 @@ impl<'m> Generation<'m> {
     fn next_token(&mut self) -> Result<GeneratedToken> {
         let (y, logprobs) = self.pending.take().expect("a pending step while not done");
         let read = |y: &Array| -> mlx::Result<u32> { y.astype(Dtype::Uint32)?.item::<u32>() };
+        // The first call's wait holds the end of the prefill: the split starts after it.
+        let on = self.n > 0;
+        let mut split = self.split;
         // A grammar must see token n before it can mask step n+1, so a constrained generation
         // reads the token first and takes no step after the last one.
         let early = if self.step_sampler.is_constrained() {
-            let token = read(&y)?;
+            let token = timed(on, &mut split.wait_s, || read(&y))?;
             self.step_sampler.advance_grammar(token)?;
             Some(token)
         } else {
@@ -260,14 +299,18 @@ impl<'m> Generation<'m> {
         if early.is_none_or(|t| self.params.finish_for(t, self.n + 1).is_none()) {
             // Enqueue step n+1 before returning token n, as generate_step does, even after the
             // last token: the extra forward and random draw are part of mlx-lm's behaviour.
-            let next = self.step(&y)?;
-            mlx::async_eval([&next.0, &next.1])?;
+            let next = timed(on, &mut split.build_s, || self.step(&y))?;
+            timed(on, &mut split.enqueue_s, || {
+                mlx::async_eval([&next.0, &next.1])
+            })?;
             self.pending = Some(next);
         }
         let token = match early {
             Some(t) => t,
-            None => read(&y)?,
+            None => timed(on, &mut split.wait_s, || read(&y))?,
         };
+        split.steps += usize::from(on);
+        self.split = split;
         self.n += 1;
         if self.n.is_multiple_of(256) {
             mlx::memory::clear_cache();
@@ -280,6 +323,23 @@ impl<'m> Generation<'m> {
             from_draft: false,
             finish,
         })
+    }
+}
+
+impl Generation<'_> {
+    /// The host's time per part of the decode steps so far.
+    pub fn step_split(&self) -> StepSplit {
+        self.split
+    }
+}
+
+/// The step enqueued after the last token may still be running when a generation is dropped;
+/// waiting for it keeps MLX from writing into outputs nobody holds any more.
+impl Drop for Generation<'_> {
+    fn drop(&mut self) {
+        if let Some((y, logprobs)) = &self.pending {
+            let _ = mlx::eval([y, logprobs]);
+        }
     }
 }
 

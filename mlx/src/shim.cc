@@ -189,8 +189,14 @@ rust::Vec<int32_t> shape(const Array& a) {
 uint8_t dtype(const Array& a) { return from_dtype(a.inner.dtype()); }
 
 rust::Vec<uint8_t> to_bytes(const Array& a) {
-  auto x = mx::contiguous(a.inner);
+  // Wait for the array itself, then copy only when its layout needs it: a copy op enqueued
+  // behind work already in flight (the decode loop's next step) would wait for all of it.
+  auto x = a.inner;
   x.eval();
+  if (!x.flags().row_contiguous) {
+    x = mx::contiguous(x);
+    x.eval();
+  }
   rust::Vec<uint8_t> out;
   out.reserve(x.nbytes());
   auto p = x.data<uint8_t>();

@@ -15,6 +15,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 use verity::bench::{memory_bandwidth, time_plain, time_speculative, Timing};
 use verity::bundle::ModelBundle;
+use verity::generate::StepSplit;
 use verity::grammar::Grammar;
 use verity::request::GenerateParams;
 use verity::speculative::{DraftModel, NgramLookup};
@@ -135,11 +136,27 @@ impl MlxLm {
             v[k].as_f64()
                 .with_context(|| format!("mlx-lm answer lacks {k}"))
         };
+        let split = match v.get("split") {
+            Some(s) if !s.is_null() => {
+                let part = |k: &str| {
+                    s[k].as_f64()
+                        .with_context(|| format!("mlx-lm answer's split lacks {k}"))
+                };
+                Some(StepSplit {
+                    build_s: part("build_s")?,
+                    enqueue_s: part("enqueue_s")?,
+                    wait_s: part("wait_s")?,
+                    steps: part("steps")? as usize,
+                })
+            }
+            _ => None,
+        };
         Ok(Timing {
             ttft_s: num("ttft_s")?,
             decode_s: num("decode_s")?,
             generated: num("generated")? as usize,
             peak_bytes: num("peak_bytes")? as usize,
+            split,
         })
     }
 }
@@ -388,6 +405,23 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             &Timing::decode_tps,
             Some(floor),
         ));
+        for (i, part) in StepSplit::PARTS.iter().enumerate() {
+            let per_token = |ts: &[Timing]| {
+                Spread::of(
+                    ts.iter()
+                        .filter_map(|t| Some(t.split?.per_step_us()?[i]))
+                        .collect(),
+                )
+            };
+            rows.push(Row {
+                name: format!("  {part} per token after {n}"),
+                unit: "us",
+                higher_is_better: false,
+                verity: per_token(ours),
+                mlx_lm: per_token(theirs),
+                floor: None,
+            });
+        }
         rows.push(row(
             format!("peak memory {n}"),
             "MB",
