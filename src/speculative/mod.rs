@@ -11,5 +11,5 @@ pub mod stats;
 pub use draft_model::DraftModel;
 pub use executor::{generate_speculative, Control};
 pub use ngram::NgramLookup;
-pub use source::{DraftContext, DraftSource};
+pub use source::{DraftContext, DraftSource, PrefillMode, Verified};
 pub use stats::SpeculationStats;
