@@ -1,13 +1,20 @@
-//! Native drafters through the DraftSource seam: hidden-state taps against a plain forward and
-//! the hidden rows the executor hands a source.
+//! Native drafters through the DraftSource seam: hidden-state taps against a plain forward,
+//! the hidden rows the executor hands a source, the Qwen3.5 MTP head as a source (tier C:
+//! speculative ≡ plain, with real rollbacks of the target and of the head's own cache), its
+//! weights loaded alike from "pt"- and "mlx"-tagged checkpoints, and the pairing check. The
+//! mlx-vlm MTP goldens are replayed by tests/goldens.rs.
 
 mod support;
 
+use std::collections::BTreeMap;
+
 use mlx::Array;
-use support::{bundle, golden_input};
-use verity::generate::{forward_tapped, prefill, token_array, Generation};
+use support::{bundle, golden_input, model_dir};
+use verity::bundle::ModelBundle;
+use verity::generate::{forward_tapped, prefill, token_array, GenerateParams, Generation};
 use verity::speculative::{
-    generate_speculative, Control, DraftContext, DraftSource, PrefillMode, Verified,
+    generate_speculative, Control, DraftContext, DraftSource, MtpDrafter, PrefillMode,
+    SpeculationStats, Verified,
 };
 
 fn bits(a: &Array) -> Vec<u8> {
@@ -185,4 +192,174 @@ fn a_source_gets_the_rows_of_plain_forwards_over_the_same_tokens() {
             previous = out;
         }
     }
+}
+
+fn mtp_run(
+    target: &ModelBundle,
+    prompt: &[u32],
+    params: &GenerateParams,
+    k: usize,
+) -> (Vec<(u32, Vec<u8>)>, SpeculationStats, usize) {
+    let mut source = MtpDrafter::new(target.model()).unwrap();
+    let mut steps = Vec::new();
+    let (stats, _) = generate_speculative(
+        target.model(),
+        &mut source,
+        prompt,
+        params,
+        k,
+        None,
+        &mut |t| {
+            steps.push((t.token, bits(&t.logprobs)));
+            Control::Continue
+        },
+    )
+    .unwrap();
+    let head_entries = source.caches()[0].offset();
+    (steps, stats, head_entries)
+}
+
+#[test]
+fn mtp_speculation_equals_plain_with_rollbacks_of_target_and_head() {
+    support::on_cpu();
+    let target = bundle("qwen3_5");
+    for trace in ["qwen3_5/greedy/code", "qwen3_5/greedy/chat"] {
+        let (prompt, params) = golden_input(trace, 40);
+        let want: Vec<(u32, Vec<u8>)> = Generation::new(target.model(), &prompt, &params)
+            .unwrap()
+            .map(|s| {
+                let s = s.unwrap();
+                (s.token, bits(&s.logprobs))
+            })
+            .collect();
+        for k in [1, 2, 3] {
+            let (got, stats, head_entries) = mtp_run(&target, &prompt, &params, k);
+            assert!(
+                got == want,
+                "{trace} k={k}: MTP speculation differs from plain"
+            );
+            assert_eq!(stats.generated, want.len());
+            assert!(stats.rounds > 0 && stats.drafted > 0, "{stats:?}");
+            assert!(
+                stats.partial_rollbacks > 0,
+                "{trace} k={k}: no rollback: {stats:?}"
+            );
+            // The head holds one entry per emitted token (each paired with the row it was
+            // sampled from), whatever it drafted and took back.
+            assert_eq!(
+                head_entries,
+                want.len(),
+                "{trace} k={k}: head cache entries"
+            );
+        }
+    }
+}
+
+/// A copy of the qwen3_5 fixture whose model.safetensors is rewritten by `edit` and tagged
+/// with `format`.
+fn qwen3_5_copy(label: &str, format: &str, edit: impl Fn(&str, Array) -> Array) -> ModelBundle {
+    let src = model_dir("qwen3_5");
+    let dir = std::env::temp_dir().join(format!("verity-mtp-{label}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e != "safetensors") {
+            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let loaded = mlx::io::load_safetensors(&src.join("model.safetensors")).unwrap();
+    let tensors: BTreeMap<String, Array> = loaded
+        .tensors
+        .into_iter()
+        .map(|(k, v)| {
+            let v = edit(&k, v);
+            (k, v)
+        })
+        .collect();
+    let metadata = BTreeMap::from([("format".to_string(), format.to_string())]);
+    mlx::io::save_safetensors(&dir.join("model.safetensors"), &tensors, &metadata).unwrap();
+    let b = ModelBundle::load(&dir).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    b
+}
+
+/// The MTP head's output bits on a fixed input (a fresh cache, three entries).
+fn head_output(b: &ModelBundle) -> Vec<u8> {
+    let model = b.model();
+    let head = model.mtp_head().expect("the fixture has an MTP head");
+    let ids = token_array(&[3, 500, 41])
+        .unwrap()
+        .expand_dims(&[0])
+        .unwrap();
+    let embedded = model.outer().embed_tokens.forward(&ids).unwrap();
+    let hidden = model
+        .forward(&ids, &mut model.make_cache(None), &[model.num_layers()])
+        .unwrap()
+        .hidden
+        .remove(0);
+    bits(
+        &head
+            .forward(&embedded, &hidden, &mut head.make_cache())
+            .unwrap(),
+    )
+}
+
+/// The mtp norms as their names say (every 1-D mtp tensor here is a norm weight).
+fn is_mtp_norm(k: &str) -> bool {
+    k.starts_with("mtp.") && (k.ends_with("norm.weight") || k.contains(".pre_fc_norm_"))
+}
+
+#[test]
+fn mtp_weights_load_alike_from_pt_and_mlx_saved_checkpoints() {
+    support::on_cpu();
+    let fixture = bundle("qwen3_5");
+    let want = head_output(&fixture);
+    // As mlx-vlm would save the split drafter: zero-centred mtp norms already shifted by +1.
+    let converted = qwen3_5_copy("mlx", "mlx", |k, v| {
+        if is_mtp_norm(k) {
+            v.add_scalar(1.0).unwrap()
+        } else {
+            v
+        }
+    });
+    assert_eq!(
+        head_output(&converted),
+        want,
+        "an mlx-saved head loads differently"
+    );
+    // An explicit "pt" tag is the fixture's own.
+    let pt = qwen3_5_copy("pt", "pt", |_, v| v);
+    assert_eq!(head_output(&pt), want);
+    // The tag is read: unshifted norms under "mlx" are taken as converted (as mlx-vlm does).
+    let mislabelled = qwen3_5_copy("mislabelled", "mlx", |_, v| v);
+    assert_ne!(
+        head_output(&mislabelled),
+        want,
+        "the format tag was ignored"
+    );
+    // The target itself is read the mlx-lm way whatever the tag: same logits.
+    let ids = token_array(&[7, 8, 9]).unwrap().expand_dims(&[0]).unwrap();
+    let logits = |b: &ModelBundle| {
+        bits(
+            &b.model()
+                .forward(&ids, &mut b.model().make_cache(None), &[])
+                .unwrap()
+                .logits,
+        )
+    };
+    assert_eq!(logits(&converted), logits(&fixture));
+}
+
+#[test]
+fn an_mtp_drafter_needs_a_target_with_an_mtp_head() {
+    support::on_cpu();
+    for name in ["qwen3", "qwen3_next", "qwen3_5-4bit"] {
+        let b = bundle(name);
+        let err = MtpDrafter::new(b.model())
+            .err()
+            .expect("no MTP head")
+            .to_string();
+        assert!(err.contains("mtp.* weights"), "{name}: {err}");
+    }
+    assert!(MtpDrafter::new(bundle("qwen3_5").model()).is_ok());
 }
