@@ -363,3 +363,71 @@ fn an_mtp_drafter_needs_a_target_with_an_mtp_head() {
     }
     assert!(MtpDrafter::new(bundle("qwen3_5").model()).is_ok());
 }
+
+/// The MTP drafter recording each round's drafts.
+struct Spy<'m> {
+    inner: MtpDrafter<'m>,
+    drafts: Vec<Vec<u32>>,
+}
+
+impl DraftSource for Spy<'_> {
+    fn taps(&self) -> Vec<usize> {
+        self.inner.taps()
+    }
+
+    fn prefill_mode(&self) -> PrefillMode {
+        self.inner.prefill_mode()
+    }
+
+    fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> verity::Result<()> {
+        self.inner.prefill(prompt, ctx)
+    }
+
+    fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> verity::Result<Vec<u32>> {
+        let drafts = self.inner.draft(n, ctx)?;
+        self.drafts.push(drafts.clone());
+        Ok(drafts)
+    }
+
+    fn commit(&mut self, round: &Verified<'_>) -> verity::Result<()> {
+        self.inner.commit(round)
+    }
+}
+
+#[test]
+fn mtp_drafts_equal_mlx_vlm_round_by_round() {
+    support::on_cpu();
+    let target = bundle("qwen3_5");
+    let (mut traces, mut rounds) = (0, 0);
+    for block in [2, 3, 4] {
+        for prompt in ["code", "chat", "chat-sort", "unicode", "long"] {
+            let id = format!("qwen3_5/vlm-mtp{block}/{prompt}");
+            let path = support::root().join(format!("golden/traces/{id}.json"));
+            let json: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            let want: Vec<Vec<u32>> = serde_json::from_value(json["mtp_drafts"].clone()).unwrap();
+            let trace = support::golden(&id);
+            let params =
+                verity::parity::replay::params(&trace, target.eos_token_ids.clone()).unwrap();
+            let mut spy = Spy {
+                inner: MtpDrafter::new(target.model()).unwrap(),
+                drafts: Vec::new(),
+            };
+            generate_speculative(
+                target.model(),
+                &mut spy,
+                &trace.prompt.tokens,
+                &params,
+                block - 1,
+                None,
+                &mut |_| Control::Continue,
+            )
+            .unwrap();
+            assert_eq!(spy.drafts, want, "{id}: drafts differ from mlx-vlm's");
+            traces += 1;
+            rounds += want.len();
+        }
+    }
+    assert_eq!(traces, 15);
+    assert!(rounds > 500, "{rounds} rounds");
+}
