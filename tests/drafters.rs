@@ -9,6 +9,8 @@ mod support;
 use std::collections::BTreeMap;
 
 use mlx::Array;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
 use support::{bundle, golden_input, model_dir};
 use verity::bundle::ModelBundle;
 use verity::generate::{forward_tapped, prefill, token_array, GenerateParams, Generation};
@@ -430,4 +432,168 @@ fn mtp_drafts_equal_mlx_vlm_round_by_round() {
     }
     assert_eq!(traces, 15);
     assert!(rounds > 500, "{rounds} rounds");
+}
+
+/// One round the property feeds the MTP drafter: drafts asked for, drafts accepted, and
+/// whether the target's own token follows (false: the request ended inside the round).
+#[derive(Clone, Debug)]
+struct Outcome {
+    drafts: usize,
+    accepted: usize,
+    next: bool,
+}
+
+fn outcomes() -> impl Strategy<Value = Vec<Outcome>> {
+    let round = (1usize..=4)
+        .prop_flat_map(|n| (Just(n), 0..=n))
+        .prop_map(|(drafts, accepted)| Outcome {
+            drafts,
+            accepted,
+            next: true,
+        });
+    (prop::collection::vec(round, 1..6), any::<bool>()).prop_map(|(mut rounds, ends)| {
+        if let Some(last) = rounds.last_mut() {
+            last.next = !ends;
+        }
+        rounds
+    })
+}
+
+/// mlx-vlm's drafter state as plain data (qwen3_5_mtp.py, draft_block and
+/// accept_verified_tokens): the entries its cache holds, each a token and the hidden state it
+/// follows, recomputed from scratch with the head on a fresh cache whenever an output is needed.
+struct Reference<'a> {
+    target: &'a ModelBundle,
+    entries: Vec<(u32, Array)>,
+}
+
+impl Reference<'_> {
+    /// The head's outputs (1, L, H) over `entries` in one pass on a fresh cache, and the cache.
+    fn run(&self, entries: &[(u32, Array)]) -> (Array, Vec<verity::cache::LayerCache>) {
+        let model = self.target.model();
+        let head = model.mtp_head().unwrap();
+        let tokens: Vec<u32> = entries.iter().map(|e| e.0).collect();
+        let ids = token_array(&tokens).unwrap().expand_dims(&[0]).unwrap();
+        let embedded = model.outer().embed_tokens.forward(&ids).unwrap();
+        let rows: Vec<&Array> = entries.iter().map(|e| &e.1).collect();
+        let hidden = mlx::ops::concatenate(&rows, 1).unwrap();
+        let mut caches = head.make_cache();
+        let out = head.forward(&embedded, &hidden, &mut caches).unwrap();
+        (out, caches)
+    }
+
+    fn last_output(&self, entries: &[(u32, Array)]) -> Array {
+        let out = self.run(entries).0;
+        let l = out.dim(1);
+        out.slice_axis(1, l - 1, l).unwrap()
+    }
+
+    fn argmax(&self, h: &Array) -> u32 {
+        let logits = self
+            .target
+            .model()
+            .outer()
+            .logits(&h.squeeze(&[1]).unwrap());
+        mlx::ops::argmax(&logits.unwrap(), -1, false)
+            .unwrap()
+            .item::<u32>()
+            .unwrap()
+    }
+
+    /// draft_block: the first draft from the seed, then chained entries; returns the drafts
+    /// and the chained entries it appended.
+    fn draft(&self, n: usize) -> (Vec<u32>, Vec<(u32, Array)>) {
+        let mut h = self.last_output(&self.entries);
+        let mut drafts = vec![self.argmax(&h)];
+        let mut appended = Vec::new();
+        while drafts.len() < n {
+            appended.push((*drafts.last().unwrap(), h));
+            let mut all = self.entries.clone();
+            all.extend(appended.iter().cloned());
+            h = self.last_output(&all);
+            drafts.push(self.argmax(&h));
+        }
+        (drafts, appended)
+    }
+}
+
+#[test]
+fn mtp_cache_rollback_matches_a_recompute_of_mlx_vlms_entries() {
+    support::on_cpu();
+    let target = bundle("qwen3_5");
+    let model = target.model();
+    let width = model.outer().embed_tokens.width() as i32;
+    let params = GenerateParams::greedy(64, target.eos_token_ids.clone());
+    let prompt = [5u32, 9, 300];
+    let config = Config {
+        cases: support::proptest_cases(8, 300),
+        source_file: Some(file!()),
+        ..Config::default()
+    };
+    let rows = |seed: u64, n: i32| {
+        mlx::random::normal(
+            &[1, n, width],
+            mlx::Dtype::Float32,
+            &mlx::random::key(seed).unwrap(),
+        )
+        .unwrap()
+    };
+    let (kept_chained, all_accepted) = (std::cell::Cell::new(0), std::cell::Cell::new(0));
+    TestRunner::new(config)
+        .run(&(outcomes(), any::<u64>()), |(rounds, seed)| {
+            let mut sampler = params.step_sampler(model, &prompt, None).unwrap();
+            let mut drafter = MtpDrafter::new(model).unwrap();
+            let anchor = [rows(seed, 1)];
+            let mut reference = Reference {
+                target: &target,
+                entries: vec![(7, anchor[0].clone())],
+            };
+            let mut ctx = DraftContext::new(&mut sampler, &params, 7, &anchor);
+            drafter.prefill(&prompt, &mut ctx).unwrap();
+            for (r, round) in rounds.iter().enumerate() {
+                let mut ctx = DraftContext::new(&mut sampler, &params, 11, &[]);
+                let drafts = drafter.draft(round.drafts, &mut ctx).unwrap();
+                let (want, chained) = reference.draft(round.drafts);
+                prop_assert_eq!(&drafts, &want, "round {}: drafts", r);
+                let verified = [rows(
+                    seed.wrapping_add(r as u64 + 1),
+                    round.drafts as i32 + 1,
+                )];
+                let next = round.next.then_some(40 + r as u32);
+                drafter
+                    .commit(&Verified {
+                        drafted: round.drafts,
+                        accepted: round.accepted,
+                        next,
+                        hidden: &verified,
+                    })
+                    .unwrap();
+                // accept_verified_tokens: keep min(accepted, appended) chained entries, then the
+                // accepted drafts after them and the target's token on the verified rows.
+                let keep = round.accepted.min(chained.len());
+                kept_chained.set(kept_chained.get() + keep);
+                all_accepted.set(all_accepted.get() + usize::from(round.accepted == round.drafts));
+                reference.entries.extend(chained.into_iter().take(keep));
+                let row = |i: usize| verified[0].slice_axis(1, i as i32, i as i32 + 1).unwrap();
+                for (i, &d) in drafts.iter().enumerate().take(round.accepted).skip(keep) {
+                    reference.entries.push((d, row(i)));
+                }
+                if let Some(t) = next {
+                    reference.entries.push((t, row(round.accepted)));
+                }
+                let (_, caches) = reference.run(&reference.entries);
+                let visible = |c: &verity::cache::LayerCache| {
+                    let (k, v) = c.visible().unwrap().unwrap();
+                    (bits(&k), bits(&v))
+                };
+                prop_assert_eq!(drafter.caches().len(), caches.len());
+                for (got, want) in drafter.caches().iter().zip(&caches) {
+                    prop_assert!(visible(got) == visible(want), "round {}: head cache", r);
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert!(kept_chained.get() > 0, "no chained entry was ever kept");
+    assert!(all_accepted.get() > 0, "no round accepted every draft");
 }

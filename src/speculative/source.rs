@@ -39,7 +39,23 @@ pub struct DraftContext<'a> {
     pub anchor: &'a [Array],
 }
 
-impl DraftContext<'_> {
+impl<'a> DraftContext<'a> {
+    /// A context for driving a source outside the executor (the rollback properties feed a
+    /// source chosen outcomes); the executor builds its own.
+    pub fn new(
+        sampler: &'a mut StepSampler,
+        params: &'a GenerateParams,
+        last: u32,
+        anchor: &'a [Array],
+    ) -> DraftContext<'a> {
+        DraftContext {
+            sampler,
+            params,
+            last,
+            anchor,
+        }
+    }
+
     /// Samples one token from a draft model's (1, V) logits as the target would sample after
     /// the last emitted token and `drafted`: processors, logprobs, sampler. Drafts are not
     /// constrained by a grammar; the target's verify walk is.
