@@ -25,7 +25,8 @@ struct TextArgs {
     full_attention_interval: usize,
     num_experts: usize,
     rope_parameters: Option<Map<String, Value>>,
-    /// Decoder layers of the MTP head (mlx-vlm reads 1 when absent, qwen3_5_mtp.py:32).
+    /// Decoder layers of the MTP head (mlx-vlm reads 1 when absent:
+    /// mlx_vlm/speculative/drafters/qwen3_5_mtp/qwen3_5_mtp.py:31).
     mtp_num_hidden_layers: usize,
 }
 
