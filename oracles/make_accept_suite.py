@@ -3,11 +3,14 @@ acceptance on the same prompts recorded alongside for comparison.
 
 Each suite names a target, a draft source, the num_draft_tokens values, max_tokens, and the
 prompts as token ids (the 8 held-out prompts of corpus.eval_prompts: chat prompts with the chat
-template applied). `[oracle]` holds mlx-lm's greedy from_draft fraction (accepted / emitted) per
-k, measured here with stream_generate.
+template applied). `[oracle]` holds the oracle's greedy from_draft fraction (accepted / emitted)
+per k on the same prompts: mlx-lm's stream_generate with the draft model, or for the `mtp` suite
+(the qwen3_5 fixture's own MTP head) mlx-vlm's MTP loop at block size k + 1.
 
-    oracles/.venv/bin/python oracles/make_accept_suite.py
+    oracles/.venv/bin/python oracles/make_accept_suite.py [SUITE]...
 """
+
+import sys
 
 import common  # noqa: F401  (offline guard first)
 
@@ -45,31 +48,69 @@ def from_draft_fraction(target, tok, draft, k, prompts):
     return accepted / emitted
 
 
-def main():
-    target, tok = load(str(model_dir("qwen3-target")))
-    prompts = prompt_ids(tok)
+MTP_KS = [1, 2, 3]
+
+
+def mtp_from_draft_fraction(k, prompts):
+    """mlx-vlm's MTP loop on the qwen3_5 fixture at block size k + 1: accepted / emitted."""
+    import mlx.core as mx
+    from mlx_vlm import load as vlm_load
+    from mlx_vlm.generate import stream_generate as vlm_stream
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    path = str(model_dir("qwen3_5"))
+    model, processor = vlm_load(path)
+    drafter, kind = load_drafter(path, kind="mtp")
+    emitted = accepted = 0
+    for ids in prompts:
+        final = list(vlm_stream(model, processor, "", input_ids=mx.array([ids]), max_tokens=MAX_TOKENS,
+                                temperature=0.0, draft_model=drafter, draft_kind=kind,
+                                draft_block_size=k + 1))[-1]
+        emitted += len(final.token_ids)
+        accepted += sum(drafter.accept_lens)
+    return accepted / emitted
+
+
+def write_suite(name, target, source, ks, prompts, oracle, fractions):
+    log(f"{name}: {oracle} from_draft " + ", ".join(f"k={k} {v:.4f}" for k, v in fractions.items()))
+    lines = [
+        f"# Acceptance suite for `verity accept`, written by oracles/make_accept_suite.py.",
+        'format = "verity-accept/1"',
+        f'target = "golden/models/{target}"',
+        f"source = {source}",
+        f"num_draft_tokens = {ks}",
+        f"max_tokens = {MAX_TOKENS}",
+        "prompts = [",
+        *[f"  {ids}," for ids in prompts],
+        "]",
+        "",
+        f"# {oracle}'s greedy from_draft fraction (accepted / emitted) on the same prompts, per k.",
+        "[oracle.from_draft]",
+        *[f'"{k}" = {v!r}' for k, v in fractions.items()],
+    ]
     out_dir = GOLDEN / "accept"
     out_dir.mkdir(parents=True, exist_ok=True)
+    write_text(out_dir / f"{name}.toml", "\n".join(lines) + "\n")
+
+
+def main():
+    only = set(sys.argv[1:])
+    known = set(SUITES) | {"mtp"}
+    if only - known:
+        common.die(f"unknown suites {sorted(only - known)}; known: {sorted(known)}")
+    target, tok = load(str(model_dir("qwen3-target")))
+    prompts = prompt_ids(tok)
     for name, suite in SUITES.items():
+        if only and name not in only:
+            continue
         draft = load(str(model_dir(suite["draft"])))[0]
         fractions = {k: from_draft_fraction(target, tok, draft, k, prompts) for k in suite["ks"]}
-        log(f"{name}: mlx-lm from_draft " + ", ".join(f"k={k} {v:.4f}" for k, v in fractions.items()))
-        lines = [
-            f"# Acceptance suite for `verity accept`, written by oracles/make_accept_suite.py.",
-            'format = "verity-accept/1"',
-            'target = "golden/models/qwen3-target"',
-            f'source = {{ kind = "model", model = "golden/models/{suite["draft"]}" }}',
-            f"num_draft_tokens = {suite['ks']}",
-            f"max_tokens = {MAX_TOKENS}",
-            "prompts = [",
-            *[f"  {ids}," for ids in prompts],
-            "]",
-            "",
-            "# mlx-lm's greedy from_draft fraction (accepted / emitted) on the same prompts, per k.",
-            "[oracle.from_draft]",
-            *[f'"{k}" = {v!r}' for k, v in fractions.items()],
-        ]
-        write_text(out_dir / f"{name}.toml", "\n".join(lines) + "\n")
+        source = f'{{ kind = "model", model = "golden/models/{suite["draft"]}" }}'
+        write_suite(name, "qwen3-target", source, suite["ks"], prompts, "mlx-lm", fractions)
+    if not only or "mtp" in only:
+        # The fixtures share one tokenizer, so the prompts are the same ids.
+        fractions = {k: mtp_from_draft_fraction(k, prompts) for k in MTP_KS}
+        write_suite("mtp", "qwen3_5", '{ kind = "mtp" }', MTP_KS, prompts, "mlx-vlm", fractions)
 
 
 if __name__ == "__main__":

@@ -255,6 +255,14 @@ def dumps(trace):
     return enc(trace, "") + "\n"
 
 
+def vlm_owned(path):
+    """Whether a file is a trace oracles/record_vlm.py wrote (oracle.tool "mlx-vlm")."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))["oracle"]["tool"] == "mlx-vlm"
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", action="append",
@@ -285,7 +293,8 @@ def main():
     stale = []
     if not args.only:
         files = list(out_dir.rglob("*.json")) + list(cache_dir.glob("*.safetensors"))
-        stale = [p for p in files if p not in written]
+        # oracles/record_vlm.py owns the mlx-vlm traces.
+        stale = [p for p in files if p not in written and not vlm_owned(p)]
     for p in stale:
         p.unlink()
     print(f"recorded {len(cases)} traces into {out_dir.relative_to(ROOT)} on {backend}, "

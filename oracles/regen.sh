@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates everything under golden/ from the pinned oracle venv, except the trained weights
 # (oracles/train.sh): fixtures and SHA256SUMS, the ops golden, and every trace in
-# golden/MANIFEST.toml. Deterministic: on a clean checkout `git status` shows no change.
+# golden/MANIFEST.toml (mlx-lm and mlx-vlm). Deterministic: on a clean checkout `git status` shows no change.
 # Usage: bash oracles/venv.sh && bash oracles/regen.sh
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -14,3 +14,5 @@ echo "== ops golden"
 "$py" "$here/record_ops.py"
 echo "== traces"
 "$py" "$here/record.py"
+echo "== mlx-vlm traces"
+"$py" "$here/record_vlm.py"

@@ -8,7 +8,7 @@ use mlx::{Array, Dtype};
 
 use crate::cache::{eval_state, quantize_due, KvQuantization, LayerCache};
 use crate::grammar::Constraint;
-use crate::model::LanguageModel;
+use crate::model::{Forward, LanguageModel};
 pub use crate::request::{FinishReason, GenerateParams};
 use crate::sample::{LogitsProcessors, Masking, Sampler, StepSampler};
 use crate::{validate, Result};
@@ -48,9 +48,20 @@ pub fn forward_tokens(
     tokens: &Array,
     kv_quantization: Option<&KvQuantization>,
 ) -> Result<Array> {
-    let out = model.forward(&tokens.expand_dims(&[0])?, caches, &[])?;
+    Ok(forward_tapped(model, caches, tokens, kv_quantization, &[])?.logits)
+}
+
+/// `forward_tokens` keeping the hidden states at `taps` (a drafter's view of the target).
+pub fn forward_tapped(
+    model: &dyn LanguageModel,
+    caches: &mut [LayerCache],
+    tokens: &Array,
+    kv_quantization: Option<&KvQuantization>,
+    taps: &[usize],
+) -> Result<Forward> {
+    let out = model.forward(&tokens.expand_dims(&[0])?, caches, taps)?;
     quantize_due(caches, kv_quantization)?;
-    Ok(out.logits)
+    Ok(out)
 }
 
 /// Feeds `tokens` to the model in chunks of `prefill_step_size`, evaluating the caches after

@@ -397,6 +397,18 @@ fn generate_cases() -> Vec<Case> {
             no_setup(),
         ),
         gen(
+            "generate/draft-mtp-without-head",
+            &["--draft-mtp"],
+            &["mtp.* weights", "MTP head"],
+            no_setup(),
+        ),
+        gen(
+            "generate/draft-mtp-and-ngram",
+            &["--draft-mtp", "--draft-ngram"],
+            &["--draft-mtp", "--draft-ngram"],
+            no_setup(),
+        ),
+        gen(
             "generate/json-schema-missing",
             &["--json-schema", "{S}/nope.json"],
             &["nope.json"],
@@ -947,6 +959,16 @@ fn trace_cases() -> Vec<Case> {
                 |t| t["draft"] = json!({"kind": "model", "model": "golden/models/qwen3-draft", "num_draft_tokens": 0}),
             ),
             &["num_draft_tokens", "0"],
+        ),
+        (
+            "mtp-block-one",
+            trace_with(|t| t["draft"] = json!({"kind": "mtp", "block_size": 1})),
+            &["draft.block_size", "1", "[2, 257]"],
+        ),
+        (
+            "mtp-on-a-target-without-head",
+            trace_with(|t| t["draft"] = json!({"kind": "mtp", "block_size": 3})),
+            &["mtp.* weights"],
         ),
         (
             "prompt-cache-missing",

@@ -20,6 +20,9 @@ pub enum Source {
     Model { model: String },
     /// Prompt lookup over n-grams of `min..=max` tokens.
     Ngram { min: usize, max: usize },
+    /// The target's own multi-token-prediction head (Qwen3.5 `mtp.*`), drafting as mlx-vlm's
+    /// MTP loop does.
+    Mtp,
 }
 
 #[derive(Clone, Debug, Deserialize)]

@@ -126,7 +126,7 @@ fn table(path: &Path, suite: &Suite, stats: &BTreeMap<usize, SpeculationStats>) 
         out,
         "suite {name}: {target} with {source:?}, {prompts} prompts x {max} tokens, greedy"
     );
-    let _ = writeln!(out, "  k  rounds  drafted  accepted  accept  mean-len  tok/fwd  from_draft  mlx-lm  by position");
+    let _ = writeln!(out, "  k  rounds  drafted  accepted  accept  mean-len  tok/fwd  from_draft  oracle  by position");
     for (k, s) in stats {
         let a = acceptance(s);
         let from_draft = a.from_draft_fraction();

@@ -15,7 +15,8 @@ use verity::generate::{FinishReason, GenerateParams, GeneratedToken, Generation}
 use verity::grammar::{Constraint, Grammar};
 use verity::sample::{ProcessorParams, SamplerParams};
 use verity::speculative::{
-    generate_speculative, Control, DraftModel, DraftSource, NgramLookup, SpeculationStats,
+    generate_speculative, Control, DraftModel, DraftSource, MtpDrafter, NgramLookup,
+    SpeculationStats,
 };
 use verity::tokenizer::{StreamingDetokenizer, UserTurn};
 use verity::validate;
@@ -87,11 +88,15 @@ pub struct GenerateArgs {
     #[arg(long, group = "output_constraint")]
     choice: Vec<String>,
     /// Speculate with this draft model folder (same tokenizer as the model).
-    #[arg(long, conflicts_with = "draft_ngram")]
+    #[arg(long, conflicts_with_all = ["draft_ngram", "draft_mtp"])]
     draft_model: Option<PathBuf>,
     /// Speculate with prompt lookup (n-gram) drafts.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "draft_mtp")]
     draft_ngram: bool,
+    /// Speculate with the model's own multi-token-prediction head (Qwen3.5 `mtp.*` weights),
+    /// as mlx-vlm's MTP loop does (--num-draft-tokens is its block size minus one).
+    #[arg(long)]
+    draft_mtp: bool,
     /// Drafts per round.
     #[arg(long, default_value_t = 3)]
     num_draft_tokens: usize,
@@ -156,7 +161,7 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
     let constraint = a.grammar()?.map(|g| bundle.constraint(&g)).transpose()?;
     let mut out = Printer::new(&bundle);
     mlx::memory::reset_peak();
-    let stats = if a.draft_model.is_some() || a.draft_ngram {
+    let stats = if a.draft_model.is_some() || a.draft_ngram || a.draft_mtp {
         speculate(&a, &bundle, &prompt, &params, constraint, &mut out)?
     } else {
         let caches = starting_caches(&a, &bundle, &params)?;
@@ -339,6 +344,7 @@ fn speculate(
         .transpose()?;
     let mut source: Box<dyn DraftSource> = match &draft {
         Some(d) => Box::new(DraftModel::new(d.model())),
+        None if a.draft_mtp => Box::new(MtpDrafter::new(bundle.model())?),
         None => Box::new(NgramLookup::new(a.ngram_min, a.ngram_max)?),
     };
     let mut emit = |step: &GeneratedToken| out.emit(step);

@@ -1,7 +1,7 @@
 //! The tensors of a model folder, consumed by name as the model is built so that a missing,
 //! mis-shaped or unused tensor is an error naming it (mlx-lm loads with strict=True).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use mlx::Array;
@@ -11,6 +11,9 @@ use super::LoadError;
 pub struct Weights {
     folder: PathBuf,
     tensors: BTreeMap<String, Array>,
+    /// Names (as loaded) of the tensors from files whose metadata says `"format": "mlx"`: some
+    /// sanitize steps trust that tag to mean "already converted" (mlx-vlm's MTP splitter).
+    mlx_saved: BTreeSet<String>,
 }
 
 impl Weights {
@@ -29,6 +32,7 @@ impl Weights {
             return Err(LoadError::NoWeights(dir.to_path_buf()));
         }
         let mut tensors = BTreeMap::new();
+        let mut mlx_saved = BTreeSet::new();
         for file in &files {
             check_safetensors(file)?;
             let loaded =
@@ -42,13 +46,22 @@ impl Weights {
                 path: file.clone(),
                 message: e.to_string(),
             })?;
+            if loaded.metadata.get("format").map(String::as_str) == Some("mlx") {
+                mlx_saved.extend(loaded.tensors.keys().cloned());
+            }
             tensors.extend(loaded.tensors);
         }
         check_dtypes(dir, &tensors)?;
         Ok(Weights {
             folder: dir.to_path_buf(),
             tensors,
+            mlx_saved,
         })
+    }
+
+    /// Whether the tensor named `key` when loaded came from a file tagged `"format": "mlx"`.
+    pub fn saved_by_mlx(&self, key: &str) -> bool {
+        self.mlx_saved.contains(key)
     }
 
     pub fn folder(&self) -> &Path {

@@ -158,6 +158,14 @@ impl Embedding {
         }
     }
 
+    /// Columns of the table: the hidden size (a packed row holds 32 / bits values per word).
+    pub fn width(&self) -> usize {
+        match &self.table {
+            Weight::Dense(w) => w.dim(1) as usize,
+            Weight::Packed(p) => p.weight.dim(1) as usize * 32 / p.params.bits as usize,
+        }
+    }
+
     /// `weight[ids]` (dequantizing the gathered rows when packed).
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         Ok(match &self.table {
@@ -643,13 +651,18 @@ impl OuterLayers {
         }
         let h = self.norm.forward(&h)?;
         capture(layers, &h);
-        let logits = match &self.head {
-            Head::Tied => self.embed_tokens.as_linear(&h)?,
-            Head::Separate(lm_head) => lm_head.forward(&h)?,
-        };
         Ok(Forward {
-            logits,
+            logits: self.logits(&h)?,
             hidden: hidden.into_iter().flatten().collect(),
         })
+    }
+
+    /// The output head over final-normed hidden states (what a drafter borrowing the target's
+    /// head, such as an MTP head, projects its own states with).
+    pub fn logits(&self, h: &Array) -> mlx::Result<Array> {
+        match &self.head {
+            Head::Tied => self.embed_tokens.as_linear(h),
+            Head::Separate(lm_head) => lm_head.forward(h),
+        }
     }
 }

@@ -63,6 +63,11 @@ pub trait LanguageModel {
     fn vocab_size(&self) -> usize {
         self.outer().vocab()
     }
+
+    /// The multi-token-prediction head the checkpoint carries, if any (Qwen3.5's `mtp.*`).
+    fn mtp_head(&self) -> Option<&qwen3_5::MtpHead> {
+        None
+    }
 }
 
 /// The model types verity can load, with the mlx-lm remaps it honours.

@@ -1,13 +1,19 @@
 //! mlx_lm/models/qwen3_5.py: the qwen3_next hybrid with split DeltaNet projections, read from
-//! a vision-language checkpoint (text part under `text_config`). Vision and MTP weights are
-//! dropped; HF-layout checkpoints get their conv weights transposed and norms shifted by +1.
+//! a vision-language checkpoint (text part under `text_config`). Vision weights are dropped;
+//! HF-layout checkpoints get their conv weights transposed and norms shifted by +1. The `mtp.*`
+//! weights, which mlx-lm drops, become the model's multi-token-prediction head ([`MtpHead`]),
+//! loaded as mlx-vlm's MTP splitter loads them (mlx_vlm/speculative/drafters/mtp_split.py).
 
+use mlx::{ops, Array};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::layers::{Dims, Rope};
-use super::qwen3_next::{LinearDims, Model, Projections, Shape};
+use super::layers::{Dims, Linear, OuterLayers, RmsNorm, Rope};
+use super::qwen3_next::{self, AttentionLayer, LinearDims, Projections, Shape};
+use super::{Forward, LanguageModel};
+use crate::cache::{KvCache, LayerCache};
 use crate::load::{Config, LoadResult, QuantConfig, Weights};
+use crate::Result;
 
 #[derive(Deserialize)]
 struct TextArgs {
@@ -19,6 +25,9 @@ struct TextArgs {
     full_attention_interval: usize,
     num_experts: usize,
     rope_parameters: Option<Map<String, Value>>,
+    /// Decoder layers of the MTP head (mlx-vlm reads 1 when absent:
+    /// mlx_vlm/speculative/drafters/qwen3_5_mtp/qwen3_5_mtp.py:31).
+    mtp_num_hidden_layers: usize,
 }
 
 /// The norms mlx-lm shifts by +1 in HF-layout checkpoints (the gated DeltaNet norm excluded).
@@ -30,12 +39,32 @@ const SHIFTED_NORMS: [&str; 5] = [
     ".k_norm.weight",
 ];
 
-/// Model.sanitize then TextModel.sanitize: keys to the `language_model.` scheme, vision and MTP
-/// dropped, and for HF layout (conv weights stored (C, 1, K)) conv transposed, norms + 1.
+/// The `mtp.*` norms mlx-vlm shifts by +1 (zero-centred in HF checkpoints): the suffix list of
+/// mlx_vlm/speculative/drafters/qwen3_5_mtp/split.py:14-22 ("norm.weight" is `mtp.norm`; the
+/// pre-fc norms end in "embedding.weight" and "hidden.weight", so they are listed apart).
+const MTP_SHIFTED_NORMS: [&str; 7] = [
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+    "norm.weight",
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+];
+
+/// Model.sanitize then TextModel.sanitize: keys to the `language_model.` scheme, vision dropped,
+/// and for HF layout (conv weights stored (C, 1, K)) conv transposed, norms + 1. The `mtp.*`
+/// keys stay as they are; their norms get + 1 unless their file is tagged `"format": "mlx"`,
+/// which mlx-vlm's splitter trusts to mean already converted (MTPSplitter.transform,
+/// mtp_split.py:196-204, `on_mlx_source` only strips the prefix).
 fn sanitize(w: &mut Weights, tied: bool) -> LoadResult<()> {
+    let mtp_converted = w.keys().any(|k| k.starts_with("mtp.") && w.saved_by_mlx(k));
     w.rename(|k| {
-        if k.starts_with("vision_tower") || k.starts_with("model.visual") || k.contains("mtp.") {
+        if k.starts_with("vision_tower") || k.starts_with("model.visual") {
             return None;
+        }
+        if k.starts_with("mtp.") {
+            return Some(k.to_string());
         }
         Some(if let Some(rest) = k.strip_prefix("model.language_model") {
             format!("language_model.model{rest}")
@@ -53,6 +82,14 @@ fn sanitize(w: &mut Weights, tied: bool) -> LoadResult<()> {
         .filter(|k| k.contains("conv1d.weight"))
         .any(|k| w.peek(k).is_some_and(|a| a.dim(-1) != 1));
     w.map(|k, v| {
+        if k.starts_with("mtp.") {
+            let norm = v.ndim() == 1 && MTP_SHIFTED_NORMS.iter().any(|s| k.ends_with(s));
+            return if norm && !mtp_converted {
+                v.add_scalar(1.0)
+            } else {
+                Ok(v)
+            };
+        }
         if k.contains("conv1d.weight") && v.dim(-1) != 1 {
             return v.moveaxis(2, 1);
         }
@@ -71,7 +108,7 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Mod
         "num_key_value_heads": 8, "linear_num_value_heads": 64, "linear_num_key_heads": 16,
         "linear_key_head_dim": 192, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
         "tie_word_embeddings": false, "attention_bias": false, "full_attention_interval": 4,
-        "num_experts": 0,
+        "num_experts": 0, "mtp_num_hidden_layers": 1,
     }))?;
     if a.num_experts > 0 {
         return Err(config.error("mixture-of-experts qwen3_5 layers are not supported yet"));
@@ -106,7 +143,19 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Mod
     .map_err(|m| config.error(m))?;
     let tied = a.dims.tie_word_embeddings.unwrap_or(false);
     sanitize(w, tied)?;
-    Model::build(
+    let mtp = if w.keys().any(|k| k.starts_with("mtp.")) {
+        Some(MtpHead::load(
+            w,
+            q,
+            &a.dims,
+            a.mtp_num_hidden_layers,
+            rope,
+            config,
+        )?)
+    } else {
+        None
+    };
+    let text = qwen3_next::Model::build(
         Shape {
             dims: &a.dims,
             linear: &a.linear,
@@ -120,5 +169,120 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Mod
         },
         w,
         q,
-    )
+    )?;
+    Ok(Model { text, mtp })
+}
+
+/// The Qwen3.5 text model with the MTP head its checkpoint may carry.
+pub struct Model {
+    text: qwen3_next::Model,
+    mtp: Option<MtpHead>,
+}
+
+impl LanguageModel for Model {
+    fn forward(&self, ids: &Array, caches: &mut [LayerCache], taps: &[usize]) -> Result<Forward> {
+        self.text.forward(ids, caches, taps)
+    }
+
+    fn num_layers(&self) -> usize {
+        self.text.num_layers()
+    }
+
+    fn own_caches(&self) -> Option<Vec<LayerCache>> {
+        self.text.own_caches()
+    }
+
+    fn outer(&self) -> &OuterLayers {
+        self.text.outer()
+    }
+
+    fn attention_head_dim(&self) -> usize {
+        self.text.attention_head_dim()
+    }
+
+    fn mtp_head(&self) -> Option<&MtpHead> {
+        self.mtp.as_ref()
+    }
+}
+
+/// Qwen3.5's multi-token-prediction head, mlx-vlm's Qwen3_5MTPDraftModel
+/// (mlx_vlm/speculative/drafters/qwen3_5_mtp/qwen3_5_mtp.py:23-66, `_forward_hidden` at
+/// 155-179): `fc(concat(pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i)))`, then
+/// full-attention decoder layers with their own KV caches, then `norm`. The embedding and the
+/// output head are the target's; `h_i` is the target's final post-norm hidden state (mlx-vlm's
+/// `return_hidden` appends `self.norm(h)`, mlx_vlm/models/qwen3_5/language.py:1406, 1841-1844)
+/// or, later in a chain, this head's own output.
+pub struct MtpHead {
+    fc: Linear,
+    pre_fc_norm_embedding: RmsNorm,
+    pre_fc_norm_hidden: RmsNorm,
+    layers: Vec<AttentionLayer>,
+    norm: RmsNorm,
+    hidden_size: i32,
+}
+
+impl MtpHead {
+    fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        d: &Dims,
+        depth: usize,
+        rope: Rope,
+        config: &Config,
+    ) -> LoadResult<MtpHead> {
+        if depth == 0 {
+            return Err(config.error(
+                "the checkpoint has mtp.* weights but mtp_num_hidden_layers is 0 (must be >= 1)",
+            ));
+        }
+        let (h, eps) = (d.hidden_size, d.rms_norm_eps);
+        let layers = (0..depth)
+            .map(|i| AttentionLayer::load(w, q, &format!("mtp.layers.{i}"), d, rope, false))
+            .collect::<LoadResult<_>>()?;
+        Ok(MtpHead {
+            fc: Linear::load(w, q, "mtp.fc", 2 * h, h, false)?,
+            pre_fc_norm_embedding: RmsNorm::load(w, "mtp.pre_fc_norm_embedding", h, eps)?,
+            pre_fc_norm_hidden: RmsNorm::load(w, "mtp.pre_fc_norm_hidden", h, eps)?,
+            layers,
+            norm: RmsNorm::load(w, "mtp.norm", h, eps)?,
+            hidden_size: h,
+        })
+    }
+
+    /// The width of the hidden states the head consumes and yields.
+    pub fn hidden_size(&self) -> usize {
+        self.hidden_size as usize
+    }
+
+    /// Fresh caches, one plain KV cache per layer (qwen3_5_mtp.py:99-116).
+    pub fn make_cache(&self) -> Vec<LayerCache> {
+        self.layers
+            .iter()
+            .map(|_| LayerCache::Kv(KvCache::default()))
+            .collect()
+    }
+
+    /// One pass over L entries: `embedded` (1, L, H) are the embedded tokens t_{i+1}, `hidden`
+    /// (1, L, H) the states h_i they follow. Returns the post-norm states (1, L, H) whose
+    /// output-head logits predict t_{i+2}. Positions continue from the caches' offset, which is
+    /// mlx-vlm's own `_next_position` counter (both start at 0 and move together on trim).
+    pub fn forward(
+        &self,
+        embedded: &Array,
+        hidden: &Array,
+        caches: &mut [LayerCache],
+    ) -> Result<Array> {
+        let x = ops::concatenate(
+            &[
+                &self.pre_fc_norm_embedding.forward(embedded)?,
+                &self.pre_fc_norm_hidden.forward(hidden)?,
+            ],
+            -1,
+        )?;
+        let mut h = self.fc.forward(&x)?;
+        for (layer, cache) in self.layers.iter().zip(caches) {
+            h = layer.forward(&h, cache)?;
+        }
+        Ok(self.norm.forward(&h)?)
+    }
 }

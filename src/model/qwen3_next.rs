@@ -75,6 +75,30 @@ struct GatedAttention {
 }
 
 impl GatedAttention {
+    /// Loads `<layer>.self_attn.*` (q_proj yielding query and gate, q/k norms).
+    fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        layer: &str,
+        d: &Dims,
+        rope: Rope,
+        bias: bool,
+    ) -> LoadResult<GatedAttention> {
+        let (head_dim, eps) = (d.head_dim(), d.rms_norm_eps);
+        let norm = |w: &mut Weights, name: &str| {
+            RmsNorm::load(w, &format!("{layer}.self_attn.{name}"), head_dim, eps)
+        };
+        Ok(GatedAttention {
+            proj: AttentionProjections::load(w, q, &format!("{layer}.self_attn"), d, 2, bias)?,
+            q_norm: norm(w, "q_norm")?,
+            k_norm: norm(w, "k_norm")?,
+            rope,
+            n_heads: d.num_attention_heads,
+            n_kv_heads: d.kv_heads(),
+            scale: (head_dim as f64).powf(-0.5) as f32,
+        })
+    }
+
     fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
         let p = &self.proj;
@@ -167,6 +191,39 @@ impl GatedDeltaNet {
     }
 }
 
+/// A full-attention decoder layer on its own (gated attention, then the SwiGLU block), as a
+/// Qwen3.5 MTP head stacks them (mlx_vlm/speculative/drafters/qwen3_5_mtp/qwen3_5_mtp.py:34-50
+/// builds Qwen3_5DecoderLayer with full_attention_interval=1).
+pub(crate) struct AttentionLayer {
+    attention: GatedAttention,
+    block: PreNormBlock,
+}
+
+impl AttentionLayer {
+    /// Loads `<layer>.self_attn.*`, the norms and `<layer>.mlp.*`.
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        layer: &str,
+        d: &Dims,
+        rope: Rope,
+        bias: bool,
+    ) -> LoadResult<AttentionLayer> {
+        Ok(AttentionLayer {
+            attention: GatedAttention::load(w, q, layer, d, rope, bias)?,
+            block: PreNormBlock::load(w, q, layer, d, false)?,
+        })
+    }
+
+    /// The layer over `x` (B, L, H) with its KV cache; positions continue from the cache's
+    /// offset.
+    pub fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array> {
+        let mask = cache.make_mask(x.dim(1) as usize, None)?;
+        self.block
+            .forward(x, |x| self.attention.forward(x, &mask, cache))
+    }
+}
+
 enum Mixer {
     Linear(GatedDeltaNet),
     Attention(GatedAttention),
@@ -236,7 +293,7 @@ impl Model {
                 .config
                 .error("linear_num_value_heads must be a multiple of linear_num_key_heads"));
         }
-        let (h, eps, head_dim) = (d.hidden_size, d.rms_norm_eps, d.head_dim());
+        let (h, eps) = (d.hidden_size, d.rms_norm_eps);
         let mut layers = Vec::with_capacity(d.num_hidden_layers);
         for i in 0..d.num_hidden_layers {
             let p = format!("{}model.layers.{i}", s.prefix);
@@ -292,22 +349,7 @@ impl Model {
                     out_proj: lin(w, "out_proj", value_dim, h)?,
                 })
             } else {
-                Mixer::Attention(GatedAttention {
-                    proj: AttentionProjections::load(
-                        w,
-                        q,
-                        &format!("{p}.self_attn"),
-                        d,
-                        2,
-                        s.attention_bias,
-                    )?,
-                    q_norm: norm(w, "self_attn.q_norm", head_dim)?,
-                    k_norm: norm(w, "self_attn.k_norm", head_dim)?,
-                    rope: s.rope,
-                    n_heads: d.num_attention_heads,
-                    n_kv_heads: d.kv_heads(),
-                    scale: (head_dim as f64).powf(-0.5) as f32,
-                })
+                Mixer::Attention(GatedAttention::load(w, q, &p, d, s.rope, s.attention_bias)?)
             };
             layers.push(DecoderLayer {
                 mixer,

@@ -10,7 +10,8 @@ use verity_harness::stats::Acceptance;
 use super::Models;
 use crate::generate::{GenerateParams, GeneratedToken};
 use crate::speculative::{
-    generate_speculative, Control, DraftModel, DraftSource, NgramLookup, SpeculationStats,
+    generate_speculative, Control, DraftModel, DraftSource, MtpDrafter, NgramLookup,
+    SpeculationStats,
 };
 use crate::Result;
 
@@ -29,7 +30,7 @@ pub fn run_suite(suite: &Suite, models: &mut Models) -> Result<BTreeMap<usize, S
     let target = models.get(&suite.target)?;
     let draft_model = match &suite.source {
         Source::Model { model } => Some(models.get(model)?),
-        Source::Ngram { .. } => None,
+        Source::Ngram { .. } | Source::Mtp => None,
     };
     let params = GenerateParams::greedy(suite.max_tokens, target.eos_token_ids.clone());
     let mut out = BTreeMap::new();
@@ -39,6 +40,7 @@ pub fn run_suite(suite: &Suite, models: &mut Models) -> Result<BTreeMap<usize, S
             let mut source: Box<dyn DraftSource> = match (&draft_model, &suite.source) {
                 (Some(d), _) => Box::new(DraftModel::new(d.model())),
                 (None, Source::Ngram { min, max }) => Box::new(NgramLookup::new(*min, *max)?),
+                (None, Source::Mtp) => Box::new(MtpDrafter::new(target.model())?),
                 (None, Source::Model { .. }) => unreachable!("a model source is loaded above"),
             };
             let mut ignore = |_: &GeneratedToken| Control::Continue;

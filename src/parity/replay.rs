@@ -15,7 +15,7 @@ use super::Models;
 use crate::bundle::ModelBundle;
 use crate::cache::{load_prompt_cache, KvQuantization, LayerCache};
 use crate::generate::{score, FinishReason, GenerateParams, GeneratedToken, Generation};
-use crate::speculative::{generate_speculative, Control, DraftModel};
+use crate::speculative::{generate_speculative, Control, DraftModel, MtpDrafter};
 use crate::{validate, Error, Result};
 
 /// How many of the best entries a trace records per step.
@@ -231,8 +231,34 @@ pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle
                 "draft-model speculation from a prompt cache is not implemented yet",
             )
         }
-        (Some(Draft::Mtp { .. }), _) => {
-            return unsupported("MTP speculative decoding is not implemented yet")
+        (Some(Draft::Mtp { block_size }), None) => {
+            // mlx-vlm's block is the round's verify input: the last token and its drafts.
+            validate::mtp_block_size(*block_size).map_err(|e| e.context(&trace.id))?;
+            let mut source = MtpDrafter::new(model).map_err(|e| e.context(&trace.id))?;
+            let mut failed = None;
+            let mut on_token = |t: &GeneratedToken| match record(t) {
+                Ok(()) => Control::Continue,
+                Err(e) => {
+                    failed = Some(e);
+                    Control::Stop
+                }
+            };
+            generate_speculative(
+                model,
+                &mut source,
+                &trace.prompt.tokens,
+                &params,
+                block_size - 1,
+                None,
+                &mut on_token,
+            )
+            .map_err(|e| e.context(&trace.id))?;
+            if let Some(e) = failed {
+                return Err(e.context(&trace.id));
+            }
+        }
+        (Some(Draft::Mtp { .. }), Some(_)) => {
+            return unsupported("MTP speculation from a prompt cache is not implemented yet")
         }
     }
     let Some(finish) = finish else {

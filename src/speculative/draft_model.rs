@@ -5,7 +5,7 @@
 
 use mlx::Array;
 
-use super::{DraftContext, DraftSource};
+use super::{DraftContext, DraftSource, Verified};
 use crate::cache::{begin_round, end_round, rollback_plan, LayerCache, Rollback};
 use crate::generate::{forward_tokens, last_logits, prefill, token_array};
 use crate::model::LanguageModel;
@@ -73,7 +73,8 @@ impl DraftSource for DraftModel<'_> {
         Ok(drafts)
     }
 
-    fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> Result<()> {
+    fn commit(&mut self, round: &Verified<'_>) -> Result<()> {
+        let (drafted, accepted, next) = (round.drafted, round.accepted, round.next);
         let Some((drafts, fed)) = self.round.take() else {
             // Nothing drafted this round: the target's token joins what is still to be fed.
             self.pending.extend(next);

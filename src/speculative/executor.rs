@@ -5,6 +5,11 @@
 //! emits the target's token at the first mismatch (or a bonus after all k, unless max_tokens is
 //! reached), and takes the rejected tail back through the rollback contract.
 //!
+//! A source in `PrefillMode::Full` (mlx-vlm's loop) instead has the target take the whole prompt
+//! first: the first token comes from the last prompt row, is emitted, and seeds the source with
+//! that row's hidden taps; rounds then verify `[last emitted, drafts...]` as above. The tapped
+//! hidden rows of every verify forward go to the source with the round's outcome.
+//!
 //! Verity departs from mlx-lm in two places, both so that speculation never changes output:
 //! logits processors see the same history as in plain decoding (mlx-lm hides the prompt from
 //! them when speculating), and a round the target caches could not take back is refused before
@@ -12,9 +17,9 @@
 
 use mlx::{Array, Dtype};
 
-use super::{DraftContext, DraftSource, SpeculationStats};
+use super::{DraftContext, DraftSource, PrefillMode, SpeculationStats, Verified};
 use crate::cache::{begin_round, end_round, rollback_plan, LayerCache, Rollback};
-use crate::generate::{forward_tokens, prefill, token_array, GenerateParams, GeneratedToken};
+use crate::generate::{forward_tapped, prefill, token_array, GenerateParams, GeneratedToken};
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
 use crate::sample::{Masking, StepSampler};
@@ -34,19 +39,28 @@ struct Executor<'a> {
     sampler: StepSampler,
     params: &'a GenerateParams,
     stats: SpeculationStats,
+    /// The target hidden states the source taps.
+    taps: Vec<usize>,
 }
 
 impl Executor<'_> {
     /// One target forward over `input` (the last emitted token and the drafts); returns the
-    /// target's token and logprobs (V,) at each position it examined. Without processors or a
+    /// target's token and logprobs (V,) at each position it examined, and the tapped hidden
+    /// states over all of `input`. Without processors or a
     /// grammar every position is sampled in one (k+1, V) call, as mlx-lm does. Otherwise the
     /// walk goes position by position, each processed with the history it would have in plain
     /// decoding and masked by the grammar advanced over the walk so far, and stops at the first
     /// rejected draft, an EOS, or a finished grammar.
-    fn verify(&mut self, input: &[u32]) -> Result<(Vec<u32>, Vec<Array>)> {
+    fn verify(&mut self, input: &[u32]) -> Result<(Vec<u32>, Vec<Array>, Vec<Array>)> {
         let kv = self.params.kv_quantization.as_ref();
-        let logits = forward_tokens(self.model, &mut self.caches, &token_array(input)?, kv)?;
-        let logits = logits.squeeze(&[0])?;
+        let out = forward_tapped(
+            self.model,
+            &mut self.caches,
+            &token_array(input)?,
+            kv,
+            &self.taps,
+        )?;
+        let logits = out.logits.squeeze(&[0])?;
         let positions = input.len() as i32;
         let (tokens, logprobs) = if self.sampler.has_processors() || self.sampler.is_constrained() {
             let (mut tokens, mut rows) = (Vec::new(), Vec::new());
@@ -84,7 +98,7 @@ impl Executor<'_> {
                 rows.collect::<mlx::Result<Vec<_>>>()?,
             )
         };
-        Ok((tokens, logprobs))
+        Ok((tokens, logprobs, out.hidden))
     }
 }
 
@@ -114,15 +128,20 @@ pub fn generate_speculative(
         sampler,
         params,
         stats: SpeculationStats::default(),
+        taps: source.taps(),
     };
-    source.prefill(
-        prompt,
-        &mut DraftContext {
-            sampler: &mut ex.sampler,
-            params,
-            last,
-        },
-    )?;
+    let full = source.prefill_mode() == PrefillMode::Full;
+    if !full {
+        source.prefill(
+            prompt,
+            &mut DraftContext {
+                sampler: &mut ex.sampler,
+                params,
+                last,
+                anchor: &[],
+            },
+        )?;
+    }
     let head = token_array(head)?;
     let sampler = &mut ex.sampler;
     prefill(model, &mut ex.caches, &head, params, |chunk| {
@@ -131,8 +150,15 @@ pub fn generate_speculative(
 
     let mut y = last;
     let mut emitted = 0usize;
+    // In PrefillMode::Full the first pass is the last prompt token alone, seeding the source.
+    let mut seeding = full;
+    let mut anchor: Vec<Array> = Vec::new();
     loop {
-        let want = num_draft_tokens.min(params.max_tokens - emitted);
+        let want = if seeding {
+            0
+        } else {
+            num_draft_tokens.min(params.max_tokens - emitted)
+        };
         let refused = matches!(rollback_plan(&ex.caches, want + 1), Rollback::Refuse(_));
         let drafts = if refused || want == 0 {
             Vec::new()
@@ -141,19 +167,20 @@ pub fn generate_speculative(
                 sampler: &mut ex.sampler,
                 params,
                 last: y,
+                anchor: &anchor,
             };
             let mut drafts = source.draft(want, &mut ctx)?;
             drafts.truncate(want);
             drafts
         };
-        if refused {
+        if refused && !seeding {
             ex.stats.refused_rounds += 1;
         }
         let k = drafts.len();
         let mut input = vec![y];
         input.extend(&drafts);
         begin_round(&mut ex.caches);
-        let (tokens, logprobs) = ex.verify(&input)?;
+        let (tokens, logprobs, hidden) = ex.verify(&input)?;
         // The last examined position is always the target's own token.
         let matching = drafts
             .iter()
@@ -161,7 +188,9 @@ pub fn generate_speculative(
             .take_while(|(d, t)| d == t)
             .count();
         let accepted = matching.min(tokens.len() - 1);
-        ex.stats.record_round(k, accepted);
+        if !seeding {
+            ex.stats.record_round(k, accepted);
+        }
 
         // Emit the accepted drafts, then the target's own token, one at a time.
         let mut emit_count = 0;
@@ -193,11 +222,41 @@ pub fn generate_speculative(
         // The target fed y and the k drafts; it keeps y and the accepted ones.
         end_round(&mut ex.caches, k - accepted)?;
         let next = (emit_count == accepted + 1).then(|| tokens[accepted]);
-        source.commit(k, accepted.min(emit_count), next)?;
         if stop {
+            if !seeding {
+                source.commit(&Verified {
+                    drafted: k,
+                    accepted: accepted.min(emit_count),
+                    next,
+                    hidden: &hidden,
+                })?;
+            }
             return Ok((ex.stats, ex.sampler.take_constraint()));
         }
         y = tokens[accepted];
+        anchor = hidden
+            .iter()
+            .map(|h| h.slice_axis(1, accepted as i32, accepted as i32 + 1))
+            .collect::<mlx::Result<_>>()?;
+        if seeding {
+            seeding = false;
+            source.prefill(
+                prompt,
+                &mut DraftContext {
+                    sampler: &mut ex.sampler,
+                    params,
+                    last: y,
+                    anchor: &anchor,
+                },
+            )?;
+        } else {
+            source.commit(&Verified {
+                drafted: k,
+                accepted: accepted.min(emit_count),
+                next,
+                hidden: &hidden,
+            })?;
+        }
         if emit_count <= accepted {
             // max_tokens was reached inside the accepted drafts: no bonus token (as mlx-lm).
             return Ok((ex.stats, ex.sampler.take_constraint()));

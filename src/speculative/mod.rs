@@ -4,12 +4,14 @@
 
 pub mod draft_model;
 pub mod executor;
+pub mod mtp;
 pub mod ngram;
 pub mod source;
 pub mod stats;
 
 pub use draft_model::DraftModel;
 pub use executor::{generate_speculative, Control};
+pub use mtp::MtpDrafter;
 pub use ngram::NgramLookup;
-pub use source::{DraftContext, DraftSource};
+pub use source::{DraftContext, DraftSource, PrefillMode, Verified};
 pub use stats::SpeculationStats;

@@ -2,7 +2,7 @@
 //! n tokens, longest n first, and propose the tokens that followed it. No model, no cache: it
 //! works with every target, and costs nothing when it finds nothing.
 
-use super::{DraftContext, DraftSource};
+use super::{DraftContext, DraftSource, Verified};
 use crate::{validate, Result};
 
 pub struct NgramLookup {
@@ -58,10 +58,10 @@ impl DraftSource for NgramLookup {
         Ok(self.drafts.clone())
     }
 
-    fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> Result<()> {
-        debug_assert_eq!(drafted, self.drafts.len());
-        self.history.extend(&self.drafts[..accepted]);
-        self.history.extend(next);
+    fn commit(&mut self, round: &Verified<'_>) -> Result<()> {
+        debug_assert_eq!(round.drafted, self.drafts.len());
+        self.history.extend(&self.drafts[..round.accepted]);
+        self.history.extend(round.next);
         Ok(())
     }
 }

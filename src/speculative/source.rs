@@ -1,4 +1,10 @@
 //! The seam between the executor and a draft source: what a source is told and what it may use.
+//!
+//! A source that drafts from the target's hidden states (a native drafter such as an MTP head)
+//! declares the target layers it taps; the executor then runs every target forward with those
+//! taps and hands the source the rows it needs: the anchor row when drafting, the verified rows
+//! on commit. The target itself (its embedding and output head, `LanguageModel::outer`) is the
+//! source's to borrow when it is built.
 
 use mlx::Array;
 
@@ -7,16 +13,49 @@ use crate::model::LanguageModel;
 use crate::sample::{Masking, StepSampler};
 use crate::Result;
 
+/// How the target takes the prompt before the first round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillMode {
+    /// mlx-lm's speculative_generate_step: the prompt minus its last token; the last token is
+    /// verified together with the first round's drafts. `prefill` is called before the target's.
+    Head,
+    /// mlx-vlm's speculative loop: the target takes the whole prompt (its last token alone, as
+    /// plain decoding does), the first token is sampled from the last row and emitted, and only
+    /// then is the source prefilled, with that token as `last` and the last row's taps as the
+    /// anchor (mlx_vlm/speculative/mtp.py, `_mtp_rounds`).
+    Full,
+}
+
 /// What a draft source may use while drafting: the request's sampler (its random key sequence
 /// is shared with the target, in mlx-lm's order) and generation parameters.
 pub struct DraftContext<'a> {
     pub(crate) sampler: &'a mut StepSampler,
     pub params: &'a GenerateParams,
     /// The last emitted token, which the drafts continue.
-    pub(crate) last: u32,
+    pub last: u32,
+    /// The target's hidden states at the position `last` was sampled from, one (1, 1, H) row
+    /// per tap in the order of `DraftSource::taps`; empty when the source taps nothing or
+    /// before the target has run (prefill in `PrefillMode::Head`).
+    pub anchor: &'a [Array],
 }
 
-impl DraftContext<'_> {
+impl<'a> DraftContext<'a> {
+    /// A context for driving a source outside the executor (the rollback properties feed a
+    /// source chosen outcomes); the executor builds its own.
+    pub fn new(
+        sampler: &'a mut StepSampler,
+        params: &'a GenerateParams,
+        last: u32,
+        anchor: &'a [Array],
+    ) -> DraftContext<'a> {
+        DraftContext {
+            sampler,
+            params,
+            last,
+            anchor,
+        }
+    }
+
     /// Samples one token from a draft model's (1, V) logits as the target would sample after
     /// the last emitted token and `drafted`: processors, logprobs, sampler. Drafts are not
     /// constrained by a grammar; the target's verify walk is.
@@ -29,18 +68,42 @@ impl DraftContext<'_> {
     }
 }
 
+/// A round's outcome as the source is told it.
+pub struct Verified<'a> {
+    /// Drafts this round proposed (and the target verified).
+    pub drafted: usize,
+    /// How many of them were emitted, in order.
+    pub accepted: usize,
+    /// The target's own token after them; None when the request ended first.
+    pub next: Option<u32>,
+    /// The target's hidden states over the verified input `[last, drafts...]`, one (1, k+1, H)
+    /// array per tap: row i is where the token after input i was sampled from. Empty when the
+    /// source taps nothing.
+    pub hidden: &'a [Array],
+}
+
 /// A source of draft tokens, one per request.
 pub trait DraftSource {
-    /// Called once with the whole prompt before the first round.
+    /// The target hidden states this source needs (crate::model::Forward::hidden: tap i below
+    /// the layer count is layer i's output, tap = layer count the final normed state).
+    fn taps(&self) -> Vec<usize> {
+        Vec::new()
+    }
+
+    /// How the target takes the prompt.
+    fn prefill_mode(&self) -> PrefillMode {
+        PrefillMode::Head
+    }
+
+    /// Called once with the whole prompt before the first round (see `PrefillMode` for when).
     fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> Result<()>;
 
     /// Proposes up to `n` tokens to follow the committed sequence. The returned length is
     /// authoritative: fewer (or none) is fine.
     fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> Result<Vec<u32>>;
 
-    /// The round's outcome: of the `drafted` proposals the first `accepted` were emitted,
-    /// followed by the target's own token `next` (None when the request ended first).
-    fn commit(&mut self, drafted: usize, accepted: usize, next: Option<u32>) -> Result<()>;
+    /// The round's outcome (also after a round without drafts).
+    fn commit(&mut self, round: &Verified<'_>) -> Result<()>;
 
     /// The draft model this source runs, if any, so the executor can check it against the
     /// target before anything runs.

@@ -138,6 +138,34 @@ pub fn draft_vocabulary(target: &dyn LanguageModel, draft: &dyn LanguageModel) -
     }
 }
 
+/// An MTP drafter pairs with the target that carries it: the target has an MTP head
+/// (`mtp.*` weights, Qwen3.5 only), whose states are as wide as the target's hidden states and
+/// whose logits come from the target's own output head (so the vocabularies are one).
+pub fn mtp(target: &dyn LanguageModel) -> Result<&crate::model::qwen3_5::MtpHead> {
+    let head = target.mtp_head().ok_or_else(|| {
+        invalid(
+            "the MTP drafter's target",
+            "a model without mtp.* weights",
+            "must be a Qwen3.5 checkpoint that carries its MTP head (mtp_num_hidden_layers >= 1)",
+        )
+    })?;
+    let width = target.outer().embed_tokens.width();
+    if head.hidden_size() != width {
+        return Err(invalid(
+            "the MTP head's hidden size",
+            head.hidden_size(),
+            &format!("must equal the target's, {width}"),
+        ));
+    }
+    Ok(head)
+}
+
+/// An mlx-vlm MTP block size (a trace's `draft.block_size`): the round's last token and its
+/// drafts, so at least 2 and at most one more than the draft limit.
+pub fn mtp_block_size(block_size: usize) -> Result<()> {
+    within("draft.block_size", block_size, 2, MAX_DRAFT_TOKENS + 1)
+}
+
 /// n-gram prompt lookup: the shortest and longest match lengths.
 pub fn ngram(min_n: usize, max_n: usize) -> Result<()> {
     within("ngram_min", min_n, 1, 64)?;

@@ -1,0 +1,214 @@
+"""Records golden traces (verity-trace/1) with mlx-vlm: plain greedy generation and its native
+MTP speculative loop on the qwen3_5 fixture.
+
+Reads the [[vlm_group]] tables of golden/MANIFEST.toml (models x block sizes x prompts; block
+size 0 is plain generation) and writes golden/traces/<model>/vlm-<plain|mtpN>/<prompt>.json
+with oracle.tool = "mlx-vlm". Each case runs through mlx_vlm.generate.stream_generate, the
+speculative ones with the checkpoint's own MTP head split off by
+mlx_vlm.speculative.drafters.load_drafter(kind="mtp").
+
+mlx-vlm's speculative loop reports logprobs for the first token only (mlx_vlm/speculative/
+utils.py, run_speculative_rounds yields (token, None) afterwards), so an MTP trace takes its
+per-step logprobs from the plain mlx-vlm run of the same case, after checking that the two
+emitted the same tokens (mlx-vlm's own speculative == plain claim); its from_draft flags come
+from the drafter's per-round accept_lens, and `mtp_drafts` (a field the harness ignores) lists
+each round's draft tokens as the drafter's draft_block returned them, so a test can compare
+verity's drafts with mlx-vlm's round by round. Traces this script owns (oracle.tool "mlx-vlm") that
+it did not write this run are deleted.
+
+    oracles/.venv/bin/python oracles/record_vlm.py [--only SUBSTRING]...
+
+Recording is deterministic: rerunning leaves `git status` clean.
+"""
+
+import argparse
+import sys
+import tomllib
+
+import common  # noqa: F401  (first: the offline environment)
+from common import GOLDEN, REPO, write_text
+
+import mlx.core as mx
+import mlx_vlm
+from mlx_vlm import load
+from mlx_vlm.generate import stream_generate
+from mlx_vlm.speculative.drafters import load_drafter
+
+from record import DEFAULTS, PROCESSOR_KEYS, SAMPLER_KEYS, ManifestError, dumps, top_entries, vlm_owned
+
+TOOL = "mlx-vlm"
+
+
+def expand(manifest):
+    """One case per (vlm_group, model, block size, prompt), validated."""
+    prompts = manifest.get("prompts", {})
+    seen = set()
+    for g, group in enumerate(manifest.get("vlm_group", [])):
+        for key in ("suite", "models", "block_sizes", "prompts", "max_tokens", "tier"):
+            if key not in group:
+                raise ManifestError(f"vlm_group #{g + 1} lacks '{key}'")
+        if group["tier"] == "B" and not (group.get("reason") and group.get("logprob_tolerance")):
+            raise ManifestError(f"vlm_group #{g + 1}: tier B needs a reason and a logprob_tolerance")
+        for model in group["models"]:
+            for bs in group["block_sizes"]:
+                if bs != 0 and not 2 <= bs <= 257:
+                    raise ManifestError(f"vlm_group #{g + 1}: block size {bs} is not 0 (plain) or within [2, 257]")
+                variant = "vlm-plain" if bs == 0 else f"vlm-mtp{bs}"
+                for pname in group["prompts"]:
+                    if pname not in prompts:
+                        raise ManifestError(f"vlm_group #{g + 1}: unknown prompt '{pname}'")
+                    case_id = f"{model}/{variant}/{pname}"
+                    if case_id in seen:
+                        raise ManifestError(f"case {case_id} appears twice")
+                    seen.add(case_id)
+                    yield {"id": case_id, "suite": group["suite"], "model": model, "block_size": bs,
+                           "prompt_name": pname, "prompt": prompts[pname], "group": group}
+
+
+class Models:
+    """Each fixture loaded once, with its MTP drafter."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def get(self, name):
+        if name not in self.cache:
+            path = GOLDEN / "models" / name
+            if not (path / "config.json").is_file():
+                raise ManifestError(f"model folder {path} has no config.json")
+            model, processor = load(str(path))
+            drafter, kind = load_drafter(str(path), kind="mtp")
+            self.cache[name] = (model, processor, drafter, kind)
+        return self.cache[name]
+
+
+def prompt_tokens(tokenizer, prompt):
+    """The rendered chat template (or None) and the token ids, as record.py builds them."""
+    text = prompt["text"]
+    if prompt.get("chat", False):
+        messages = [{"role": "user", "content": text}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return rendered, tokenizer.encode(rendered, add_special_tokens=False)
+    return None, tokenizer.encode(text, add_special_tokens=True)
+
+
+def run(model, processor, tokens, max_tokens, **kwargs):
+    """One stream_generate run: the per-token results and the final summary (which repeats the
+    last token and carries the whole generation in token_ids, mlx_vlm/generate/dispatch.py)."""
+    results = list(stream_generate(model, processor, "", input_ids=mx.array([tokens]),
+                                   max_tokens=max_tokens, temperature=0.0, **kwargs))
+    return results[:-1], results[-1]
+
+
+def from_draft_flags(accept_lens, n):
+    """The first token comes from the prefill; each round emits its accepted drafts, then the
+    target's token (cut at the budget)."""
+    flags = [False]
+    for a in accept_lens:
+        flags += [True] * a + [False]
+    return flags[:n]
+
+
+def record_case(case, models, plain_runs):
+    group = case["group"]
+    model, processor, drafter, kind = models.get(case["model"])
+    tokenizer = processor.tokenizer
+    rendered, tokens = prompt_tokens(tokenizer, case["prompt"])
+    max_tokens = group["max_tokens"]
+    key = (case["model"], case["prompt_name"])
+    if key not in plain_runs:
+        plain_runs[key] = run(model, processor, tokens, max_tokens)
+    results, final = plain_runs[key]
+    generated = final.token_ids
+    flags = [False] * len(generated)
+    draft, drafts = None, []
+    if case["block_size"]:
+        bs = case["block_size"]
+        drafts, draft_block = [], drafter.draft_block
+
+        def recording_draft_block(*args, **kwargs):
+            out = draft_block(*args, **kwargs)
+            drafts.append([int(t) for t in out.reshape(-1).tolist()])
+            return out
+
+        drafter.draft_block = recording_draft_block
+        try:
+            _, spec_final = run(model, processor, tokens, max_tokens, draft_model=drafter,
+                                draft_kind=kind, draft_block_size=bs)
+        finally:
+            del drafter.draft_block
+        if spec_final.token_ids != generated:
+            raise ManifestError(f"{case['id']}: mlx-vlm's MTP run emitted other tokens than its plain run")
+        flags = from_draft_flags(drafter.accept_lens, len(generated))
+        draft = {"kind": "mtp", "block_size": bs}
+        if len(drafts) != len(drafter.accept_lens):
+            raise ManifestError(f"{case['id']}: {len(drafts)} draft blocks for {len(drafter.accept_lens)} rounds")
+    # A stopping EOS is not yielded on its own: it is only in the summary's token_ids.
+    logprobs = [r.logprobs for r in results]
+    if len(logprobs) == len(generated) - 1 and final.finish_reason == "stop":
+        logprobs.append(final.logprobs)
+    if len(logprobs) != len(generated):
+        raise ManifestError(f"{case['id']}: {len(logprobs)} logprob rows for {len(generated)} tokens")
+    steps = [{"token": int(t), "logprob": float(lp[t].astype(mx.float32).item()),
+              "top": top_entries(lp), "from_draft": f}
+             for t, lp, f in zip(generated, logprobs, flags)]
+    eos = sorted(int(t) for t in tokenizer.stopping_criteria.eos_token_ids)
+    # The greedy sampler, written with mlx-lm's argument names as every trace is.
+    sampler = {k: DEFAULTS[k] for k in sorted(SAMPLER_KEYS)}
+    sampler["xtc_special_tokens"] = tokenizer.encode("\n") + eos
+    return {
+        "format": "verity-trace/1",
+        "id": case["id"],
+        "suite": case["suite"],
+        "oracle": {"tool": TOOL, "tool_version": mlx_vlm.__version__,
+                   "mlx_version": mx.__version__, "device": "cpu"},
+        "model": f"golden/models/{case['model']}",
+        "draft": draft,
+        "prompt_cache": None,
+        "prompt": {"tokens": [int(t) for t in tokens], "text": case["prompt"]["text"],
+                   "chat": bool(case["prompt"].get("chat", False)), "rendered": rendered},
+        "params": {
+            "max_tokens": max_tokens, "seed": None, "sampler": sampler,
+            "processors": {k: DEFAULTS[k] for k in sorted(PROCESSOR_KEYS)},
+            "prefill_step_size": 2048, "max_kv_size": None, "kv_bits": None, "kv_group_size": 64,
+            "quantized_kv_start": 5000,
+        },
+        "parity": {"tier": group["tier"], "logprob_tolerance": group.get("logprob_tolerance"),
+                   "reason": group.get("reason")},
+        "eos_token_ids": eos,
+        "steps": steps,
+        "finish_reason": final.finish_reason,
+        "generation_tokens": len(generated),
+        "text": tokenizer.decode(generated),
+        **({"mtp_drafts": drafts} if case["block_size"] else {}),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", action="append", help="record only cases whose id contains this (repeatable)")
+    args = ap.parse_args()
+    mx.set_default_device(mx.cpu)
+    out_dir = GOLDEN / "traces"
+    manifest = tomllib.loads((GOLDEN / "MANIFEST.toml").read_text())
+    cases = [c for c in expand(manifest) if not args.only or any(o in c["id"] for o in args.only)]
+    models, plain_runs, written = Models(), {}, set()
+    for case in cases:
+        trace = record_case(case, models, plain_runs)
+        path = out_dir / f"{case['id']}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, dumps(trace))
+        written.add(path)
+        accepted = sum(s["from_draft"] for s in trace["steps"])
+        print(f"{case['id']}: {trace['generation_tokens']} tokens, {accepted} from the MTP head", flush=True)
+    stale = [] if args.only else [p for p in out_dir.rglob("*.json") if p not in written and vlm_owned(p)]
+    for p in stale:
+        p.unlink()
+    print(f"recorded {len(cases)} mlx-vlm traces into {out_dir.relative_to(REPO)}, removed {len(stale)} stale")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ManifestError as e:
+        sys.exit(f"error: {e}")
