@@ -67,7 +67,21 @@ impl Server {
         }
     }
 
-    /// POSTs `body`; returns the status, the Retry-After header and the JSON body.
+    /// The server's resident memory in bytes (Linux /proc).
+    pub fn rss_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|l| l.trim().strip_suffix("kB"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        kb * 1024
+    }
+
+    /// POSTs `body`; returns the status and the JSON body.
     pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         let mut r = self
             .agent
