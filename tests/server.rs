@@ -29,6 +29,11 @@ fn finish(v: &Value) -> &str {
     v["choices"][0]["finish_reason"].as_str().unwrap()
 }
 
+/// Usage without the cached-token detail (which a warm prefix cache changes).
+fn counts(usage: &Value) -> [u64; 3] {
+    ["prompt_tokens", "completion_tokens", "total_tokens"].map(|k| usage[k].as_u64().unwrap())
+}
+
 fn completion_tokens(v: &Value) -> u64 {
     v["usage"]["completion_tokens"].as_u64().unwrap()
 }
@@ -129,12 +134,15 @@ fn streaming_equals_non_streaming() {
                 .filter_map(|c| c["choices"].get(0)?["text"].as_str())
                 .collect();
             assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
-            assert_eq!(chunks.last().unwrap()["usage"], whole["usage"]);
+            assert_eq!(
+                counts(&chunks.last().unwrap()["usage"]),
+                counts(&whole["usage"])
+            );
         } else {
             let (text, fin, usage) = joined(&chunks);
             assert_eq!(text, content(&whole));
             assert_eq!(fin, finish(&whole));
-            assert_eq!(usage, whole["usage"]);
+            assert_eq!(counts(&usage), counts(&whole["usage"]));
             assert!(chunks
                 .iter()
                 .all(|c| c["object"] == "chat.completion.chunk"));
@@ -547,7 +555,22 @@ fn a_disconnected_stream_is_cancelled_and_the_next_request_equals_a_cold_run() {
 
     let warm = s.ok("/v1/chat/completions", &next);
     assert_eq!(content(&warm), content(&cold));
-    assert_eq!(warm["usage"], cold["usage"]);
+    assert_eq!(counts(&warm["usage"]), counts(&cold["usage"]));
+    assert!(
+        cached_tokens(&warm) > 0,
+        "served from the prefix the cold run left"
+    );
+    // The cancelled request's own prefix was kept consistent: continuing from it equals a
+    // cold run of the same prompt.
+    let mut short = long.clone();
+    short["stream"] = json!(false);
+    short["max_tokens"] = json!(16);
+    let resumed = s.ok("/v1/chat/completions", &short);
+    assert!(cached_tokens(&resumed) > 0);
+    let fresh = Server::start(&model_dir(TARGET), &["--prompt-cache-bytes", "0"]);
+    let cold_long = fresh.ok("/v1/chat/completions", &short);
+    assert_eq!(content(&resumed), content(&cold_long));
+    assert_eq!(counts(&resumed["usage"]), counts(&cold_long["usage"]));
     let log = s.log.lock().unwrap().clone();
     let cancelled: usize = log
         .lines()
@@ -596,4 +619,119 @@ fn a_full_queue_answers_503_with_retry_after() {
     assert!(statuses.contains(&200), "{statuses:?}");
     let v = s.ok("/v1/chat/completions", &chat("hi", 3));
     assert_eq!(completion_tokens(&v), 3);
+}
+
+/// The tokens (ids and logprob bits) and usage of a chat answer.
+fn answer(v: &Value) -> (String, Value, Value) {
+    let mut usage = v["usage"].clone();
+    usage["prompt_tokens_details"] = Value::Null;
+    (
+        content(v).to_string(),
+        v["choices"][0]["logprobs"].clone(),
+        usage,
+    )
+}
+
+fn cached_tokens(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap()
+}
+
+#[test]
+fn a_warm_prefix_cache_equals_a_cold_run_with_and_without_a_draft() {
+    let draft = model_dir("qwen3-draft");
+    let lanes: [&[&str]; 3] = [
+        &[],
+        &["--draft-model", draft.to_str().unwrap()],
+        &["--draft-ngram"],
+    ];
+    for lane in lanes {
+        let warm = Server::start(&model_dir(TARGET), lane);
+        let cold_args: Vec<&str> = lane
+            .iter()
+            .copied()
+            .chain(["--prompt-cache-bytes", "0"])
+            .collect();
+        let cold = Server::start(&model_dir(TARGET), &cold_args);
+        let mut first = chat("What does the function os.path.join do?", 24);
+        first["logprobs"] = json!(true);
+        let a = warm.ok("/v1/chat/completions", &first);
+        assert_eq!(cached_tokens(&a), 0, "{lane:?}");
+        // The same request again: everything but the last prompt token comes from the cache.
+        let again = warm.ok("/v1/chat/completions", &first);
+        let prompt_tokens = again["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(cached_tokens(&again), prompt_tokens - 1, "{lane:?}");
+        assert_eq!(answer(&again), answer(&a), "{lane:?}");
+        // A second turn continues the first: its prefix is cached, and the processors still
+        // see the whole prompt (a repetition penalty over a long context).
+        let second = json!({
+            "messages": [
+                {"role": "user", "content": "What does the function os.path.join do?"},
+                {"role": "assistant", "content": content(&a)},
+                {"role": "user", "content": "And os.path.split?"},
+            ],
+            "max_tokens": 32,
+            "logprobs": true,
+            "repetition_penalty": 1.3,
+            "repetition_context_size": 64,
+        });
+        let w = warm.ok("/v1/chat/completions", &second);
+        let c = cold.ok("/v1/chat/completions", &second);
+        assert!(cached_tokens(&w) > 0, "{lane:?}: {}", w["usage"]);
+        assert_eq!(cached_tokens(&c), 0);
+        assert_eq!(answer(&w), answer(&c), "{lane:?}");
+        assert_eq!(
+            w["verity_stats"]["cached_tokens"].as_u64(),
+            Some(cached_tokens(&w))
+        );
+    }
+}
+
+#[test]
+fn the_prefix_cache_stays_within_its_budget_evicting_the_least_recently_used() {
+    let entry_bytes = {
+        let s = Server::start(&model_dir(TARGET), &[]);
+        s.ok("/v1/chat/completions", &chat("Say hello.", 2));
+        let log = s.log.lock().unwrap().clone();
+        let line = log
+            .lines()
+            .find(|l| l.contains("prefix cache 1 entries"))
+            .unwrap()
+            .to_string();
+        let bytes: usize = line
+            .split("prefix cache 1 entries ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(bytes > 0);
+        bytes
+    };
+    // Room for one entry of these short prompts (their caches have the same capacity).
+    let budget = (entry_bytes + entry_bytes / 2).to_string();
+    let s = Server::start(&model_dir(TARGET), &["--prompt-cache-bytes", &budget]);
+    let one = chat("Say hello.", 2);
+    let two = chat("Count to ten.", 2);
+    s.ok("/v1/chat/completions", &one);
+    assert!(cached_tokens(&s.ok("/v1/chat/completions", &one)) > 0);
+    s.ok("/v1/chat/completions", &two);
+    assert!(cached_tokens(&s.ok("/v1/chat/completions", &two)) > 0);
+    assert_eq!(
+        cached_tokens(&s.ok("/v1/chat/completions", &one)),
+        0,
+        "evicted"
+    );
+    let log = s.log.lock().unwrap().clone();
+    for line in log.lines().filter(|l| l.contains("prefix cache ")) {
+        let bytes: usize = line
+            .split(" entries ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(bytes <= entry_bytes + entry_bytes / 2, "{line}");
+    }
 }

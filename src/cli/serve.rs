@@ -40,6 +40,10 @@ pub struct ServeArgs {
     /// max_tokens of a request that names none (mlx_lm.server's default).
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
+    /// Byte budget of the prefix cache shared across requests (0: none); least recently used
+    /// prefixes are evicted first.
+    #[arg(long, default_value_t = 512 << 20)]
+    prompt_cache_bytes: usize,
     #[command(flatten)]
     cache: CacheArgs,
 }
@@ -65,6 +69,7 @@ pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         prefill_step_size: prompt.prefill_step_size,
         max_kv_size: prompt.max_kv_size,
         kv_quantization: prompt.kv_quantization,
+        prompt_cache_bytes: a.prompt_cache_bytes,
     })?;
     let app = server::router(handle, a.max_tokens);
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -15,13 +15,15 @@ use serde_json::Map;
 use tokio::sync::mpsc;
 
 use super::api::{ApiError, GenRequest, Prompt};
+use super::prefix_cache::PrefixCache;
 use super::stop::{Pushed, StopMatcher};
 use crate::bundle::ModelBundle;
-use crate::cache::KvQuantization;
-use crate::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
+use crate::cache::{KvQuantization, LayerCache};
+use crate::generate::{FinishReason, GenerateParams, GeneratedToken, Generation, Resume};
 use crate::sample::{ProcessorParams, SamplerParams};
 use crate::speculative::{
-    generate_speculative, Control, DraftModel, DraftSource, NgramLookup, SpeculationStats,
+    resume_speculative, Control, DraftModel, DraftSource, NgramLookup, Speculation,
+    SpeculationStats,
 };
 use crate::tokenizer::StreamingDetokenizer;
 use crate::{validate, Error};
@@ -46,6 +48,22 @@ pub struct EngineConfig {
     pub prefill_step_size: usize,
     pub max_kv_size: Option<usize>,
     pub kv_quantization: Option<KvQuantization>,
+    /// The prefix cache's budget in bytes (0: no prefix cache).
+    pub prompt_cache_bytes: usize,
+}
+
+impl EngineConfig {
+    /// Everything that shapes a cache, so that an entry of the prefix cache is only ever
+    /// restored into the lane that could have made it.
+    fn namespace(&self) -> String {
+        format!(
+            "model={} drafter={:?} max_kv_size={:?} kv={:?}",
+            self.model.display(),
+            self.drafter,
+            self.max_kv_size,
+            self.kv_quantization
+        )
+    }
 }
 
 /// One alternative at a token position.
@@ -214,6 +232,8 @@ struct Engine {
     context: Option<usize>,
     /// mlx_lm.server never lets XTC exclude a newline or an EOS token (server.py:497).
     xtc_special_tokens: Vec<u32>,
+    prefix: PrefixCache,
+    namespace: String,
 }
 
 impl Engine {
@@ -244,6 +264,8 @@ impl Engine {
         xtc_special_tokens.extend(&target.eos_token_ids);
         Ok(Engine {
             model_id: config.model.display().to_string(),
+            prefix: PrefixCache::new(config.prompt_cache_bytes),
+            namespace: config.namespace(),
             config,
             target,
             draft,
@@ -252,12 +274,12 @@ impl Engine {
         })
     }
 
-    fn serve(self, mut queue: mpsc::Receiver<Job>) {
+    fn serve(mut self, mut queue: mpsc::Receiver<Job>) {
         while let Some(job) = queue.blocking_recv() {
             let events = job.events.clone();
             match self.run(job) {
                 Ok(Outcome::Done(s)) => {
-                    log_request(&s);
+                    log_request(&s, &self.prefix);
                     let _ = events.send(Event::Done(s));
                 }
                 Ok(Outcome::Cancelled { tokens }) => {
@@ -273,7 +295,7 @@ impl Engine {
     }
 
     /// Runs one request to its end or until the client goes away.
-    fn run(&self, job: Job) -> Result<Outcome, ApiError> {
+    fn run(&mut self, job: Job) -> Result<Outcome, ApiError> {
         let Job { request, events } = job;
         let started = Instant::now();
         let prompt = self.prompt_tokens(&request).map_err(refusal)?;
@@ -323,11 +345,26 @@ impl Engine {
             error: None,
         };
         let mut on_token = |step: &GeneratedToken| lane.on_token(step);
+        let hit = self.prefix.lookup(&self.namespace, &prompt);
+        let cached = hit.as_ref().map_or(0, |h| h.cached);
+        let (prefix, namespace) = (&mut self.prefix, &self.namespace);
+        let head = &prompt[..prompt.len() - 1];
+        let mut keep = |target: &[LayerCache], draft: Option<&[LayerCache]>| {
+            prefix.insert(namespace, head, target, draft)
+        };
+        let target = self.target.model();
         let spec = match &self.config.drafter {
             None => {
-                let caches = self.target.model().make_cache(params.max_kv_size);
+                let resume = Resume {
+                    caches: match hit {
+                        Some(h) => h.target,
+                        None => target.make_cache(params.max_kv_size),
+                    },
+                    cached,
+                    on_prefilled: &mut keep,
+                };
                 let generation =
-                    Generation::start(self.target.model(), caches, &prompt, &params, constraint)
+                    Generation::resume(target, resume, &prompt, &params, constraint, &mut |_| {})
                         .map_err(refusal)?;
                 for step in generation {
                     let step = step.map_err(refusal)?;
@@ -338,23 +375,37 @@ impl Engine {
                 None
             }
             Some(drafter) => {
+                // mlx-lm's speculative path builds the target's own caches, ignoring
+                // max_kv_size (as generate_speculative does).
+                let (target_caches, draft_caches) = match hit {
+                    Some(h) => (h.target, h.draft),
+                    None => (target.make_cache(None), None),
+                };
                 let mut source: Box<dyn DraftSource> = match (drafter, &self.draft) {
-                    (Drafter::Model(_), Some(d)) => Box::new(DraftModel::new(d.model())),
+                    (Drafter::Model(_), Some(d)) => {
+                        let model = d.model();
+                        let caches = draft_caches.unwrap_or_else(|| model.make_cache(None));
+                        Box::new(DraftModel::resume(model, caches, cached))
+                    }
                     (Drafter::Ngram { min, max }, _) => {
                         Box::new(NgramLookup::new(*min, *max).map_err(refusal)?)
                     }
                     (Drafter::Model(_), None) => unreachable!("a draft model is loaded at start"),
                 };
-                let (stats, _) = generate_speculative(
-                    self.target.model(),
-                    source.as_mut(),
-                    &prompt,
-                    &params,
+                let resume = Resume {
+                    caches: target_caches,
+                    cached,
+                    on_prefilled: &mut keep,
+                };
+                let request = Speculation {
+                    prompt: &prompt,
+                    params: &params,
                     num_draft_tokens,
                     constraint,
-                    &mut on_token,
-                )
-                .map_err(refusal)?;
+                };
+                let (stats, _) =
+                    resume_speculative(target, source.as_mut(), resume, request, &mut on_token)
+                        .map_err(refusal)?;
                 Some(stats)
             }
         };
@@ -370,9 +421,9 @@ impl Engine {
         let decode_seconds = (finished - first).as_secs_f64();
         let stats = RequestStats {
             prompt_tokens: prompt.len(),
-            cached_tokens: 0,
+            cached_tokens: cached,
             prompt_seconds,
-            prompt_tokens_per_second: prompt.len() as f64 / prompt_seconds.max(1e-9),
+            prompt_tokens_per_second: (prompt.len() - cached) as f64 / prompt_seconds.max(1e-9),
             completion_tokens: lane.count,
             decode_seconds,
             decode_tokens_per_second: lane.count.saturating_sub(1) as f64
@@ -383,7 +434,7 @@ impl Engine {
             finish_reason: lane.finish.unwrap_or(FinishReason::Length),
             prompt_tokens: prompt.len(),
             completion_tokens: lane.count,
-            cached_tokens: 0,
+            cached_tokens: cached,
             stats,
         }))
     }
@@ -443,7 +494,7 @@ fn refusal(e: Error) -> ApiError {
     }
 }
 
-fn log_request(s: &Summary) {
+fn log_request(s: &Summary, prefix: &PrefixCache) {
     let st = &s.stats;
     let mut line = format!(
         "verity serve: prompt {} tokens ({} cached) {:.3}s {:.1} tok/s, completion {} tokens {:.3}s {:.1} tok/s, finish {}",
@@ -456,6 +507,11 @@ fn log_request(s: &Summary) {
         st.decode_tokens_per_second,
         s.finish_reason
     );
+    line.push_str(&format!(
+        ", prefix cache {} entries {} bytes",
+        prefix.len(),
+        prefix.bytes()
+    ));
     if let Some(sp) = &st.speculation {
         line.push_str(&format!(
             ", speculation {} rounds {}/{} accepted by position {:?}/{:?}, {} target calls",
