@@ -163,6 +163,8 @@ pub struct Resume<'a> {
     /// Sees the target's caches, and the draft model's when speculating with one, once they
     /// hold the whole prompt but its last token: what a prefix cache keeps.
     pub on_prefilled: OnPrefilled<'a>,
+    /// Asked after every prefill chunk; true stops the prefill with [`crate::Error::Cancelled`].
+    pub cancelled: &'a dyn Fn() -> bool,
 }
 
 /// A callback given the target's caches and the draft model's, if any.
@@ -223,6 +225,7 @@ impl<'m> Generation<'m> {
             caches,
             cached: 0,
             on_prefilled: &mut |_, _| {},
+            cancelled: &|| false,
         };
         Self::resume(model, resume, prompt, params, constraint, prefilled)
     }
@@ -244,6 +247,7 @@ impl<'m> Generation<'m> {
             caches,
             cached,
             on_prefilled,
+            cancelled,
         } = resume;
         let mut step_sampler = params.step_sampler(model, prompt, constraint)?;
         if cached >= prompt.len() {
@@ -273,6 +277,9 @@ impl<'m> Generation<'m> {
         prefill(model, &mut g.caches, &rest, params, |chunk| {
             done += chunk.dim(0) as usize;
             prefilled(done);
+            if cancelled() {
+                return Err(crate::Error::Cancelled);
+            }
             step_sampler.extend_history(chunk)
         })?;
         on_prefilled(&g.caches, None);

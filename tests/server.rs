@@ -308,7 +308,7 @@ fn bad_requests_are_400_naming_the_field_and_the_server_goes_on() {
             "/v1/chat/completions",
             with("temperature", json!(-1)),
             Some("temperature"),
-            &["-1", "from 0"],
+            &["temperature is -1, must be a number >= 0"],
         ),
         (
             "/v1/chat/completions",
@@ -734,4 +734,36 @@ fn the_prefix_cache_stays_within_its_budget_evicting_the_least_recently_used() {
             .unwrap();
         assert!(bytes <= entry_bytes + entry_bytes / 2, "{line}");
     }
+}
+
+#[test]
+fn a_client_gone_during_the_prefill_stops_it_at_the_next_chunk() {
+    let s = Server::start(&model_dir(TARGET), &["--prefill-step-size", "4"]);
+    let prompt: Vec<u32> = (0..4000).map(|i| 10 + i % 500).collect();
+    for stream in [true, false] {
+        let body = json!({"prompt": prompt, "max_tokens": 8, "stream": stream});
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_global(Some(std::time::Duration::from_millis(300)))
+            .build()
+            .into();
+        // Streaming: the 200 comes once the prefill starts, and the client leaves at once.
+        // Not streaming: the client gives up waiting while the prompt is prefilled.
+        let r = agent
+            .post(format!("{}/v1/completions", s.base))
+            .send_json(&body);
+        assert_eq!(r.is_ok(), stream, "{:?}", r.err());
+        drop(r);
+        let v = s.ok(
+            "/v1/completions",
+            &json!({"prompt": "def f():", "max_tokens": 4}),
+        );
+        assert_eq!(completion_tokens(&v), 4);
+    }
+    let log = s.log.lock().unwrap().clone();
+    assert_eq!(
+        log.matches("cancelled by the client during the prefill")
+            .count(),
+        2,
+        "{log}"
+    );
 }

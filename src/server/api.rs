@@ -201,10 +201,18 @@ impl<'a> Body<'a> {
         };
         match v.as_f64() {
             Some(x) if x.is_finite() && (min..=max).contains(&x) => Ok(Some(x)),
-            _ => Err(ApiError::invalid(
-                name,
-                format!("{name} is {v}, must be a number from {min} to {max}"),
-            )),
+            _ => {
+                let allowed = match (min == f64::MIN, max == f64::MAX) {
+                    (true, true) => "a finite number".to_string(),
+                    (false, true) => format!("a number >= {min}"),
+                    (true, false) => format!("a number <= {max}"),
+                    (false, false) => format!("a number from {min} to {max}"),
+                };
+                Err(ApiError::invalid(
+                    name,
+                    format!("{name} is {v}, must be {allowed}"),
+                ))
+            }
         }
     }
 

@@ -2,8 +2,8 @@
 //! not shared across threads as verity uses them). The HTTP side hands it jobs through a bounded
 //! queue and reads each job's events from its own channel. Requests run one at a time, in
 //! arrival order. A client that goes away closes its event channel; the engine notices at the
-//! next token (plain decoding) or the next token of a speculative round and stops there, so the
-//! next request starts promptly.
+//! next prefill chunk or the next token (within a speculative round too) and stops there, so
+//! the next request starts promptly.
 
 use std::path::PathBuf;
 use std::sync::mpsc as std_mpsc;
@@ -160,6 +160,8 @@ enum Outcome {
     Cancelled {
         tokens: usize,
     },
+    /// The client went away while the prompt was being prefilled.
+    CancelledInPrefill,
 }
 
 /// A request and where its events go.
@@ -285,6 +287,9 @@ impl Engine {
                 Ok(Outcome::Cancelled { tokens }) => {
                     eprintln!("verity serve: request cancelled by the client after {tokens} tokens")
                 }
+                Ok(Outcome::CancelledInPrefill) => {
+                    eprintln!("verity serve: request cancelled by the client during the prefill")
+                }
                 Err(e) => {
                     eprintln!("verity serve: request failed: {}", e.message);
                     let _ = events.send(Event::Failed(e));
@@ -353,6 +358,7 @@ impl Engine {
             prefix.insert(namespace, head, target, draft)
         };
         let target = self.target.model();
+        let gone = || events.is_closed();
         let spec = match &self.config.drafter {
             None => {
                 let resume = Resume {
@@ -362,10 +368,13 @@ impl Engine {
                     },
                     cached,
                     on_prefilled: &mut keep,
+                    cancelled: &gone,
                 };
                 let generation =
-                    Generation::resume(target, resume, &prompt, &params, constraint, &mut |_| {})
-                        .map_err(refusal)?;
+                    Generation::resume(target, resume, &prompt, &params, constraint, &mut |_| {});
+                let Some(generation) = checked(generation)? else {
+                    return Ok(Outcome::CancelledInPrefill);
+                };
                 for step in generation {
                     let step = step.map_err(refusal)?;
                     if on_token(&step) == Control::Stop {
@@ -396,6 +405,7 @@ impl Engine {
                     caches: target_caches,
                     cached,
                     on_prefilled: &mut keep,
+                    cancelled: &gone,
                 };
                 let request = Speculation {
                     prompt: &prompt,
@@ -403,9 +413,11 @@ impl Engine {
                     num_draft_tokens,
                     constraint,
                 };
-                let (stats, _) =
-                    resume_speculative(target, source.as_mut(), resume, request, &mut on_token)
-                        .map_err(refusal)?;
+                let run =
+                    resume_speculative(target, source.as_mut(), resume, request, &mut on_token);
+                let Some((stats, _)) = checked(run)? else {
+                    return Ok(Outcome::CancelledInPrefill);
+                };
                 Some(stats)
             }
         };
@@ -491,6 +503,15 @@ fn refusal(e: Error) -> ApiError {
         ApiError::bad_input(e.to_string())
     } else {
         ApiError::internal(e.to_string())
+    }
+}
+
+/// An engine result as a lane sees it: cancelled during the prefill is no error (`None`).
+fn checked<T>(result: crate::Result<T>) -> Result<Option<T>, ApiError> {
+    match result {
+        Ok(v) => Ok(Some(v)),
+        Err(Error::Cancelled) => Ok(None),
+        Err(e) => Err(refusal(e)),
     }
 }
 

@@ -109,6 +109,7 @@ pub fn generate_speculative(
         caches: model.make_cache(None),
         cached: 0,
         on_prefilled: &mut |_, _| {},
+        cancelled: &|| false,
     };
     let request = Speculation {
         prompt,
@@ -152,6 +153,7 @@ pub fn resume_speculative(
         caches,
         cached,
         on_prefilled,
+        cancelled,
     } = resume;
     if cached >= prompt.len() {
         return Err(crate::error::contract(format!(
@@ -183,6 +185,9 @@ pub fn resume_speculative(
     let rest = token_array(&head[cached..])?;
     let sampler = &mut ex.sampler;
     prefill(model, &mut ex.caches, &rest, params, |chunk| {
+        if cancelled() {
+            return Err(crate::Error::Cancelled);
+        }
         sampler.extend_history(chunk)
     })?;
     on_prefilled(&ex.caches, source.caches());
