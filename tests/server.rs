@@ -571,7 +571,7 @@ fn a_disconnected_stream_is_cancelled_and_the_next_request_equals_a_cold_run() {
     let cold_long = fresh.ok("/v1/chat/completions", &short);
     assert_eq!(content(&resumed), content(&cold_long));
     assert_eq!(counts(&resumed["usage"]), counts(&cold_long["usage"]));
-    let log = s.log.lock().unwrap().clone();
+    let log = s.log_when(|l| l.contains("request cancelled by the client after "));
     let cancelled: usize = log
         .lines()
         .find_map(|l| l.strip_prefix("verity serve: request cancelled by the client after "))
@@ -693,7 +693,7 @@ fn the_prefix_cache_stays_within_its_budget_evicting_the_least_recently_used() {
     let entry_bytes = {
         let s = Server::start(&model_dir(TARGET), &[]);
         s.ok("/v1/chat/completions", &chat("Say hello.", 2));
-        let log = s.log.lock().unwrap().clone();
+        let log = s.log_when(|l| l.contains("prefix cache 1 entries"));
         let line = log
             .lines()
             .find(|l| l.contains("prefix cache 1 entries"))
@@ -723,7 +723,7 @@ fn the_prefix_cache_stays_within_its_budget_evicting_the_least_recently_used() {
         0,
         "evicted"
     );
-    let log = s.log.lock().unwrap().clone();
+    let log = s.log_when(|l| l.matches(" prefix cache ").count() == 5);
     for line in log.lines().filter(|l| l.contains("prefix cache ")) {
         let bytes: usize = line
             .split(" entries ")
@@ -759,11 +759,45 @@ fn a_client_gone_during_the_prefill_stops_it_at_the_next_chunk() {
         );
         assert_eq!(completion_tokens(&v), 4);
     }
-    let log = s.log.lock().unwrap().clone();
+    let log = s.log_when(|l| {
+        l.matches("cancelled by the client during the prefill")
+            .count()
+            == 2
+    });
     assert_eq!(
         log.matches("cancelled by the client during the prefill")
             .count(),
         2,
         "{log}"
     );
+}
+
+#[test]
+fn a_draft_that_does_not_fit_is_refused_at_startup() {
+    let scratch = std::env::temp_dir().join(format!("verity-server-draft-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    for entry in std::fs::read_dir(model_dir("qwen3-draft")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), scratch.join(entry.file_name())).unwrap();
+    }
+    let config = scratch.join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    c["vocab_size"] = json!(1000);
+    std::fs::write(&config, c.to_string()).unwrap();
+    // Its weights would not even load with this config: the refusal comes first.
+    let out = Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args(["--device", "cpu", "serve", "--port", "0", "--model"])
+        .arg(model_dir(TARGET))
+        .arg("--draft-model")
+        .arg(&scratch)
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&scratch).unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty(), "it must not listen");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    for needle in ["draft model's vocabulary size", "1000", "1024"] {
+        assert!(stderr.contains(needle), "{stderr}");
+    }
 }

@@ -67,6 +67,23 @@ impl Server {
         }
     }
 
+    /// The server's log once `ready` holds for it (the log is read from a pipe by another
+    /// thread, so a line written before a response may arrive after it); panics after 30 s.
+    pub fn log_when(&self, ready: impl Fn(&str) -> bool) -> String {
+        let start = std::time::Instant::now();
+        loop {
+            let log = self.log.lock().unwrap().clone();
+            if ready(&log) {
+                return log;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "the log never got there: {log}"
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// The server's resident memory in bytes (Linux /proc).
     pub fn rss_bytes(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
