@@ -67,7 +67,7 @@ impl EngineConfig {
 }
 
 /// One alternative at a token position.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 pub struct TopLogprob {
     pub id: u32,
     pub token: String,
