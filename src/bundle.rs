@@ -71,22 +71,44 @@ impl ModelBundle {
 
     /// Loads the model folder `dir` as a draft model for this target, refusing it unless both
     /// index the same vocabulary with the same tokenizer (drafts are fed to the target as ids).
+    /// The tokenizer and the config's vocabulary size are checked before any weight is read,
+    /// so a draft that cannot fit costs nothing; the embedding is checked again once loaded.
     pub fn load_draft(&self, dir: &Path) -> Result<ModelBundle> {
+        let config = crate::load::load_config(dir)?;
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        self.check_draft_tokenizer(dir, &tokenizer)?;
+        let json = &config.json;
+        let declared = json
+            .get("vocab_size")
+            .or_else(|| json.get("text_config")?.get("vocab_size"))
+            .and_then(serde_json::Value::as_u64);
+        let rows = self.model.vocab_size();
+        if let Some(v) = declared.filter(|&v| v != rows as u64) {
+            return Err(crate::error::invalid(
+                "the draft model's vocabulary size",
+                v,
+                &format!("must equal the target's, {rows}"),
+            ));
+        }
         let draft = ModelBundle::load(dir)?;
         self.check_draft(&draft)?;
         Ok(draft)
     }
 
+    fn check_draft_tokenizer(&self, dir: &Path, tokenizer: &Tokenizer) -> Result<()> {
+        if self.tokenizer.same_vocabulary(tokenizer) {
+            return Ok(());
+        }
+        Err(crate::Error::Params(format!(
+            "the draft model {} has another tokenizer than {} (its token ids mean other text)",
+            dir.display(),
+            self.dir.display()
+        )))
+    }
+
     fn check_draft(&self, draft: &ModelBundle) -> Result<()> {
         crate::validate::draft_vocabulary(self.model(), draft.model())?;
-        if !self.tokenizer.same_vocabulary(&draft.tokenizer) {
-            return Err(crate::Error::Params(format!(
-                "the draft model {} has another tokenizer than {} (its token ids mean other text)",
-                draft.dir.display(),
-                self.dir.display()
-            )));
-        }
-        Ok(())
+        self.check_draft_tokenizer(&draft.dir, &draft.tokenizer)
     }
 
     /// llguidance's view of the tokenizer, built once.

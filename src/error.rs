@@ -30,6 +30,9 @@ pub enum Error {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     PromptCache(#[from] PromptFileError),
+    /// The caller asked to stop (a server's client went away) before the work was done.
+    #[error("the request was cancelled")]
+    Cancelled,
     /// An error with what it happened in (a trace id, a suite and k).
     #[error("{what}: {source}")]
     Context { what: String, source: Box<Error> },
@@ -57,7 +60,7 @@ impl Error {
             | Error::Tokenizer(_)
             | Error::PromptCache(_) => true,
             Error::Context { source, .. } => source.is_bad_input(),
-            Error::Mlx(_) | Error::Unsupported(_) | Error::Contract(_) => false,
+            Error::Mlx(_) | Error::Unsupported(_) | Error::Contract(_) | Error::Cancelled => false,
         }
     }
 

@@ -166,6 +166,21 @@ pub fn last_logits(logits: &Array) -> mlx::Result<Array> {
     logits.slice_axis(1, l - 1, l)?.squeeze(&[1])
 }
 
+/// Where a generation starts when a prefix cache supplies the beginning of the prompt.
+pub struct Resume<'a> {
+    /// Caches holding the first `cached` prompt tokens (fresh ones when `cached` is 0).
+    pub caches: Vec<LayerCache>,
+    pub cached: usize,
+    /// Sees the target's caches, and the draft model's when speculating with one, once they
+    /// hold the whole prompt but its last token: what a prefix cache keeps.
+    pub on_prefilled: OnPrefilled<'a>,
+    /// Asked after every prefill chunk; true stops the prefill with [`crate::Error::Cancelled`].
+    pub cancelled: &'a dyn Fn() -> bool,
+}
+
+/// A callback given the target's caches and the draft model's, if any.
+pub type OnPrefilled<'a> = &'a mut dyn FnMut(&[LayerCache], Option<&[LayerCache]>);
+
 /// Streams tokens; ends after the token that carries a finish reason.
 pub struct Generation<'m> {
     model: &'m dyn LanguageModel,
@@ -252,7 +267,44 @@ impl<'m> Generation<'m> {
         constraint: Option<Constraint>,
         prefilled: &mut dyn FnMut(usize),
     ) -> Result<Generation<'m>> {
-        let step_sampler = params.step_sampler(model, prompt, constraint)?;
+        let resume = Resume {
+            caches,
+            cached: 0,
+            on_prefilled: &mut |_, _| {},
+            cancelled: &|| false,
+        };
+        Self::resume(model, resume, prompt, params, constraint, prefilled)
+    }
+
+    /// Starts from caches that already hold the first `resume.cached` tokens of `prompt` (a
+    /// prefix cache's copy): the processors see the whole prompt, only the rest is prefilled,
+    /// and `resume.on_prefilled` sees the caches once they hold all of the prompt but its last
+    /// token. The output is the cold run's: on the CPU a forward gives the same bits whatever
+    /// the number of tokens per call.
+    pub fn resume(
+        model: &'m dyn LanguageModel,
+        resume: Resume<'_>,
+        prompt: &[u32],
+        params: &GenerateParams,
+        constraint: Option<Constraint>,
+        prefilled: &mut dyn FnMut(usize),
+    ) -> Result<Generation<'m>> {
+        let Resume {
+            caches,
+            cached,
+            on_prefilled,
+            cancelled,
+        } = resume;
+        let mut step_sampler = params.step_sampler(model, prompt, constraint)?;
+        if cached >= prompt.len() {
+            return Err(crate::error::contract(format!(
+                "a cached prefix of {cached} tokens leaves nothing of a {}-token prompt to feed",
+                prompt.len()
+            )));
+        }
+        if cached > 0 {
+            step_sampler.extend_history(&token_array(&prompt[..cached])?)?;
+        }
         let mut g = Generation {
             model,
             caches,
@@ -267,12 +319,17 @@ impl<'m> Generation<'m> {
             .split_last()
             .expect("validate refuses an empty prompt");
         let step_sampler = &mut g.step_sampler;
-        let mut done = 0;
-        prefill(model, &mut g.caches, &token_array(head)?, params, |chunk| {
+        let mut done = cached;
+        let rest = token_array(&head[cached..])?;
+        prefill(model, &mut g.caches, &rest, params, |chunk| {
             done += chunk.dim(0) as usize;
             prefilled(done);
+            if cancelled() {
+                return Err(crate::Error::Cancelled);
+            }
             step_sampler.extend_history(chunk)
         })?;
+        on_prefilled(&g.caches, None);
         let first = g.step(&token_array(&[last])?)?;
         mlx::async_eval([&first.0, &first.1])?;
         g.pending = Some(first);

@@ -19,6 +19,7 @@ pub mod model;
 pub mod parity;
 pub mod request;
 pub mod sample;
+pub mod server;
 pub mod speculative;
 pub mod tokenizer;
 pub mod validate;

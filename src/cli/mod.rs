@@ -8,6 +8,7 @@ mod cache_prompt;
 mod check;
 mod generate;
 mod grammar;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -59,6 +60,8 @@ enum Command {
     Bisect(bisect::BisectArgs),
     /// Run a MaskBench-format schema corpus and diff with the expected outcome.
     GrammarCorpus(grammar::CorpusArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(Box<serve::ServeArgs>),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(Bench),
@@ -79,6 +82,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Accept(a) => accept::accept(a),
         Command::Bisect(a) => bisect::bisect(a),
         Command::GrammarCorpus(a) => grammar::corpus(a),
+        Command::Serve(a) => serve::serve(*a, device),
         Command::Bench(Bench::Speed(a)) => bench::speed(a, device),
         Command::Bench(Bench::Grammar(a)) => grammar::bench(a),
     }

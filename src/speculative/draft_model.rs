@@ -14,6 +14,8 @@ use crate::{Error, Result};
 pub struct DraftModel<'m> {
     model: &'m dyn LanguageModel,
     caches: Vec<LayerCache>,
+    /// Prompt tokens the caches already hold (from a prefix cache).
+    cached: usize,
     /// Tokens the draft model has not been fed yet.
     pending: Vec<u32>,
     /// This round's drafts and how many tokens were fed to the draft model for them.
@@ -22,9 +24,20 @@ pub struct DraftModel<'m> {
 
 impl<'m> DraftModel<'m> {
     pub fn new(model: &'m dyn LanguageModel) -> DraftModel<'m> {
+        Self::resume(model, model.make_cache(None), 0)
+    }
+
+    /// A draft model whose `caches` already hold the first `cached` prompt tokens (a prefix
+    /// cache's copy, stored together with the target's): its prefill feeds only the rest.
+    pub fn resume(
+        model: &'m dyn LanguageModel,
+        caches: Vec<LayerCache>,
+        cached: usize,
+    ) -> DraftModel<'m> {
         DraftModel {
             model,
-            caches: model.make_cache(None),
+            caches,
+            cached,
             pending: Vec::new(),
             round: None,
         }
@@ -43,10 +56,17 @@ impl DraftSource for DraftModel<'_> {
         let (last, head) = prompt
             .split_last()
             .ok_or_else(|| Error::Params("the prompt is empty".into()))?;
+        let rest = head.get(self.cached..).ok_or_else(|| {
+            Error::Contract(format!(
+                "the draft caches hold {} tokens, more than the prompt's {}",
+                self.cached,
+                head.len()
+            ))
+        })?;
         prefill(
             self.model,
             &mut self.caches,
-            &token_array(head)?,
+            &token_array(rest)?,
             ctx.params,
             |_| Ok(()),
         )?;
@@ -96,5 +116,9 @@ impl DraftSource for DraftModel<'_> {
 
     fn draft_model(&self) -> Option<&dyn LanguageModel> {
         Some(self.model)
+    }
+
+    fn caches(&self) -> Option<&[LayerCache]> {
+        Some(&self.caches)
     }
 }

@@ -19,7 +19,9 @@ use mlx::{Array, Dtype};
 
 use super::{DraftContext, DraftSource, PrefillMode, SpeculationStats, Verified};
 use crate::cache::{begin_round, end_round, rollback_plan, LayerCache, Rollback};
-use crate::generate::{forward_tapped, prefill, token_array, GenerateParams, GeneratedToken};
+use crate::generate::{
+    forward_tapped, prefill, token_array, GenerateParams, GeneratedToken, Resume,
+};
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
 use crate::sample::{Masking, StepSampler};
@@ -116,15 +118,72 @@ pub fn generate_speculative(
     constraint: Option<Constraint>,
     on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
 ) -> Result<(SpeculationStats, Option<Constraint>)> {
+    // mlx-lm's speculative path builds the target's own caches, ignoring max_kv_size.
+    let resume = Resume {
+        caches: model.make_cache(None),
+        cached: 0,
+        on_prefilled: &mut |_, _| {},
+        cancelled: &|| false,
+    };
+    let request = Speculation {
+        prompt,
+        params,
+        num_draft_tokens,
+        constraint,
+    };
+    resume_speculative(model, source, resume, request, on_token)
+}
+
+/// What a speculative generation is asked for, besides the models.
+pub struct Speculation<'a> {
+    pub prompt: &'a [u32],
+    pub params: &'a GenerateParams,
+    pub num_draft_tokens: usize,
+    pub constraint: Option<Constraint>,
+}
+
+/// [`generate_speculative`] from target caches that already hold the first `resume.cached`
+/// prompt tokens (the draft source, e.g. [`super::DraftModel::resume`], holds the same): the
+/// processors see the whole prompt, only the rest is prefilled, and `resume.on_prefilled` sees
+/// the target's and the draft model's caches once they hold all of the prompt but its last
+/// token. The output is the cold run's (on the CPU a forward gives the same bits whatever the
+/// number of tokens per call).
+pub fn resume_speculative(
+    model: &dyn LanguageModel,
+    source: &mut dyn DraftSource,
+    resume: Resume<'_>,
+    request: Speculation<'_>,
+    on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
+) -> Result<(SpeculationStats, Option<Constraint>)> {
+    let Speculation {
+        prompt,
+        params,
+        num_draft_tokens,
+        constraint,
+    } = request;
     validate::speculation(model, source.draft_model(), num_draft_tokens, params)?;
-    let sampler = params.step_sampler(model, prompt, constraint)?;
+    let mut sampler = params.step_sampler(model, prompt, constraint)?;
+    let Resume {
+        caches,
+        cached,
+        on_prefilled,
+        cancelled,
+    } = resume;
+    if cached >= prompt.len() {
+        return Err(crate::error::contract(format!(
+            "a cached prefix of {cached} tokens leaves nothing of a {}-token prompt to feed",
+            prompt.len()
+        )));
+    }
+    if cached > 0 {
+        sampler.extend_history(&token_array(&prompt[..cached])?)?;
+    }
     let (&last, head) = prompt
         .split_last()
         .expect("validate refuses an empty prompt");
-    // mlx-lm's speculative path builds the target's own caches, ignoring max_kv_size.
     let mut ex = Executor {
         model,
-        caches: model.make_cache(None),
+        caches,
         sampler,
         params,
         stats: SpeculationStats::default(),
@@ -142,11 +201,15 @@ pub fn generate_speculative(
             },
         )?;
     }
-    let head = token_array(head)?;
+    let rest = token_array(&head[cached..])?;
     let sampler = &mut ex.sampler;
-    prefill(model, &mut ex.caches, &head, params, |chunk| {
+    prefill(model, &mut ex.caches, &rest, params, |chunk| {
+        if cancelled() {
+            return Err(crate::Error::Cancelled);
+        }
         sampler.extend_history(chunk)
     })?;
+    on_prefilled(&ex.caches, source.caches());
 
     let mut y = last;
     let mut emitted = 0usize;

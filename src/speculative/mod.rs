@@ -10,7 +10,7 @@ pub mod source;
 pub mod stats;
 
 pub use draft_model::DraftModel;
-pub use executor::{generate_speculative, Control};
+pub use executor::{generate_speculative, resume_speculative, Control, Speculation};
 pub use mtp::MtpDrafter;
 pub use ngram::NgramLookup;
 pub use source::{DraftContext, DraftSource, PrefillMode, Verified};

@@ -8,6 +8,7 @@
 
 use mlx::Array;
 
+use crate::cache::LayerCache;
 use crate::generate::GenerateParams;
 use crate::model::LanguageModel;
 use crate::sample::{Masking, StepSampler};
@@ -108,6 +109,12 @@ pub trait DraftSource {
     /// The draft model this source runs, if any, so the executor can check it against the
     /// target before anything runs.
     fn draft_model(&self) -> Option<&dyn LanguageModel> {
+        None
+    }
+
+    /// The draft model's caches, if the source has any (for a prefix cache to keep after the
+    /// prefill).
+    fn caches(&self) -> Option<&[LayerCache]> {
         None
     }
 }

@@ -1,0 +1,650 @@
+//! The engine thread: the one thread that owns the models and every MLX array (MLX arrays are
+//! not shared across threads as verity uses them). The HTTP side hands it jobs through a bounded
+//! queue and reads each job's events from its own channel. Requests run one at a time, in
+//! arrival order. A client that goes away closes its event channel; the engine notices at the
+//! next prefill chunk or the next token (within a speculative round too) and stops there, so
+//! the next request starts promptly.
+
+use std::path::PathBuf;
+use std::sync::mpsc as std_mpsc;
+use std::thread;
+use std::time::Instant;
+
+use serde::Serialize;
+use serde_json::Map;
+use tokio::sync::mpsc;
+
+use super::api::{ApiError, GenRequest, Prompt};
+use super::prefix_cache::PrefixCache;
+use super::stop::{Pushed, StopMatcher};
+use crate::bundle::ModelBundle;
+use crate::cache::{KvQuantization, LayerCache};
+use crate::generate::{FinishReason, GenerateParams, GeneratedToken, Generation, Resume};
+use crate::sample::{ProcessorParams, SamplerParams};
+use crate::speculative::{
+    resume_speculative, Control, DraftModel, DraftSource, NgramLookup, Speculation,
+    SpeculationStats,
+};
+use crate::tokenizer::StreamingDetokenizer;
+use crate::{validate, Error};
+
+/// How drafts are made for speculative serving.
+#[derive(Clone, Debug)]
+pub enum Drafter {
+    /// A draft model folder (same vocabulary and tokenizer as the target).
+    Model(PathBuf),
+    /// Prompt lookup with n-grams of these lengths.
+    Ngram { min: usize, max: usize },
+}
+
+/// What the engine serves and how it processes prompts.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub model: PathBuf,
+    pub drafter: Option<Drafter>,
+    pub num_draft_tokens: usize,
+    pub device: mlx::Device,
+    pub queue_size: usize,
+    pub prefill_step_size: usize,
+    pub max_kv_size: Option<usize>,
+    pub kv_quantization: Option<KvQuantization>,
+    /// The prefix cache's budget in bytes (0: no prefix cache).
+    pub prompt_cache_bytes: usize,
+}
+
+impl EngineConfig {
+    /// Everything that shapes a cache, so that an entry of the prefix cache is only ever
+    /// restored into the lane that could have made it.
+    fn namespace(&self) -> String {
+        format!(
+            "model={} drafter={:?} max_kv_size={:?} kv={:?}",
+            self.model.display(),
+            self.drafter,
+            self.max_kv_size,
+            self.kv_quantization
+        )
+    }
+}
+
+/// One alternative at a token position.
+#[derive(Clone, Debug)]
+pub struct TopLogprob {
+    pub id: u32,
+    pub token: String,
+    pub logprob: f32,
+}
+
+/// The chosen token of one step and, when asked, its logprob and the top alternatives.
+#[derive(Clone, Debug)]
+pub struct TokenInfo {
+    pub id: u32,
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<TopLogprob>,
+}
+
+/// What a request cost, reported next to usage and in the server log. Cached tokens are not
+/// counted in the prompt rate.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RequestStats {
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub prompt_seconds: f64,
+    pub prompt_tokens_per_second: f64,
+    pub completion_tokens: usize,
+    pub decode_seconds: f64,
+    pub decode_tokens_per_second: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculation: Option<SpeculationReport>,
+}
+
+/// The speculation counters, in the project's vocabulary (docs/DESIGN.md section 8).
+#[derive(Clone, Debug, Serialize)]
+pub struct SpeculationReport {
+    pub rounds: usize,
+    pub drafted: usize,
+    pub accepted: usize,
+    pub drafted_by_position: Vec<usize>,
+    pub accepted_by_position: Vec<usize>,
+    pub target_calls: usize,
+    pub from_draft: usize,
+    pub refused_rounds: usize,
+}
+
+impl From<&SpeculationStats> for SpeculationReport {
+    fn from(s: &SpeculationStats) -> SpeculationReport {
+        SpeculationReport {
+            rounds: s.rounds,
+            drafted: s.drafted,
+            accepted: s.accepted,
+            drafted_by_position: s.drafted_by_pos.clone(),
+            accepted_by_position: s.accepted_by_pos.clone(),
+            target_calls: s.target_calls,
+            from_draft: s.from_draft,
+            refused_rounds: s.refused_rounds,
+        }
+    }
+}
+
+/// How a finished request ended.
+#[derive(Clone, Debug)]
+pub struct Summary {
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+    pub stats: RequestStats,
+}
+
+/// What the engine tells the HTTP side about one request, in this order: `Started` or
+/// `Failed`; then `Delta`s; then `Done` or `Failed`.
+#[derive(Debug)]
+pub enum Event {
+    /// The request passed validation and the prompt is being processed.
+    Started {
+        prompt_tokens: usize,
+    },
+    /// Text released by the stop matcher (possibly empty) and the tokens just generated.
+    Delta {
+        text: String,
+        tokens: Vec<TokenInfo>,
+    },
+    Done(Summary),
+    Failed(ApiError),
+}
+
+/// How a request left the engine.
+enum Outcome {
+    Done(Summary),
+    /// The client went away after this many tokens were generated.
+    Cancelled {
+        tokens: usize,
+    },
+    /// The client went away while the prompt was being prefilled.
+    CancelledInPrefill,
+}
+
+/// A request and where its events go.
+pub struct Job {
+    pub request: GenRequest,
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+/// The HTTP side's handle: the bounded queue into the engine thread, and what it serves.
+#[derive(Clone)]
+pub struct EngineHandle {
+    jobs: mpsc::Sender<Job>,
+    pub model_id: String,
+    pub queue_size: usize,
+}
+
+impl EngineHandle {
+    /// Queues a request; refuses at once when the queue is full (never waits).
+    pub fn submit(&self, request: GenRequest) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+        let (events, rx) = mpsc::unbounded_channel();
+        self.jobs
+            .try_send(Job { request, events })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => ApiError::busy(self.queue_size),
+                mpsc::error::TrySendError::Closed(_) => {
+                    ApiError::internal("the engine thread has stopped")
+                }
+            })?;
+        Ok(rx)
+    }
+}
+
+/// Starts the engine thread, loads the model (and the draft, refused unless it fits the target)
+/// on it, and returns once it is ready to serve or failed to load.
+pub fn start(config: EngineConfig) -> anyhow::Result<EngineHandle> {
+    let (jobs, queue) = mpsc::channel(config.queue_size);
+    let (ready, loaded) = std_mpsc::sync_channel(1);
+    let queue_size = config.queue_size;
+    thread::Builder::new()
+        .name("verity-engine".into())
+        .spawn(move || {
+            let engine = match Engine::load(config) {
+                Ok(engine) => {
+                    let _ = ready.send(Ok(engine.model_id.clone()));
+                    engine
+                }
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            };
+            engine.serve(queue);
+        })?;
+    let model_id = loaded.recv()??;
+    Ok(EngineHandle {
+        jobs,
+        model_id,
+        queue_size,
+    })
+}
+
+/// The engine thread's state: the target, the draft model if any, and what every request
+/// needs from them.
+struct Engine {
+    config: EngineConfig,
+    target: ModelBundle,
+    draft: Option<ModelBundle>,
+    model_id: String,
+    /// The model's context length (max_position_embeddings), when its config names one.
+    context: Option<usize>,
+    /// mlx_lm.server never lets XTC exclude a newline or an EOS token (server.py:497).
+    xtc_special_tokens: Vec<u32>,
+    prefix: PrefixCache,
+    namespace: String,
+}
+
+impl Engine {
+    fn load(config: EngineConfig) -> anyhow::Result<Engine> {
+        mlx::set_default_device(config.device)?;
+        let target = ModelBundle::load(&config.model)?;
+        let draft = match &config.drafter {
+            Some(Drafter::Model(dir)) => Some(target.load_draft(dir)?),
+            Some(Drafter::Ngram { min, max }) => {
+                validate::ngram(*min, *max)?;
+                None
+            }
+            None => None,
+        };
+        anyhow::ensure!(
+            (1..=validate::MAX_DRAFT_TOKENS).contains(&config.num_draft_tokens),
+            "--num-draft-tokens is {}, must be from 1 to {}",
+            config.num_draft_tokens,
+            validate::MAX_DRAFT_TOKENS
+        );
+        let json = &target.config.json;
+        let context = json
+            .get("max_position_embeddings")
+            .or_else(|| json.get("text_config")?.get("max_position_embeddings"))
+            .and_then(serde_json::Value::as_u64)
+            .map(|c| c as usize);
+        let mut xtc_special_tokens = target.tokenizer.encode("\n", false)?;
+        xtc_special_tokens.extend(&target.eos_token_ids);
+        Ok(Engine {
+            model_id: config.model.display().to_string(),
+            prefix: PrefixCache::new(config.prompt_cache_bytes),
+            namespace: config.namespace(),
+            config,
+            target,
+            draft,
+            context,
+            xtc_special_tokens,
+        })
+    }
+
+    fn serve(mut self, mut queue: mpsc::Receiver<Job>) {
+        while let Some(job) = queue.blocking_recv() {
+            let events = job.events.clone();
+            match self.run(job) {
+                Ok(Outcome::Done(s)) => {
+                    log_request(&s, &self.prefix);
+                    let _ = events.send(Event::Done(s));
+                }
+                Ok(Outcome::Cancelled { tokens }) => {
+                    eprintln!("verity serve: request cancelled by the client after {tokens} tokens")
+                }
+                Ok(Outcome::CancelledInPrefill) => {
+                    eprintln!("verity serve: request cancelled by the client during the prefill")
+                }
+                Err(e) => {
+                    eprintln!("verity serve: request failed: {}", e.message);
+                    let _ = events.send(Event::Failed(e));
+                }
+            }
+            mlx::memory::clear_cache();
+        }
+    }
+
+    /// Runs one request to its end or until the client goes away.
+    fn run(&mut self, job: Job) -> Result<Outcome, ApiError> {
+        let Job { request, events } = job;
+        let started = Instant::now();
+        let prompt = self.prompt_tokens(&request).map_err(refusal)?;
+        let params = self.params(&request);
+        validate::request(self.target.model(), &prompt, &params).map_err(refusal)?;
+        if let Some(context) = self.context.filter(|&c| prompt.len() > c) {
+            let param = match request.prompt {
+                Prompt::Messages(_) => "messages",
+                Prompt::Text(_) | Prompt::Tokens(_) => "prompt",
+            };
+            return Err(ApiError::invalid(
+                param,
+                format!(
+                    "the prompt is {} tokens, longer than the model's context of {context} tokens",
+                    prompt.len()
+                ),
+            ));
+        }
+        let num_draft_tokens = request
+            .num_draft_tokens
+            .unwrap_or(self.config.num_draft_tokens);
+        let constraint = request
+            .grammar
+            .as_ref()
+            .map(|g| self.target.constraint(g))
+            .transpose()
+            .map_err(refusal)?;
+        if events
+            .send(Event::Started {
+                prompt_tokens: prompt.len(),
+            })
+            .is_err()
+        {
+            return Ok(Outcome::Cancelled { tokens: 0 });
+        }
+
+        let mut lane = Lane {
+            bundle: &self.target,
+            request: &request,
+            events: &events,
+            detok: self.target.tokenizer.detokenizer(),
+            stop: StopMatcher::new(request.stop.clone()),
+            count: 0,
+            first_token_at: None,
+            finish: None,
+            cancelled: false,
+            error: None,
+        };
+        let mut on_token = |step: &GeneratedToken| lane.on_token(step);
+        let hit = self.prefix.lookup(&self.namespace, &prompt);
+        let cached = hit.as_ref().map_or(0, |h| h.cached);
+        let (prefix, namespace) = (&mut self.prefix, &self.namespace);
+        let head = &prompt[..prompt.len() - 1];
+        let mut keep = |target: &[LayerCache], draft: Option<&[LayerCache]>| {
+            prefix.insert(namespace, head, target, draft)
+        };
+        let target = self.target.model();
+        let gone = || events.is_closed();
+        let spec = match &self.config.drafter {
+            None => {
+                let resume = Resume {
+                    caches: match hit {
+                        Some(h) => h.target,
+                        None => target.make_cache(params.max_kv_size),
+                    },
+                    cached,
+                    on_prefilled: &mut keep,
+                    cancelled: &gone,
+                };
+                let generation =
+                    Generation::resume(target, resume, &prompt, &params, constraint, &mut |_| {});
+                let Some(generation) = checked(generation)? else {
+                    return Ok(Outcome::CancelledInPrefill);
+                };
+                for step in generation {
+                    let step = step.map_err(refusal)?;
+                    if on_token(&step) == Control::Stop {
+                        break;
+                    }
+                }
+                None
+            }
+            Some(drafter) => {
+                // mlx-lm's speculative path builds the target's own caches, ignoring
+                // max_kv_size (as generate_speculative does).
+                let (target_caches, draft_caches) = match hit {
+                    Some(h) => (h.target, h.draft),
+                    None => (target.make_cache(None), None),
+                };
+                let mut source: Box<dyn DraftSource> = match (drafter, &self.draft) {
+                    (Drafter::Model(_), Some(d)) => {
+                        let model = d.model();
+                        let caches = draft_caches.unwrap_or_else(|| model.make_cache(None));
+                        Box::new(DraftModel::resume(model, caches, cached))
+                    }
+                    (Drafter::Ngram { min, max }, _) => {
+                        Box::new(NgramLookup::new(*min, *max).map_err(refusal)?)
+                    }
+                    (Drafter::Model(_), None) => unreachable!("a draft model is loaded at start"),
+                };
+                let resume = Resume {
+                    caches: target_caches,
+                    cached,
+                    on_prefilled: &mut keep,
+                    cancelled: &gone,
+                };
+                let request = Speculation {
+                    prompt: &prompt,
+                    params: &params,
+                    num_draft_tokens,
+                    constraint,
+                };
+                let run =
+                    resume_speculative(target, source.as_mut(), resume, request, &mut on_token);
+                let Some((stats, _)) = checked(run)? else {
+                    return Ok(Outcome::CancelledInPrefill);
+                };
+                Some(stats)
+            }
+        };
+        if let Some(e) = lane.error.take() {
+            return Err(e);
+        }
+        if lane.cancelled {
+            return Ok(Outcome::Cancelled { tokens: lane.count });
+        }
+        let finished = Instant::now();
+        let first = lane.first_token_at.unwrap_or(finished);
+        let prompt_seconds = (first - started).as_secs_f64();
+        let decode_seconds = (finished - first).as_secs_f64();
+        let stats = RequestStats {
+            prompt_tokens: prompt.len(),
+            cached_tokens: cached,
+            prompt_seconds,
+            prompt_tokens_per_second: (prompt.len() - cached) as f64 / prompt_seconds.max(1e-9),
+            completion_tokens: lane.count,
+            decode_seconds,
+            decode_tokens_per_second: lane.count.saturating_sub(1) as f64
+                / decode_seconds.max(1e-9),
+            speculation: spec.as_ref().map(SpeculationReport::from),
+        };
+        Ok(Outcome::Done(Summary {
+            finish_reason: lane.finish.unwrap_or(FinishReason::Length),
+            prompt_tokens: prompt.len(),
+            completion_tokens: lane.count,
+            cached_tokens: cached,
+            stats,
+        }))
+    }
+
+    /// The prompt as mlx_lm.server builds it (server.py:618): chat messages through the chat
+    /// template with the generation prompt, encoded without special tokens; raw text encoded
+    /// with them.
+    fn prompt_tokens(&self, request: &GenRequest) -> crate::Result<Vec<u32>> {
+        let tokenizer = &self.target.tokenizer;
+        Ok(match &request.prompt {
+            Prompt::Messages(messages) => {
+                let text = tokenizer.apply_chat_template(messages, true, &Map::new())?;
+                tokenizer.encode(&text, false)?
+            }
+            Prompt::Text(text) => tokenizer.encode(text, true)?,
+            Prompt::Tokens(ids) => ids.clone(),
+        })
+    }
+
+    /// The request's generation parameters. Sampling without a seed uses seed 0 (as
+    /// `verity generate` does), so every response can be reproduced.
+    fn params(&self, r: &GenRequest) -> GenerateParams {
+        GenerateParams {
+            max_tokens: r.max_tokens,
+            sampler: SamplerParams {
+                temp: r.temperature,
+                top_p: r.top_p,
+                min_p: r.min_p,
+                top_k: r.top_k,
+                xtc_special_tokens: self.xtc_special_tokens.clone(),
+                ..SamplerParams::default()
+            },
+            processors: ProcessorParams {
+                logit_bias: r.logit_bias.clone(),
+                repetition_penalty: r.repetition_penalty,
+                repetition_context_size: r.repetition_context_size,
+                presence_penalty: r.presence_penalty,
+                presence_context_size: r.presence_context_size,
+                frequency_penalty: r.frequency_penalty,
+                frequency_context_size: r.frequency_context_size,
+            },
+            seed: r.seed.or((r.temperature > 0.0).then_some(0)),
+            prefill_step_size: self.config.prefill_step_size,
+            max_kv_size: self.config.max_kv_size,
+            kv_quantization: self.config.kv_quantization,
+            eos_token_ids: self.target.eos_token_ids.clone(),
+        }
+    }
+}
+
+/// An engine error as an HTTP error: bad input is the client's (400), anything else ours (500).
+fn refusal(e: Error) -> ApiError {
+    if e.is_bad_input() {
+        ApiError::bad_input(e.to_string())
+    } else {
+        ApiError::internal(e.to_string())
+    }
+}
+
+/// An engine result as a lane sees it: cancelled during the prefill is no error (`None`).
+fn checked<T>(result: crate::Result<T>) -> Result<Option<T>, ApiError> {
+    match result {
+        Ok(v) => Ok(Some(v)),
+        Err(Error::Cancelled) => Ok(None),
+        Err(e) => Err(refusal(e)),
+    }
+}
+
+fn log_request(s: &Summary, prefix: &PrefixCache) {
+    let st = &s.stats;
+    let mut line = format!(
+        "verity serve: prompt {} tokens ({} cached) {:.3}s {:.1} tok/s, completion {} tokens {:.3}s {:.1} tok/s, finish {}",
+        st.prompt_tokens,
+        st.cached_tokens,
+        st.prompt_seconds,
+        st.prompt_tokens_per_second,
+        st.completion_tokens,
+        st.decode_seconds,
+        st.decode_tokens_per_second,
+        s.finish_reason
+    );
+    line.push_str(&format!(
+        ", prefix cache {} entries {} bytes",
+        prefix.len(),
+        prefix.bytes()
+    ));
+    if let Some(sp) = &st.speculation {
+        line.push_str(&format!(
+            ", speculation {} rounds {}/{} accepted by position {:?}/{:?}, {} target calls",
+            sp.rounds,
+            sp.accepted,
+            sp.drafted,
+            sp.accepted_by_position,
+            sp.drafted_by_position,
+            sp.target_calls
+        ));
+    }
+    eprintln!("{line}");
+}
+
+/// One request's decode lane: turns generated tokens into released text through the
+/// detokenizer and the stop matcher, sends them, and decides when to stop.
+struct Lane<'a> {
+    bundle: &'a ModelBundle,
+    request: &'a GenRequest,
+    events: &'a mpsc::UnboundedSender<Event>,
+    detok: StreamingDetokenizer,
+    stop: StopMatcher,
+    count: usize,
+    first_token_at: Option<Instant>,
+    finish: Option<FinishReason>,
+    cancelled: bool,
+    error: Option<ApiError>,
+}
+
+impl Lane<'_> {
+    /// One generated token. Counts it (a stopping EOS counts, as in mlx-lm, server.py:1640,
+    /// but adds no text, server.py:976), releases its text through the stop matcher, and
+    /// stops on a stop sequence, at the end, or when the client is gone.
+    fn on_token(&mut self, step: &GeneratedToken) -> Control {
+        self.first_token_at.get_or_insert_with(Instant::now);
+        if self.events.is_closed() {
+            self.cancelled = true;
+            return Control::Stop;
+        }
+        self.count += 1;
+        let info = match self.token_info(step) {
+            Ok(info) => info,
+            Err(e) => {
+                self.error = Some(refusal(e));
+                return Control::Stop;
+            }
+        };
+        let mut text = String::new();
+        let mut stopped = false;
+        if step.finish != Some(FinishReason::Stop) {
+            self.detok.add_token(step.token);
+            let mut segment = self.detok.take_segment();
+            if step.finish.is_some() {
+                segment.push_str(&self.detok.finalize());
+            }
+            match self.stop.push(&segment) {
+                Pushed::Text(t) => text = t,
+                Pushed::Stopped(t) => {
+                    text = t;
+                    stopped = true;
+                }
+            }
+        }
+        if stopped {
+            self.finish = Some(FinishReason::Stop);
+        } else if let Some(f) = step.finish {
+            self.finish = Some(f);
+            text.push_str(&self.stop.finish());
+        }
+        let tokens = info.into_iter().collect();
+        if self.events.send(Event::Delta { text, tokens }).is_err() {
+            self.cancelled = true;
+            return Control::Stop;
+        }
+        if self.finish.is_some() {
+            Control::Stop
+        } else {
+            Control::Continue
+        }
+    }
+
+    /// The token's logprob and its top alternatives (sorted by logprob, then id), when asked.
+    fn token_info(&self, step: &GeneratedToken) -> crate::Result<Option<TokenInfo>> {
+        if !self.request.logprobs {
+            return Ok(None);
+        }
+        let logprobs = step.logprobs.astype(mlx::Dtype::Float32)?.to_vec::<f32>()?;
+        let mut order: Vec<u32> = (0..logprobs.len() as u32).collect();
+        let n = self.request.top_logprobs.min(order.len());
+        let by_rank = |a: &u32, b: &u32| {
+            logprobs[*b as usize]
+                .total_cmp(&logprobs[*a as usize])
+                .then(a.cmp(b))
+        };
+        if n > 0 && n < order.len() {
+            order.select_nth_unstable_by(n - 1, by_rank);
+        }
+        order.truncate(n);
+        order.sort_by(by_rank);
+        let text = |id: u32| self.bundle.decode(&[id]);
+        Ok(Some(TokenInfo {
+            id: step.token,
+            token: text(step.token),
+            logprob: logprobs[step.token as usize],
+            top: order
+                .into_iter()
+                .map(|id| TopLogprob {
+                    id,
+                    token: text(id),
+                    logprob: logprobs[id as usize],
+                })
+                .collect(),
+        }))
+    }
+}

@@ -1,0 +1,116 @@
+//! `verity serve`: an OpenAI-compatible HTTP server. The HTTP side (axum on tokio) reads and
+//! checks requests ([`api`]) and shapes responses ([`response`], [`sse`]); the one engine thread
+//! ([`engine`]) owns MLX and runs requests one at a time from a bounded queue, releasing text
+//! through the stop-sequence matcher ([`stop`]) and keeping prompt prefixes across requests
+//! ([`prefix_cache`]). A full queue answers 503 with Retry-After at
+//! once; bad input answers 400 with an OpenAI error body naming the field.
+
+pub mod api;
+pub mod engine;
+pub mod prefix_cache;
+pub mod response;
+pub mod sse;
+pub mod stop;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::Uri;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use api::{ApiError, Defaults, Endpoint};
+use engine::{EngineHandle, Event};
+use response::Meta;
+
+/// What every handler needs.
+#[derive(Clone)]
+struct App {
+    engine: EngineHandle,
+    defaults: Defaults,
+}
+
+/// The routes, in front of a started engine.
+pub fn router(engine: EngineHandle, default_max_tokens: usize) -> Router {
+    let defaults = Defaults {
+        max_tokens: default_max_tokens,
+        model_id: engine.model_id.clone(),
+    };
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat))
+        .route("/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
+        .with_state(App { engine, defaults })
+}
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn models(State(app): State<App>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": app.engine.model_id, "object": "model", "created": 0, "owned_by": "verity"}],
+    }))
+}
+
+async fn chat(State(app): State<App>, body: Bytes) -> Response {
+    generate(app, Endpoint::Chat, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn completions(State(app): State<App>, body: Bytes) -> Response {
+    generate(app, Endpoint::Completion, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Reads the body, queues the request, and answers once the engine has accepted or refused
+/// it: refusals come before any 200, so a stream never starts for a bad request.
+async fn generate(app: App, endpoint: Endpoint, body: Bytes) -> Result<Response, ApiError> {
+    let value: Value = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::invalid("body", format!("the request body is not valid JSON: {e}"))
+    })?;
+    let request = api::parse(endpoint, &value, &app.defaults)?;
+    let mut events = app.engine.submit(request.clone())?;
+    match events.recv().await {
+        Some(Event::Started { .. }) => {}
+        Some(Event::Failed(e)) => return Err(e),
+        _ => {
+            return Err(ApiError::internal(
+                "the engine stopped before the request started",
+            ))
+        }
+    }
+    let meta = Meta::new(&request);
+    if request.stream {
+        return Ok(sse::respond(events, meta, request));
+    }
+    let (mut text, mut tokens) = (String::new(), Vec::new());
+    loop {
+        match events.recv().await {
+            Some(Event::Delta {
+                text: t,
+                tokens: ts,
+            }) => {
+                text.push_str(&t);
+                tokens.extend(ts);
+            }
+            Some(Event::Done(summary)) => {
+                return Ok(Json(meta.complete(&request, &text, &tokens, &summary)).into_response())
+            }
+            Some(Event::Failed(e)) => return Err(e),
+            Some(Event::Started { .. }) => {}
+            None => {
+                return Err(ApiError::internal(
+                    "the engine stopped before the request finished",
+                ))
+            }
+        }
+    }
+}

@@ -1,0 +1,90 @@
+//! Server-sent events for `stream: true`: one chunk per token that released text (or carries
+//! logprobs), then a chunk with the finish reason, the usage chunk when
+//! `stream_options.include_usage`, and `data: [DONE]` (mlx_lm.server's order, server.py:1673).
+//! The engine's event receiver lives inside the stream, so a client that disconnects drops it
+//! and the engine sees the closed channel at its next token.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream;
+use tokio::sync::mpsc;
+
+use super::api::{ApiError, GenRequest};
+use super::engine::Event;
+use super::response::Meta;
+
+struct State {
+    events: mpsc::UnboundedReceiver<Event>,
+    meta: Meta,
+    request: GenRequest,
+    out: VecDeque<SseEvent>,
+    done: bool,
+}
+
+fn data(value: serde_json::Value) -> SseEvent {
+    SseEvent::default().data(value.to_string())
+}
+
+impl State {
+    /// Turns the next engine event into SSE events, marking the end after the last.
+    async fn advance(&mut self) {
+        match self.events.recv().await {
+            Some(Event::Started { .. }) => {}
+            Some(Event::Delta { text, tokens }) => {
+                if !text.is_empty() || (self.request.logprobs && !tokens.is_empty()) {
+                    let chunk = self.meta.chunk(&self.request, &text, &tokens, None);
+                    self.out.push_back(data(chunk));
+                }
+            }
+            Some(Event::Done(summary)) => {
+                let finish = Some(summary.finish_reason.to_string());
+                let last = self.meta.chunk(&self.request, "", &[], finish);
+                self.out.push_back(data(last));
+                if self.request.include_usage {
+                    self.out.push_back(data(self.meta.usage_chunk(&summary)));
+                }
+                self.out.push_back(SseEvent::default().data("[DONE]"));
+                self.done = true;
+            }
+            Some(Event::Failed(e)) => {
+                self.out.push_back(data(e.body()));
+                self.done = true;
+            }
+            None => {
+                let e = ApiError::internal("the engine stopped before the request finished");
+                self.out.push_back(data(e.body()));
+                self.done = true;
+            }
+        }
+    }
+}
+
+/// The streaming response for a request the engine has started.
+pub fn respond(
+    events: mpsc::UnboundedReceiver<Event>,
+    meta: Meta,
+    request: GenRequest,
+) -> Response {
+    let state = State {
+        events,
+        meta,
+        request,
+        out: VecDeque::new(),
+        done: false,
+    };
+    let events = stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(event) = st.out.pop_front() {
+                return Some((Ok::<_, Infallible>(event), st));
+            }
+            if st.done {
+                return None;
+            }
+            st.advance().await;
+        }
+    });
+    Sse::new(events).into_response()
+}

@@ -1,0 +1,803 @@
+//! `verity serve` over real HTTP: each test starts the real binary on 127.0.0.1 port 0 (reading
+//! the bound address from its stdout) on a fixture model and talks to it with an HTTP client.
+//! Greedy output is checked against `verity generate`, streaming against non-streaming,
+//! speculative against plain, and every refusal for its 400 body.
+
+mod server_client;
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::Command;
+use std::sync::Arc;
+use std::thread;
+
+use serde_json::{json, Value};
+use server_client::Server;
+use support::model_dir;
+
+const TARGET: &str = "qwen3-target";
+
+fn chat(content: &str, max_tokens: usize) -> Value {
+    json!({"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens})
+}
+
+fn content(v: &Value) -> &str {
+    v["choices"][0]["message"]["content"].as_str().unwrap()
+}
+
+fn finish(v: &Value) -> &str {
+    v["choices"][0]["finish_reason"].as_str().unwrap()
+}
+
+/// Usage without the cached-token detail (which a warm prefix cache changes).
+fn counts(usage: &Value) -> [u64; 3] {
+    ["prompt_tokens", "completion_tokens", "total_tokens"].map(|k| usage[k].as_u64().unwrap())
+}
+
+fn completion_tokens(v: &Value) -> u64 {
+    v["usage"]["completion_tokens"].as_u64().unwrap()
+}
+
+/// The concatenated delta text, the finish reason and the usage of a chat stream.
+fn joined(chunks: &[Value]) -> (String, String, Value) {
+    let mut text = String::new();
+    let mut finish = None;
+    let mut usage = Value::Null;
+    for c in chunks {
+        if let Some(choice) = c["choices"].get(0) {
+            text.push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+            if let Some(f) = choice["finish_reason"].as_str() {
+                assert!(finish.is_none(), "two finish reasons");
+                finish = Some(f.to_string());
+            }
+        } else {
+            usage = c["usage"].clone();
+        }
+    }
+    (text, finish.expect("a finish reason"), usage)
+}
+
+#[test]
+fn health_and_models_answer() {
+    let s = Server::start(&model_dir(TARGET), &[]);
+    assert_eq!(s.get("/health"), (200, json!({"status": "ok"})));
+    let (status, models) = s.get("/v1/models");
+    assert_eq!(status, 200);
+    assert_eq!(models["object"], "list");
+    assert!(models["data"][0]["id"].as_str().unwrap().ends_with(TARGET));
+    let (status, body) = s.get("/v1/nothing");
+    assert_eq!(status, 404);
+    assert_eq!(body["error"]["code"], "unknown_url");
+}
+
+#[test]
+fn greedy_chat_equals_verity_generate() {
+    let prompt = "Write a function that reads a file.";
+    let out = Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args([
+            "--device", "cpu", "generate", "-m", "40", "--prompt", prompt, "--model",
+        ])
+        .arg(model_dir(TARGET))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let expected = stdout.strip_suffix('\n').unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    let generated: u64 = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("Generation: "))
+        .and_then(|l| l.split(' ').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+
+    let s = Server::start(&model_dir(TARGET), &[]);
+    let v = s.ok("/v1/chat/completions", &chat(prompt, 40));
+    assert!(!expected.is_empty());
+    assert_eq!(content(&v), expected);
+    assert_eq!(completion_tokens(&v), generated);
+    assert_eq!(v["object"], "chat.completion");
+    let stats = &v["verity_stats"];
+    assert_eq!(stats["completion_tokens"].as_u64(), Some(generated));
+    assert!(stats["decode_tokens_per_second"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn streaming_equals_non_streaming() {
+    let s = Server::start(&model_dir(TARGET), &[]);
+    for (path, body) in [
+        ("/v1/chat/completions", chat("Tell me about rivers.", 48)),
+        ("/v1/chat/completions", {
+            let mut b = chat("Count to ten.", 60);
+            b["temperature"] = json!(0.8);
+            b["seed"] = json!(7);
+            b
+        }),
+        (
+            "/v1/completions",
+            json!({"prompt": "def main():", "max_tokens": 30}),
+        ),
+    ] {
+        let whole = s.ok(path, &body);
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        streamed["stream_options"] = json!({"include_usage": true});
+        let chunks = s.stream(path, &streamed);
+        if path == "/v1/completions" {
+            let text: String = chunks
+                .iter()
+                .filter_map(|c| c["choices"].get(0)?["text"].as_str())
+                .collect();
+            assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
+            assert_eq!(
+                counts(&chunks.last().unwrap()["usage"]),
+                counts(&whole["usage"])
+            );
+        } else {
+            let (text, fin, usage) = joined(&chunks);
+            assert_eq!(text, content(&whole));
+            assert_eq!(fin, finish(&whole));
+            assert_eq!(counts(&usage), counts(&whole["usage"]));
+            assert!(chunks
+                .iter()
+                .all(|c| c["object"] == "chat.completion.chunk"));
+        }
+    }
+}
+
+#[test]
+fn max_tokens_and_stop_sequences_are_exact() {
+    let s = Server::start(&model_dir(TARGET), &[]);
+    // EOS (ids 0 and 2) banned, so the text runs to max_tokens.
+    let no_eos = json!({"2": -100, "0": -100});
+    let mut body = chat("Write a function that reads a file.", 32);
+    body["logit_bias"] = no_eos.clone();
+    body["logprobs"] = json!(true);
+    let full = s.ok("/v1/chat/completions", &body);
+    assert_eq!(finish(&full), "length");
+    assert_eq!(completion_tokens(&full), 32);
+    let text = content(&full).to_string();
+    let ids: Vec<u64> = full["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 32);
+
+    // A stop sequence from the middle of the text, spanning a token boundary.
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let cut = &text[..text.find(&stop).unwrap()];
+    // The token whose text completes the first occurrence of the stop sequence.
+    let detok = |n: usize| {
+        let mut t = String::new();
+        for e in &full["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()[..n]
+        {
+            t.push_str(e["token"].as_str().unwrap());
+        }
+        t
+    };
+    let stopping = (1..=ids.len()).find(|&n| detok(n).contains(&stop)).unwrap();
+
+    for stream in [false, true] {
+        let mut b = chat("Write a function that reads a file.", 32);
+        b["logit_bias"] = no_eos.clone();
+        b["stop"] = json!(["never in this text", stop]);
+        b["stream"] = json!(stream);
+        b["stream_options"] = json!({"include_usage": true});
+        let (got, fin, usage) = if stream {
+            joined(&s.stream("/v1/chat/completions", &b))
+        } else {
+            let v = s.ok("/v1/chat/completions", &b);
+            (
+                content(&v).to_string(),
+                finish(&v).to_string(),
+                v["usage"].clone(),
+            )
+        };
+        assert_eq!(got, cut, "stream {stream}");
+        assert_eq!(fin, "stop");
+        assert_eq!(usage["completion_tokens"].as_u64(), Some(stopping as u64));
+    }
+}
+
+#[test]
+fn logprobs_are_sorted_and_name_the_chosen_token() {
+    let s = Server::start(&model_dir(TARGET), &[]);
+    let mut body = chat("Name three colours.", 12);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(5);
+    let v = s.ok("/v1/chat/completions", &body);
+    let entries = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(entries.len() as u64, completion_tokens(&v));
+    for e in entries {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 5);
+        for pair in top.windows(2) {
+            let (a, b) = (
+                pair[0]["logprob"].as_f64().unwrap(),
+                pair[1]["logprob"].as_f64().unwrap(),
+            );
+            assert!(
+                a > b || (a == b && pair[0]["id"].as_u64() < pair[1]["id"].as_u64()),
+                "{top:?}"
+            );
+        }
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(e["id"], top[0]["id"]);
+        assert_eq!(e["logprob"], top[0]["logprob"]);
+        assert!(e["logprob"].as_f64().unwrap() <= 0.0);
+    }
+}
+
+#[test]
+fn response_format_json_schema_constrains_the_output() {
+    let s = Server::start(&model_dir(TARGET), &[]);
+    let mut body = chat("Pick one.", 64);
+    body["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "pick", "schema": {
+        "type": "object",
+        "properties": {"pick": {"enum": ["red", "green"]}},
+        "required": ["pick"],
+        "additionalProperties": false,
+    }}});
+    let v = s.ok("/v1/chat/completions", &body);
+    assert_eq!(finish(&v), "stop");
+    let parsed: Value = serde_json::from_str(content(&v)).unwrap();
+    assert!(
+        parsed == json!({"pick": "red"}) || parsed == json!({"pick": "green"}),
+        "{parsed}"
+    );
+}
+
+#[test]
+fn speculative_serving_equals_plain() {
+    let plain = Server::start(&model_dir(TARGET), &[]);
+    let draft = model_dir("qwen3-draft");
+    let drafted = Server::start(
+        &model_dir(TARGET),
+        &["--draft-model", draft.to_str().unwrap()],
+    );
+    let ngram = Server::start(
+        &model_dir(TARGET),
+        &["--draft-ngram", "--num-draft-tokens", "2"],
+    );
+    for prompt in [
+        "Write a function that reads a file.",
+        "Tell me about rivers.",
+    ] {
+        let mut body = chat(prompt, 40);
+        body["stop"] = json!("\n\n");
+        body["logprobs"] = json!(true);
+        let want = plain.ok("/v1/chat/completions", &body);
+        assert!(want["verity_stats"].get("speculation").is_none());
+        for server in [&drafted, &ngram] {
+            let got = server.ok("/v1/chat/completions", &body);
+            assert_eq!(content(&got), content(&want), "{prompt}");
+            assert_eq!(finish(&got), finish(&want));
+            assert_eq!(got["usage"], want["usage"]);
+            assert_eq!(
+                got["choices"][0]["logprobs"],
+                want["choices"][0]["logprobs"]
+            );
+            let spec = &got["verity_stats"]["speculation"];
+            assert!(spec["rounds"].as_u64().unwrap() > 0, "{spec}");
+        }
+    }
+}
+
+#[test]
+fn bad_requests_are_400_naming_the_field_and_the_server_goes_on() {
+    let s = Server::start(&model_dir(TARGET), &[]);
+    let good = chat("hi", 4);
+    let with = |k: &str, v: Value| {
+        let mut b = good.clone();
+        b[k] = v;
+        b
+    };
+    let long_prompt: Vec<u32> = (0..4097).map(|i| 10 + i % 500).collect();
+    let cases: Vec<(&str, Value, Option<&str>, &[&str])> = vec![
+        (
+            "/v1/chat/completions",
+            with("temperature", json!(-1)),
+            Some("temperature"),
+            &["temperature is -1, must be a number >= 0"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("temperature", json!("hot")),
+            Some("temperature"),
+            &["\"hot\""],
+        ),
+        (
+            "/v1/chat/completions",
+            with("top_p", json!(1.5)),
+            Some("top_p"),
+            &["1.5"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("min_p", json!(-0.1)),
+            Some("min_p"),
+            &["-0.1"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("top_k", json!(2.5)),
+            Some("top_k"),
+            &["2.5"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("top_k", json!(5000)),
+            None,
+            &["top_k", "5000"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("max_tokens", json!(0)),
+            Some("max_tokens"),
+            &["0"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("max_tokens", json!("10")),
+            Some("max_tokens"),
+            &["\"10\""],
+        ),
+        (
+            "/v1/chat/completions",
+            with("max_completion_tokens", json!(-3)),
+            Some("max_completion_tokens"),
+            &["-3"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("seed", json!(-1)),
+            Some("seed"),
+            &["-1"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("stream", json!("yes")),
+            Some("stream"),
+            &["\"yes\""],
+        ),
+        (
+            "/v1/chat/completions",
+            with("stop", json!(5)),
+            Some("stop"),
+            &["5"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("stop", json!([""])),
+            Some("stop"),
+            &["empty"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("n", json!(2)),
+            Some("n"),
+            &["2", "only 1"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("logit_bias", json!({"x": 1})),
+            Some("logit_bias"),
+            &["\"x\""],
+        ),
+        (
+            "/v1/chat/completions",
+            with("logit_bias", json!({"5": 1000})),
+            Some("logit_bias"),
+            &["1000"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("logit_bias", json!({"99999": 1})),
+            None,
+            &["99999", "vocabulary"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("top_logprobs", json!(3)),
+            Some("top_logprobs"),
+            &["logprobs"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("top_logprobs", json!(21)),
+            Some("top_logprobs"),
+            &["21"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("repetition_penalty", json!(-2)),
+            Some("repetition_penalty"),
+            &["-2"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("messages", json!([])),
+            Some("messages"),
+            &["non-empty"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("messages", json!([{"content": "x"}])),
+            Some("messages[0].role"),
+            &["null"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("messages", json!("hi")),
+            Some("messages"),
+            &["\"hi\""],
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"max_tokens": 3}),
+            Some("messages"),
+            &["missing"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("response_format", json!({"type": "xml"})),
+            Some("response_format.type"),
+            &["\"xml\""],
+        ),
+        (
+            "/v1/chat/completions",
+            with(
+                "response_format",
+                json!({"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}),
+            ),
+            None,
+            &["nonsense"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("num_draft_tokens", json!(0)),
+            Some("num_draft_tokens"),
+            &["0"],
+        ),
+        (
+            "/v1/chat/completions",
+            json!([1, 2]),
+            Some("body"),
+            &["an array"],
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": 5}),
+            Some("prompt"),
+            &["5"],
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, -2]}),
+            Some("prompt"),
+            &["-2"],
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [5000]}),
+            None,
+            &["5000", "vocabulary"],
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": long_prompt}),
+            Some("prompt"),
+            &["4097", "4096"],
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "logprobs": 30}),
+            Some("logprobs"),
+            &["30"],
+        ),
+    ];
+    for (path, body, param, needles) in &cases {
+        let (status, v) = s.post(path, body);
+        let body: String = body.to_string().chars().take(120).collect();
+        assert_eq!(status, 400, "{body}: {v}");
+        let e = &v["error"];
+        assert_eq!(e["type"], "invalid_request_error", "{v}");
+        if let Some(p) = param {
+            assert_eq!(e["param"], *p, "{body}: {v}");
+        }
+        let message = e["message"].as_str().unwrap();
+        for n in *needles {
+            assert!(message.contains(n), "{body}: {message:?} lacks {n:?}");
+        }
+    }
+    let (status, v) = s.post_raw("/v1/chat/completions", "{not json");
+    assert_eq!(status, 400);
+    assert_eq!(v["error"]["param"], "body");
+    // Unknown fields are ignored, and the server still serves.
+    let ok = s.ok("/v1/chat/completions", &with("frobnicate", json!({"a": 1})));
+    assert_eq!(completion_tokens(&ok), 4);
+    let log = s.log.lock().unwrap().clone();
+    assert!(!log.contains("panicked"), "{log}");
+}
+
+#[test]
+fn a_disconnected_stream_is_cancelled_and_the_next_request_equals_a_cold_run() {
+    let s = Server::start(&model_dir(TARGET), &[]);
+    let next = chat("Tell me about rivers.", 24);
+    let cold = s.ok("/v1/chat/completions", &next);
+
+    let mut long = chat("Write a long story.", 4000);
+    long["stream"] = json!(true);
+    long["logit_bias"] = json!({"2": -100, "0": -100});
+    let r = s
+        .agent
+        .post(format!("{}/v1/chat/completions", s.base))
+        .send_json(&long)
+        .unwrap();
+    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
+    let mut seen = 0;
+    while seen < 3 {
+        if lines.next().unwrap().unwrap().starts_with("data: ") {
+            seen += 1;
+        }
+    }
+    drop(lines);
+
+    let warm = s.ok("/v1/chat/completions", &next);
+    assert_eq!(content(&warm), content(&cold));
+    assert_eq!(counts(&warm["usage"]), counts(&cold["usage"]));
+    assert!(
+        cached_tokens(&warm) > 0,
+        "served from the prefix the cold run left"
+    );
+    // The cancelled request's own prefix was kept consistent: continuing from it equals a
+    // cold run of the same prompt.
+    let mut short = long.clone();
+    short["stream"] = json!(false);
+    short["max_tokens"] = json!(16);
+    let resumed = s.ok("/v1/chat/completions", &short);
+    assert!(cached_tokens(&resumed) > 0);
+    let fresh = Server::start(&model_dir(TARGET), &["--prompt-cache-bytes", "0"]);
+    let cold_long = fresh.ok("/v1/chat/completions", &short);
+    assert_eq!(content(&resumed), content(&cold_long));
+    assert_eq!(counts(&resumed["usage"]), counts(&cold_long["usage"]));
+    let log = s.log_when(|l| l.contains("request cancelled by the client after "));
+    let cancelled: usize = log
+        .lines()
+        .find_map(|l| l.strip_prefix("verity serve: request cancelled by the client after "))
+        .and_then(|l| l.split(' ').next())
+        .unwrap_or_else(|| panic!("no cancellation in the log: {log}"))
+        .parse()
+        .unwrap();
+    assert!((3..4000).contains(&cancelled), "{cancelled}");
+}
+
+#[test]
+fn a_full_queue_answers_503_with_retry_after() {
+    let s = Arc::new(Server::start(&model_dir(TARGET), &["--queue-size", "1"]));
+    let mut long = chat("Write a long story.", 4000);
+    long["stream"] = json!(true);
+    long["logit_bias"] = json!({"2": -100, "0": -100});
+    // One request runs, one waits, the rest are refused at once. An accepted stream is
+    // dropped as soon as its 200 arrives, which cancels it and lets the waiting one start.
+    let clients: Vec<_> = (0..4)
+        .map(|_| {
+            let (s, body) = (s.clone(), long.clone());
+            thread::spawn(move || {
+                let mut r = s
+                    .agent
+                    .post(format!("{}/v1/chat/completions", s.base))
+                    .send_json(&body)
+                    .unwrap();
+                let status = r.status().as_u16();
+                if status == 503 {
+                    assert_eq!(r.headers()["retry-after"], "1");
+                    let v: Value = r.body_mut().read_json().unwrap();
+                    assert_eq!(v["error"]["code"], "queue_full", "{v}");
+                    assert_eq!(v["error"]["type"], "server_error");
+                }
+                status
+            })
+        })
+        .collect();
+    let statuses: Vec<u16> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    assert!(
+        statuses.iter().all(|&c| c == 200 || c == 503),
+        "{statuses:?}"
+    );
+    assert!(statuses.contains(&503), "{statuses:?}");
+    assert!(statuses.contains(&200), "{statuses:?}");
+    let v = s.ok("/v1/chat/completions", &chat("hi", 3));
+    assert_eq!(completion_tokens(&v), 3);
+}
+
+/// The tokens (ids and logprob bits) and usage of a chat answer.
+fn answer(v: &Value) -> (String, Value, Value) {
+    let mut usage = v["usage"].clone();
+    usage["prompt_tokens_details"] = Value::Null;
+    (
+        content(v).to_string(),
+        v["choices"][0]["logprobs"].clone(),
+        usage,
+    )
+}
+
+fn cached_tokens(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap()
+}
+
+#[test]
+fn a_warm_prefix_cache_equals_a_cold_run_with_and_without_a_draft() {
+    let draft = model_dir("qwen3-draft");
+    let lanes: [&[&str]; 3] = [
+        &[],
+        &["--draft-model", draft.to_str().unwrap()],
+        &["--draft-ngram"],
+    ];
+    for lane in lanes {
+        let warm = Server::start(&model_dir(TARGET), lane);
+        let cold_args: Vec<&str> = lane
+            .iter()
+            .copied()
+            .chain(["--prompt-cache-bytes", "0"])
+            .collect();
+        let cold = Server::start(&model_dir(TARGET), &cold_args);
+        let mut first = chat("What does the function os.path.join do?", 24);
+        first["logprobs"] = json!(true);
+        let a = warm.ok("/v1/chat/completions", &first);
+        assert_eq!(cached_tokens(&a), 0, "{lane:?}");
+        // The same request again: everything but the last prompt token comes from the cache.
+        let again = warm.ok("/v1/chat/completions", &first);
+        let prompt_tokens = again["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(cached_tokens(&again), prompt_tokens - 1, "{lane:?}");
+        assert_eq!(answer(&again), answer(&a), "{lane:?}");
+        // A second turn continues the first: its prefix is cached, and the processors still
+        // see the whole prompt (a repetition penalty over a long context).
+        let second = json!({
+            "messages": [
+                {"role": "user", "content": "What does the function os.path.join do?"},
+                {"role": "assistant", "content": content(&a)},
+                {"role": "user", "content": "And os.path.split?"},
+            ],
+            "max_tokens": 32,
+            "logprobs": true,
+            "repetition_penalty": 1.3,
+            "repetition_context_size": 64,
+        });
+        let w = warm.ok("/v1/chat/completions", &second);
+        let c = cold.ok("/v1/chat/completions", &second);
+        assert!(cached_tokens(&w) > 0, "{lane:?}: {}", w["usage"]);
+        assert_eq!(cached_tokens(&c), 0);
+        assert_eq!(answer(&w), answer(&c), "{lane:?}");
+        assert_eq!(
+            w["verity_stats"]["cached_tokens"].as_u64(),
+            Some(cached_tokens(&w))
+        );
+    }
+}
+
+#[test]
+fn the_prefix_cache_stays_within_its_budget_evicting_the_least_recently_used() {
+    let entry_bytes = {
+        let s = Server::start(&model_dir(TARGET), &[]);
+        s.ok("/v1/chat/completions", &chat("Say hello.", 2));
+        let log = s.log_when(|l| l.contains("prefix cache 1 entries"));
+        let line = log
+            .lines()
+            .find(|l| l.contains("prefix cache 1 entries"))
+            .unwrap()
+            .to_string();
+        let bytes: usize = line
+            .split("prefix cache 1 entries ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(bytes > 0);
+        bytes
+    };
+    // Room for one entry of these short prompts (their caches have the same capacity).
+    let budget = (entry_bytes + entry_bytes / 2).to_string();
+    let s = Server::start(&model_dir(TARGET), &["--prompt-cache-bytes", &budget]);
+    let one = chat("Say hello.", 2);
+    let two = chat("Count to ten.", 2);
+    s.ok("/v1/chat/completions", &one);
+    assert!(cached_tokens(&s.ok("/v1/chat/completions", &one)) > 0);
+    s.ok("/v1/chat/completions", &two);
+    assert!(cached_tokens(&s.ok("/v1/chat/completions", &two)) > 0);
+    assert_eq!(
+        cached_tokens(&s.ok("/v1/chat/completions", &one)),
+        0,
+        "evicted"
+    );
+    let log = s.log_when(|l| l.matches(" prefix cache ").count() == 5);
+    for line in log.lines().filter(|l| l.contains("prefix cache ")) {
+        let bytes: usize = line
+            .split(" entries ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(bytes <= entry_bytes + entry_bytes / 2, "{line}");
+    }
+}
+
+#[test]
+fn a_client_gone_during_the_prefill_stops_it_at_the_next_chunk() {
+    let s = Server::start(&model_dir(TARGET), &["--prefill-step-size", "4"]);
+    let prompt: Vec<u32> = (0..4000).map(|i| 10 + i % 500).collect();
+    for stream in [true, false] {
+        let body = json!({"prompt": prompt, "max_tokens": 8, "stream": stream});
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_global(Some(std::time::Duration::from_millis(300)))
+            .build()
+            .into();
+        // Streaming: the 200 comes once the prefill starts, and the client leaves at once.
+        // Not streaming: the client gives up waiting while the prompt is prefilled.
+        let r = agent
+            .post(format!("{}/v1/completions", s.base))
+            .send_json(&body);
+        assert_eq!(r.is_ok(), stream, "{:?}", r.err());
+        drop(r);
+        let v = s.ok(
+            "/v1/completions",
+            &json!({"prompt": "def f():", "max_tokens": 4}),
+        );
+        assert_eq!(completion_tokens(&v), 4);
+    }
+    let log = s.log_when(|l| {
+        l.matches("cancelled by the client during the prefill")
+            .count()
+            == 2
+    });
+    assert_eq!(
+        log.matches("cancelled by the client during the prefill")
+            .count(),
+        2,
+        "{log}"
+    );
+}
+
+#[test]
+fn a_draft_that_does_not_fit_is_refused_at_startup() {
+    let scratch = std::env::temp_dir().join(format!("verity-server-draft-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    for entry in std::fs::read_dir(model_dir("qwen3-draft")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), scratch.join(entry.file_name())).unwrap();
+    }
+    let config = scratch.join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    c["vocab_size"] = json!(1000);
+    std::fs::write(&config, c.to_string()).unwrap();
+    // Its weights would not even load with this config: the refusal comes first.
+    let out = Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args(["--device", "cpu", "serve", "--port", "0", "--model"])
+        .arg(model_dir(TARGET))
+        .arg("--draft-model")
+        .arg(&scratch)
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&scratch).unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty(), "it must not listen");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    for needle in ["draft model's vocabulary size", "1000", "1024"] {
+        assert!(stderr.contains(needle), "{stderr}");
+    }
+}
