@@ -43,10 +43,10 @@ impl<'m> DraftModel<'m> {
         }
     }
 
-    /// The model's next-token logits (1, V) after feeding `tokens`.
-    fn step(&mut self, tokens: &[u32], ctx: &DraftContext<'_>) -> Result<Array> {
+    /// The model's next-token logits (1, V) after feeding the 1-D token ids `tokens`.
+    fn step(&mut self, tokens: &Array, ctx: &DraftContext<'_>) -> Result<Array> {
         let kv = ctx.params.kv_quantization.as_ref();
-        let logits = forward_tokens(self.model, &mut self.caches, &token_array(tokens)?, kv)?;
+        let logits = forward_tokens(self.model, &mut self.caches, tokens, kv)?;
         Ok(last_logits(&logits)?)
     }
 }
@@ -80,14 +80,30 @@ impl DraftSource for DraftModel<'_> {
             return Ok(Vec::new());
         }
         begin_round(&mut self.caches);
-        let mut input = std::mem::take(&mut self.pending);
+        let mut input = token_array(&std::mem::take(&mut self.pending))?;
         let mut drafts = Vec::with_capacity(n);
-        for _ in 0..n {
-            let logits = self.step(&input, ctx)?;
-            let token = ctx.sample(&logits, &drafts)?;
-            let token = token.astype(mlx::Dtype::Uint32)?.item::<u32>()?;
-            drafts.push(token);
-            input = vec![token];
+        if ctx.needs_draft_ids() {
+            for _ in 0..n {
+                let logits = self.step(&input, ctx)?;
+                let token = ctx.sample(&logits, &drafts)?;
+                let token = token.astype(mlx::Dtype::Uint32)?.item::<u32>()?;
+                drafts.push(token);
+                input = token_array(&[token])?;
+            }
+        } else {
+            // As mlx-lm's _draft_generate: each sampled draft is fed back as an array and
+            // enqueued at once, so the round waits for the host only once, for all of them.
+            let mut sampled = Vec::with_capacity(n);
+            for _ in 0..n {
+                let logits = self.step(&input, ctx)?;
+                input = ctx.sample(&logits, &[])?;
+                mlx::async_eval([&input])?;
+                sampled.push(input.clone());
+            }
+            let sampled: Vec<&Array> = sampled.iter().collect();
+            drafts = mlx::ops::concatenate(&sampled, 0)?
+                .astype(mlx::Dtype::Uint32)?
+                .to_vec::<u32>()?;
         }
         self.round = Some((drafts.clone(), fed));
         Ok(drafts)

@@ -57,6 +57,12 @@ impl<'a> DraftContext<'a> {
         }
     }
 
+    /// Whether sampling reads the drafted token ids (logits processors over the history): a
+    /// source must then read each draft before sampling the next.
+    pub fn needs_draft_ids(&self) -> bool {
+        self.sampler.has_processors()
+    }
+
     /// Samples one token from a draft model's (1, V) logits as the target would sample after
     /// the last emitted token and `drafted`: processors, logprobs, sampler. Drafts are not
     /// constrained by a grammar; the target's verify walk is.
