@@ -178,6 +178,24 @@ pub struct Resume<'a> {
     pub cancelled: &'a dyn Fn() -> bool,
 }
 
+impl Resume<'_> {
+    /// Checks that the cached prefix leaves a token of `prompt` to feed, and gives the
+    /// processors' history the cached part (mlx-lm's history holds the whole prompt).
+    pub(crate) fn seed_history(&self, prompt: &[u32], sampler: &mut StepSampler) -> Result<()> {
+        let cached = self.cached;
+        if cached >= prompt.len() {
+            return Err(crate::error::contract(format!(
+                "a cached prefix of {cached} tokens leaves nothing of a {}-token prompt to feed",
+                prompt.len()
+            )));
+        }
+        if cached > 0 {
+            sampler.extend_history(&token_array(&prompt[..cached])?)?;
+        }
+        Ok(())
+    }
+}
+
 /// A callback given the target's caches and the draft model's, if any.
 pub type OnPrefilled<'a> = &'a mut dyn FnMut(&[LayerCache], Option<&[LayerCache]>);
 
@@ -289,22 +307,14 @@ impl<'m> Generation<'m> {
         constraint: Option<Constraint>,
         prefilled: &mut dyn FnMut(usize),
     ) -> Result<Generation<'m>> {
+        let mut step_sampler = params.step_sampler(model, prompt, constraint)?;
+        resume.seed_history(prompt, &mut step_sampler)?;
         let Resume {
             caches,
             cached,
             on_prefilled,
             cancelled,
         } = resume;
-        let mut step_sampler = params.step_sampler(model, prompt, constraint)?;
-        if cached >= prompt.len() {
-            return Err(crate::error::contract(format!(
-                "a cached prefix of {cached} tokens leaves nothing of a {}-token prompt to feed",
-                prompt.len()
-            )));
-        }
-        if cached > 0 {
-            step_sampler.extend_history(&token_array(&prompt[..cached])?)?;
-        }
         let mut g = Generation {
             model,
             caches,

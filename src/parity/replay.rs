@@ -15,7 +15,8 @@ use super::Models;
 use crate::bundle::ModelBundle;
 use crate::cache::{load_prompt_cache, KvQuantization, LayerCache};
 use crate::generate::{score, FinishReason, GenerateParams, GeneratedToken, Generation};
-use crate::speculative::{generate_speculative, Control, DraftModel, MtpDrafter};
+use crate::model::LanguageModel;
+use crate::speculative::{generate_speculative, Control, DraftModel, DraftSource, MtpDrafter};
 use crate::{validate, Error, Result};
 
 /// How many of the best entries a trace records per step.
@@ -195,28 +196,15 @@ pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle
             None,
         ) => {
             let draft = models.get(draft)?;
-            let mut source = DraftModel::new(draft.model());
-            let mut failed = None;
-            let mut on_token = |t: &GeneratedToken| match record(t) {
-                Ok(()) => Control::Continue,
-                Err(e) => {
-                    failed = Some(e);
-                    Control::Stop
-                }
-            };
-            generate_speculative(
+            let source = &mut DraftModel::new(draft.model());
+            speculate(
                 model,
-                &mut source,
-                &trace.prompt.tokens,
+                source,
+                trace,
                 &params,
                 *num_draft_tokens,
-                None,
-                &mut on_token,
-            )
-            .map_err(|e| e.context(&trace.id))?;
-            if let Some(e) = failed {
-                return Err(e.context(&trace.id));
-            }
+                &mut record,
+            )?;
         }
         (None, _) => {
             let caches = starting_caches(trace, models, &bundle, &params)?;
@@ -234,28 +222,8 @@ pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle
         (Some(Draft::Mtp { block_size }), None) => {
             // mlx-vlm's block is the round's verify input: the last token and its drafts.
             validate::mtp_block_size(*block_size).map_err(|e| e.context(&trace.id))?;
-            let mut source = MtpDrafter::new(model).map_err(|e| e.context(&trace.id))?;
-            let mut failed = None;
-            let mut on_token = |t: &GeneratedToken| match record(t) {
-                Ok(()) => Control::Continue,
-                Err(e) => {
-                    failed = Some(e);
-                    Control::Stop
-                }
-            };
-            generate_speculative(
-                model,
-                &mut source,
-                &trace.prompt.tokens,
-                &params,
-                block_size - 1,
-                None,
-                &mut on_token,
-            )
-            .map_err(|e| e.context(&trace.id))?;
-            if let Some(e) = failed {
-                return Err(e.context(&trace.id));
-            }
+            let source = &mut MtpDrafter::new(model).map_err(|e| e.context(&trace.id))?;
+            speculate(model, source, trace, &params, block_size - 1, &mut record)?;
         }
         (Some(Draft::Mtp { .. }), Some(_)) => {
             return unsupported("MTP speculation from a prompt cache is not implemented yet")
@@ -269,6 +237,40 @@ pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle
         finish_reason: finish_reason(finish),
     };
     Ok((run, bundle))
+}
+
+/// Decodes `trace`'s prompt speculatively with `source`, handing each token to `record`; the
+/// first error (the engine's or `record`'s) names the trace.
+fn speculate(
+    model: &dyn LanguageModel,
+    source: &mut dyn DraftSource,
+    trace: &Trace,
+    params: &GenerateParams,
+    k: usize,
+    record: &mut dyn FnMut(&GeneratedToken) -> Result<()>,
+) -> Result<()> {
+    let mut failed = None;
+    let mut on_token = |t: &GeneratedToken| match record(t) {
+        Ok(()) => Control::Continue,
+        Err(e) => {
+            failed = Some(e);
+            Control::Stop
+        }
+    };
+    generate_speculative(
+        model,
+        source,
+        &trace.prompt.tokens,
+        params,
+        k,
+        None,
+        &mut on_token,
+    )
+    .map_err(|e| e.context(&trace.id))?;
+    match failed {
+        Some(e) => Err(e.context(&trace.id)),
+        None => Ok(()),
+    }
 }
 
 /// The trace's view of one step: the chosen token's logprob and the TOP_K best entries by

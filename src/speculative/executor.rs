@@ -163,21 +163,13 @@ pub fn resume_speculative(
     } = request;
     validate::speculation(model, source.draft_model(), num_draft_tokens, params)?;
     let mut sampler = params.step_sampler(model, prompt, constraint)?;
+    resume.seed_history(prompt, &mut sampler)?;
     let Resume {
         caches,
         cached,
         on_prefilled,
         cancelled,
     } = resume;
-    if cached >= prompt.len() {
-        return Err(crate::error::contract(format!(
-            "a cached prefix of {cached} tokens leaves nothing of a {}-token prompt to feed",
-            prompt.len()
-        )));
-    }
-    if cached > 0 {
-        sampler.extend_history(&token_array(&prompt[..cached])?)?;
-    }
     let (&last, head) = prompt
         .split_last()
         .expect("validate refuses an empty prompt");
