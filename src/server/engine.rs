@@ -5,6 +5,7 @@
 //! next prefill chunk or the next token (within a speculative round too) and stops there, so
 //! the next request starts promptly.
 
+use std::panic::{self, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::mpsc as std_mpsc;
 use std::thread;
@@ -279,7 +280,10 @@ impl Engine {
     fn serve(mut self, mut queue: mpsc::Receiver<Job>) {
         while let Some(job) = queue.blocking_recv() {
             let events = job.events.clone();
-            match self.run(job) {
+            // A panicking request fails alone: the engine thread goes on serving the queue.
+            let outcome = panic::catch_unwind(AssertUnwindSafe(|| self.run(job)))
+                .unwrap_or_else(|_| Err(ApiError::internal("the request panicked in the engine")));
+            match outcome {
                 Ok(Outcome::Done(s)) => {
                     log_request(&s, &self.prefix);
                     let _ = events.send(Event::Done(s));
