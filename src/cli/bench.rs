@@ -313,6 +313,25 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             }),
     );
 
+    let weight_bytes = weight_bytes(&a.model)?;
+    let bandwidth = memory_bandwidth()?;
+    let floor = bandwidth / weight_bytes as f64;
+    if !a.json {
+        println!(
+            "verity bench speed: {} on {} (MLX {}), {} decode tokens, median of {} runs [min-max]",
+            a.model.display(),
+            device.name(),
+            mlx::version(),
+            a.decode_tokens,
+            a.runs
+        );
+        println!(
+            "weights {:.1} MB, memory bandwidth {:.1} GB/s: floor {floor:.1} tok/s\n",
+            weight_bytes as f64 / 1e6,
+            bandwidth / 1e9
+        );
+        print!("{}", table_header());
+    }
     let bar = ProgressBar::new((workloads.len() * (a.runs + 1)) as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} {wide_msg}")
@@ -322,7 +341,8 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     let p = params(a.decode_tokens);
     let k = a.num_draft_tokens;
     let grammar = Grammar::Regex("(?s:.*)".into());
-    let mut measured: Vec<(&Workload, Vec<Timing>, Vec<Timing>)> = Vec::new();
+    let mut rows = Vec::new();
+    let mut plain_text = None;
     for w in &workloads {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for run in 0..=a.runs {
@@ -350,91 +370,22 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             }
             bar.inc(1);
         }
-        measured.push((w, ours, theirs));
+        if !w.prefill_row && w.kind == Kind::Plain {
+            plain_text = Spread::of(ours.iter().map(Timing::end_to_end_tps).collect());
+        }
+        // Rows are printed as their workload completes, so a run cut short keeps them.
+        let new = workload_rows(w, &ours, &theirs, floor, k);
+        if !a.json {
+            bar.suspend(|| new.iter().for_each(|r| print!("{}", table_row(r))));
+        }
+        rows.extend(new);
     }
     bar.finish_and_clear();
-
-    let weight_bytes = weight_bytes(&a.model)?;
-    let bandwidth = memory_bandwidth()?;
-    let floor = bandwidth / weight_bytes as f64;
-    let mut rows = Vec::new();
-    let plain_text = measured
-        .iter()
-        .find(|(w, ..)| !w.prefill_row && w.kind == Kind::Plain)
-        .and_then(|(_, ours, _)| Spread::of(ours.iter().map(Timing::end_to_end_tps).collect()));
-    for (w, ours, theirs) in &measured {
-        let spread =
-            |ts: &[Timing], f: &dyn Fn(&Timing) -> f64| Spread::of(ts.iter().map(f).collect());
-        let row = |name: String, unit, higher, f: &dyn Fn(&Timing) -> f64, floor| Row {
-            name,
-            unit,
-            higher_is_better: higher,
-            verity: spread(ours, f),
-            mlx_lm: spread(theirs, f),
-            floor,
-        };
-        if !w.prefill_row {
-            rows.push(row(
-                w.text_row(k),
-                "tok/s",
-                true,
-                &Timing::end_to_end_tps,
-                None,
-            ));
-            continue;
-        }
-        let n = w.prompt.len();
-        rows.push(row(
-            format!("prefill {n}"),
-            "tok/s",
-            true,
-            &|t| t.prefill_tps(n),
-            None,
-        ));
-        rows.push(row(
-            format!("ttft {n}"),
-            "ms",
-            false,
-            &|t| t.ttft_s * 1e3,
-            None,
-        ));
-        rows.push(row(
-            format!("decode after {n}"),
-            "tok/s",
-            true,
-            &Timing::decode_tps,
-            Some(floor),
-        ));
-        for (i, part) in StepSplit::PARTS.iter().enumerate() {
-            let per_token = |ts: &[Timing]| {
-                Spread::of(
-                    ts.iter()
-                        .filter_map(|t| Some(t.split?.per_step_us()?[i]))
-                        .collect(),
-                )
-            };
-            rows.push(Row {
-                name: format!("  {part} per token after {n}"),
-                unit: "us",
-                higher_is_better: false,
-                verity: per_token(ours),
-                mlx_lm: per_token(theirs),
-                floor: None,
-            });
-        }
-        rows.push(row(
-            format!("peak memory {n}"),
-            "MB",
-            false,
-            &|t| t.peak_bytes as f64 / 1e6,
-            None,
-        ));
-    }
     let cold = cold_start(&a, device, mlx_lm.is_some())?;
-    rows.push(cold);
     drop(mlx_lm);
 
     if a.json {
+        rows.push(cold);
         let doc = json!({
             "model": a.model, "device": device.name(), "mlx_version": mlx::version(),
             "weight_bytes": weight_bytes, "bandwidth_bytes_per_s": bandwidth, "floor_tok_s": floor,
@@ -444,20 +395,7 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
-        "verity bench speed: {} on {} (MLX {}), {} decode tokens, median of {} runs [min-max]",
-        a.model.display(),
-        device.name(),
-        mlx::version(),
-        a.decode_tokens,
-        a.runs
-    );
-    println!(
-        "weights {:.1} MB, memory bandwidth {:.1} GB/s: floor {floor:.1} tok/s\n",
-        weight_bytes as f64 / 1e6,
-        bandwidth / 1e9
-    );
-    print!("{}", table(&rows));
+    print!("{}", table_row(&cold));
     if let (Some(plain), Some(spec)) = (
         plain_text,
         rows.iter()
@@ -472,35 +410,106 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The printed table.
-fn table(rows: &[Row]) -> String {
+/// The rows of one workload: end to end for a text-prompt run; prefill, time to first token,
+/// decode (with the floor `floor` and the step split) and peak memory for a prefill run.
+fn workload_rows(
+    w: &Workload,
+    ours: &[Timing],
+    theirs: &[Timing],
+    floor: f64,
+    k: usize,
+) -> Vec<Row> {
+    let spread = |ts: &[Timing], f: &dyn Fn(&Timing) -> f64| Spread::of(ts.iter().map(f).collect());
+    let row = |name: String, unit, higher, f: &dyn Fn(&Timing) -> f64, floor| Row {
+        name,
+        unit,
+        higher_is_better: higher,
+        verity: spread(ours, f),
+        mlx_lm: spread(theirs, f),
+        floor,
+    };
+    if !w.prefill_row {
+        return vec![row(
+            w.text_row(k),
+            "tok/s",
+            true,
+            &Timing::end_to_end_tps,
+            None,
+        )];
+    }
+    let n = w.prompt.len();
+    let mut rows = vec![
+        row(
+            format!("prefill {n}"),
+            "tok/s",
+            true,
+            &|t| t.prefill_tps(n),
+            None,
+        ),
+        row(format!("ttft {n}"), "ms", false, &|t| t.ttft_s * 1e3, None),
+        row(
+            format!("decode after {n}"),
+            "tok/s",
+            true,
+            &Timing::decode_tps,
+            Some(floor),
+        ),
+    ];
+    for (i, part) in StepSplit::PARTS.iter().enumerate() {
+        let per_token = |ts: &[Timing]| {
+            Spread::of(
+                ts.iter()
+                    .filter_map(|t| Some(t.split?.per_step_us()?[i]))
+                    .collect(),
+            )
+        };
+        rows.push(Row {
+            name: format!("  {part} per token after {n}"),
+            unit: "us",
+            higher_is_better: false,
+            verity: per_token(ours),
+            mlx_lm: per_token(theirs),
+            floor: None,
+        });
+    }
+    rows.push(row(
+        format!("peak memory {n}"),
+        "MB",
+        false,
+        &|t| t.peak_bytes as f64 / 1e6,
+        None,
+    ));
+    rows
+}
+
+/// The printed table's header line; [`table_row`] prints its rows in fixed-width columns.
+fn table_header() -> String {
+    format!(
+        "{:<32} {:>6}  {:>26}  {:>26}  {:>7}  {:>15}\n",
+        "row", "unit", "verity", "mlx-lm", "ratio", "floor v / m"
+    )
+}
+
+fn table_row(r: &Row) -> String {
     let cell = |s: Option<Spread>| {
         s.map_or("-".into(), |s| {
             format!("{:.1} [{:.1}-{:.1}]", s.median, s.min, s.max)
         })
     };
-    let mut out = format!(
+    let floor = r.floor.map_or("-".into(), |f| {
+        let pct =
+            |s: Option<Spread>| s.map_or("-".into(), |s| format!("{:.0}%", 100.0 * s.median / f));
+        format!("{} / {}", pct(r.verity), pct(r.mlx_lm))
+    });
+    format!(
         "{:<32} {:>6}  {:>26}  {:>26}  {:>7}  {:>15}\n",
-        "row", "unit", "verity", "mlx-lm", "ratio", "floor v / m"
-    );
-    for r in rows {
-        let floor = r.floor.map_or("-".into(), |f| {
-            let pct = |s: Option<Spread>| {
-                s.map_or("-".into(), |s| format!("{:.0}%", 100.0 * s.median / f))
-            };
-            format!("{} / {}", pct(r.verity), pct(r.mlx_lm))
-        });
-        out.push_str(&format!(
-            "{:<32} {:>6}  {:>26}  {:>26}  {:>7}  {:>15}\n",
-            r.name,
-            r.unit,
-            cell(r.verity),
-            cell(r.mlx_lm),
-            r.ratio().map_or("-".into(), |x| format!("{x:.2}x")),
-            floor
-        ));
-    }
-    out
+        r.name,
+        r.unit,
+        cell(r.verity),
+        cell(r.mlx_lm),
+        r.ratio().map_or("-".into(), |x| format!("{x:.2}x")),
+        floor
+    )
 }
 
 /// The bytes of the model's weight files (what a decode step reads).
