@@ -276,15 +276,15 @@ pub fn resume_speculative(
         ex.sampler.rewind_grammar(tokens.len() - emit_count)?;
         // The target fed y and the k drafts; it keeps y and the accepted ones.
         end_round(&mut ex.caches, k - accepted)?;
-        let next = (emit_count == accepted + 1).then(|| tokens[accepted]);
+        let verified = Verified {
+            drafted: k,
+            accepted: accepted.min(emit_count),
+            next: (emit_count == accepted + 1).then(|| tokens[accepted]),
+            hidden: &hidden,
+        };
         if stop {
             if !seeding {
-                source.commit(&Verified {
-                    drafted: k,
-                    accepted: accepted.min(emit_count),
-                    next,
-                    hidden: &hidden,
-                })?;
+                source.commit(&verified)?;
             }
             return Ok((ex.stats, ex.sampler.take_constraint()));
         }
@@ -305,12 +305,7 @@ pub fn resume_speculative(
                 },
             )?;
         } else {
-            source.commit(&Verified {
-                drafted: k,
-                accepted: accepted.min(emit_count),
-                next,
-                hidden: &hidden,
-            })?;
+            source.commit(&verified)?;
         }
         if emit_count <= accepted {
             // max_tokens was reached inside the accepted drafts: no bonus token (as mlx-lm).
