@@ -7,7 +7,8 @@ tokenizer files are byte copies of golden/tokenizer. Random fixtures only (train
 by eval_spec.py): every norm has an effective scale near 1 and a 48-token greedy continuation of a
 code prompt is not degenerate. For qwen3_5 also: mlx_vlm.load works, mlx_vlm plain greedy ==
 mlx_lm plain greedy, and mlx_vlm native-MTP speculative greedy (drafter split in memory from the
-same folder) == plain greedy.
+same folder) == plain greedy. A DFlash drafter folder (config with dflash_config, no tokenizer:
+train_dflash.py) is only loaded through mlx_vlm's load_drafter and bound to its target.
 
 Usage: check_fixtures.py [NAME ...]      (default: every folder under golden/models)
 """
@@ -34,6 +35,23 @@ def greedy(model, tok, prompt, **kw):
     out = list(stream_generate(model, tok, prompt, max_tokens=MAX_TOKENS,
                                sampler=make_sampler(temp=0.0), **kw))
     return [r.token for r in out], out[-1].finish_reason
+
+
+def check_drafter(path) -> list[str]:
+    """A DFlash drafter folder: mlx_vlm loads it (strict) as a dflash drafter that binds to its target."""
+    from mlx_vlm import load as vlm_load
+    from mlx_vlm.speculative.drafters import load_drafter
+    from mlx_lm import load
+    import mlx.core as mx
+
+    target = common.read_json(path / "training_log.json")["target"]
+    drafter, kind = load_drafter(str(path), kind="dflash")
+    tpath = str(common.REPO / target)
+    model = vlm_load(tpath)[0] if "vision_config" in common.read_json(common.REPO / target / "config.json") else load(tpath)[0]
+    drafter.bind(model)
+    errs = [] if kind == "dflash" else [f"load_drafter resolved kind {kind!r}"]
+    borrowed = [k for k in mx.load(str(path / "model.safetensors")) if k.startswith(("embed_tokens", "lm_head"))]
+    return errs + [f"saves the target's weights {borrowed}"] * bool(borrowed)
 
 
 def check_tokenizer(name, tok, ref) -> list[str]:
@@ -122,8 +140,15 @@ def main():
         path = MODELS / name
         if not (path / "config.json").is_file():
             die(f"{path} is not a fixture folder")
-        model, tok = load(str(path))
         cfg = common.read_json(path / "config.json")
+        if "dflash_config" in cfg:
+            errs = check_drafter(path)
+            log(f"{name:24s} DFlash drafter of {common.read_json(path / 'training_log.json')['target']}")
+            for e in errs:
+                log(f"  FAIL {name}: {e}")
+            failed += [name] if errs else []
+            continue
+        model, tok = load(str(path))
         is_random = name.removesuffix("-4bit") in SPECS  # trained norms drift anywhere; skip those checks
         errs = check_tokenizer(name, tok, ref)
         if is_random:

@@ -5,7 +5,10 @@ Each suite names a target, a draft source, the num_draft_tokens values, max_toke
 prompts as token ids (the 8 held-out prompts of corpus.eval_prompts: chat prompts with the chat
 template applied). `[oracle]` holds the oracle's greedy from_draft fraction (accepted / emitted)
 per k on the same prompts: mlx-lm's stream_generate with the draft model, or for the `mtp` suite
-(the qwen3_5 fixture's own MTP head) mlx-vlm's MTP loop at block size k + 1.
+(the qwen3_5 fixture's own MTP head) mlx-vlm's MTP loop at block size k + 1, and for
+`dflash-qwen3_5` mlx-vlm's DFlash loop with the qwen3_5-dflash drafter at block ceiling k + 1.
+The `dflash` suite (qwen3-target with its DFlash drafter) has no oracle: mlx-vlm's qwen3 model
+cannot hand a drafter its hidden states.
 
     oracles/.venv/bin/python oracles/make_accept_suite.py [SUITE]...
 """
@@ -49,18 +52,19 @@ def from_draft_fraction(target, tok, draft, k, prompts):
 
 
 MTP_KS = [1, 2, 3]
+DFLASH_KS = [3, 7]
 
 
-def mtp_from_draft_fraction(k, prompts):
-    """mlx-vlm's MTP loop on the qwen3_5 fixture at block size k + 1: accepted / emitted."""
+def vlm_from_draft_fraction(k, prompts, kind, drafter_name):
+    """mlx-vlm's speculative loop of `kind` on the qwen3_5 fixture with the drafter folder
+    `drafter_name` at block size (ceiling) k + 1: accepted / emitted."""
     import mlx.core as mx
     from mlx_vlm import load as vlm_load
     from mlx_vlm.generate import stream_generate as vlm_stream
     from mlx_vlm.speculative.drafters import load_drafter
 
-    path = str(model_dir("qwen3_5"))
-    model, processor = vlm_load(path)
-    drafter, kind = load_drafter(path, kind="mtp")
+    model, processor = vlm_load(str(model_dir("qwen3_5")))
+    drafter, kind = load_drafter(str(model_dir(drafter_name)), kind=kind)
     emitted = accepted = 0
     for ids in prompts:
         final = list(vlm_stream(model, processor, "", input_ids=mx.array([ids]), max_tokens=MAX_TOKENS,
@@ -72,7 +76,8 @@ def mtp_from_draft_fraction(k, prompts):
 
 
 def write_suite(name, target, source, ks, prompts, oracle, fractions):
-    log(f"{name}: {oracle} from_draft " + ", ".join(f"k={k} {v:.4f}" for k, v in fractions.items()))
+    if fractions:
+        log(f"{name}: {oracle} from_draft " + ", ".join(f"k={k} {v:.4f}" for k, v in fractions.items()))
     lines = [
         f"# Acceptance suite for `verity accept`, written by oracles/make_accept_suite.py.",
         'format = "verity-accept/1"',
@@ -83,11 +88,16 @@ def write_suite(name, target, source, ks, prompts, oracle, fractions):
         "prompts = [",
         *[f"  {ids}," for ids in prompts],
         "]",
-        "",
-        f"# {oracle}'s greedy from_draft fraction (accepted / emitted) on the same prompts, per k.",
-        "[oracle.from_draft]",
-        *[f'"{k}" = {v!r}' for k, v in fractions.items()],
     ]
+    if fractions:
+        lines += [
+            "",
+            f"# {oracle}'s greedy from_draft fraction (accepted / emitted) on the same prompts, per k.",
+            "[oracle.from_draft]",
+            *[f'"{k}" = {v!r}' for k, v in fractions.items()],
+        ]
+    else:
+        lines += ["", f"# No oracle: {oracle}."]
     out_dir = GOLDEN / "accept"
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text(out_dir / f"{name}.toml", "\n".join(lines) + "\n")
@@ -95,7 +105,7 @@ def write_suite(name, target, source, ks, prompts, oracle, fractions):
 
 def main():
     only = set(sys.argv[1:])
-    known = set(SUITES) | {"mtp"}
+    known = set(SUITES) | {"mtp", "dflash", "dflash-qwen3_5"}
     if only - known:
         common.die(f"unknown suites {sorted(only - known)}; known: {sorted(known)}")
     target, tok = load(str(model_dir("qwen3-target")))
@@ -109,8 +119,16 @@ def main():
         write_suite(name, "qwen3-target", source, suite["ks"], prompts, "mlx-lm", fractions)
     if not only or "mtp" in only:
         # The fixtures share one tokenizer, so the prompts are the same ids.
-        fractions = {k: mtp_from_draft_fraction(k, prompts) for k in MTP_KS}
+        fractions = {k: vlm_from_draft_fraction(k, prompts, "mtp", "qwen3_5") for k in MTP_KS}
         write_suite("mtp", "qwen3_5", '{ kind = "mtp" }', MTP_KS, prompts, "mlx-vlm", fractions)
+    if not only or "dflash-qwen3_5" in only:
+        fractions = {k: vlm_from_draft_fraction(k, prompts, "dflash", "qwen3_5-dflash") for k in DFLASH_KS}
+        source = '{ kind = "dflash", model = "golden/models/qwen3_5-dflash" }'
+        write_suite("dflash-qwen3_5", "qwen3_5", source, DFLASH_KS, prompts, "mlx-vlm", fractions)
+    if not only or "dflash" in only:
+        source = '{ kind = "dflash", model = "golden/models/qwen3-target-dflash" }'
+        write_suite("dflash", "qwen3-target", source, DFLASH_KS, prompts,
+                    "mlx-vlm's qwen3 model cannot hand a drafter its hidden states", {})
 
 
 if __name__ == "__main__":

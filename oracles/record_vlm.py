@@ -1,11 +1,13 @@
-"""Records golden traces (verity-trace/1) with mlx-vlm: plain greedy generation and its native
-MTP speculative loop on the qwen3_5 fixture.
+"""Records golden traces (verity-trace/1) with mlx-vlm: plain greedy generation, its native MTP
+speculative loop and its DFlash block-drafter loop on the qwen3_5 fixture.
 
 Reads the [[vlm_group]] tables of golden/MANIFEST.toml (models x block sizes x prompts; block
-size 0 is plain generation) and writes golden/traces/<model>/vlm-<plain|mtpN>/<prompt>.json
+size 0 is plain generation) and writes golden/traces/<model>/vlm-<plain|mtpN|dflashN>/<prompt>.json
 with oracle.tool = "mlx-vlm". Each case runs through mlx_vlm.generate.stream_generate, the
 speculative ones with the checkpoint's own MTP head split off by
-mlx_vlm.speculative.drafters.load_drafter(kind="mtp").
+mlx_vlm.speculative.drafters.load_drafter(kind="mtp"), or, in a group that names
+`drafter = "<folder under golden/models>"`, with that DFlash drafter (load_drafter(kind="dflash");
+N is then mlx-vlm's draft_block_size, the ceiling of the block it adapts per round).
 
 mlx-vlm's speculative loop reports logprobs for the first token only (mlx_vlm/speculative/
 utils.py, run_speculative_rounds yields (token, None) afterwards), so an MTP trace takes its
@@ -13,7 +15,9 @@ per-step logprobs from the plain mlx-vlm run of the same case, after checking th
 emitted the same tokens (mlx-vlm's own speculative == plain claim); its from_draft flags come
 from the drafter's per-round accept_lens, and `mtp_drafts` (a field the harness ignores) lists
 each round's draft tokens as the drafter's draft_block returned them, so a test can compare
-verity's drafts with mlx-vlm's round by round. Traces this script owns (oracle.tool "mlx-vlm") that
+verity's drafts with mlx-vlm's round by round. A DFlash trace lists them as `dflash_drafts`: the
+greedy loop calls the drafter's draft_block_greedy, whose blocks are recorded (one list of
+block - 1 drafts per round, so the adapted block sizes show). Traces this script owns (oracle.tool "mlx-vlm") that
 it did not write this run are deleted.
 
     oracles/.venv/bin/python oracles/record_vlm.py [--only SUBSTRING]...
@@ -49,11 +53,14 @@ def expand(manifest):
                 raise ManifestError(f"vlm_group #{g + 1} lacks '{key}'")
         if group["tier"] == "B" and not (group.get("reason") and group.get("logprob_tolerance")):
             raise ManifestError(f"vlm_group #{g + 1}: tier B needs a reason and a logprob_tolerance")
+        drafter = group.get("drafter")
         for model in group["models"]:
             for bs in group["block_sizes"]:
                 if bs != 0 and not 2 <= bs <= 257:
                     raise ManifestError(f"vlm_group #{g + 1}: block size {bs} is not 0 (plain) or within [2, 257]")
-                variant = "vlm-plain" if bs == 0 else f"vlm-mtp{bs}"
+                if drafter and bs == 0:
+                    raise ManifestError(f"vlm_group #{g + 1}: a drafter group records no plain runs (block size 0)")
+                variant = "vlm-plain" if bs == 0 else f"vlm-dflash{bs}" if drafter else f"vlm-mtp{bs}"
                 for pname in group["prompts"]:
                     if pname not in prompts:
                         raise ManifestError(f"vlm_group #{g + 1}: unknown prompt '{pname}'")
@@ -62,14 +69,23 @@ def expand(manifest):
                         raise ManifestError(f"case {case_id} appears twice")
                     seen.add(case_id)
                     yield {"id": case_id, "suite": group["suite"], "model": model, "block_size": bs,
-                           "prompt_name": pname, "prompt": prompts[pname], "group": group}
+                           "prompt_name": pname, "prompt": prompts[pname], "group": group,
+                           "drafter": drafter}
 
 
 class Models:
-    """Each fixture loaded once, with its MTP drafter."""
+    """Each fixture loaded once, with its MTP drafter; each DFlash drafter loaded once."""
 
     def __init__(self):
-        self.cache = {}
+        self.cache, self.drafters = {}, {}
+
+    def dflash(self, name):
+        if name not in self.drafters:
+            path = GOLDEN / "models" / name
+            if not (path / "config.json").is_file():
+                raise ManifestError(f"drafter folder {path} has no config.json")
+            self.drafters[name] = load_drafter(str(path), kind="dflash")
+        return self.drafters[name]
 
     def get(self, name):
         if name not in self.cache:
@@ -124,23 +140,30 @@ def record_case(case, models, plain_runs):
     draft, drafts = None, []
     if case["block_size"]:
         bs = case["block_size"]
-        drafts, draft_block = [], drafter.draft_block
+        # The greedy DFlash loop calls draft_block_greedy (mlx_vlm/speculative/dflash.py), the MTP
+        # loop draft_block: wrap the one that runs, so each round's drafts are recorded once.
+        method = "draft_block"
+        if case["drafter"]:
+            drafter, kind = models.dflash(case["drafter"])
+            method = "draft_block_greedy"
+        drafts, draft_fn = [], getattr(drafter, method)
 
         def recording_draft_block(*args, **kwargs):
-            out = draft_block(*args, **kwargs)
+            out = draft_fn(*args, **kwargs)
             drafts.append([int(t) for t in out.reshape(-1).tolist()])
             return out
 
-        drafter.draft_block = recording_draft_block
+        setattr(drafter, method, recording_draft_block)
         try:
             _, spec_final = run(model, processor, tokens, max_tokens, draft_model=drafter,
                                 draft_kind=kind, draft_block_size=bs)
         finally:
-            del drafter.draft_block
+            delattr(drafter, method)
         if spec_final.token_ids != generated:
-            raise ManifestError(f"{case['id']}: mlx-vlm's MTP run emitted other tokens than its plain run")
+            raise ManifestError(f"{case['id']}: mlx-vlm's {kind} run emitted other tokens than its plain run")
         flags = from_draft_flags(drafter.accept_lens, len(generated))
-        draft = {"kind": "mtp", "block_size": bs}
+        draft = ({"kind": "dflash", "model": f"golden/models/{case['drafter']}", "block_size": bs}
+                 if case["drafter"] else {"kind": "mtp", "block_size": bs})
         if len(drafts) != len(drafter.accept_lens):
             raise ManifestError(f"{case['id']}: {len(drafts)} draft blocks for {len(drafter.accept_lens)} rounds")
     # A stopping EOS is not yielded on its own: it is only in the summary's token_ids.
@@ -180,7 +203,7 @@ def record_case(case, models, plain_runs):
         "finish_reason": final.finish_reason,
         "generation_tokens": len(generated),
         "text": tokenizer.decode(generated),
-        **({"mtp_drafts": drafts} if case["block_size"] else {}),
+        **({"dflash_drafts" if case["drafter"] else "mtp_drafts": drafts} if case["block_size"] else {}),
     }
 
 
@@ -200,7 +223,8 @@ def main():
         write_text(path, dumps(trace))
         written.add(path)
         accepted = sum(s["from_draft"] for s in trace["steps"])
-        print(f"{case['id']}: {trace['generation_tokens']} tokens, {accepted} from the MTP head", flush=True)
+        source = "the DFlash drafter" if case["drafter"] else "the MTP head"
+        print(f"{case['id']}: {trace['generation_tokens']} tokens, {accepted} from {source}", flush=True)
     stale = [] if args.only else [p for p in out_dir.rglob("*.json") if p not in written and vlm_owned(p)]
     for p in stale:
         p.unlink()

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Trains golden/models/qwen3-target and qwen3-draft (train_tiny.py) in parallel, one core each.
+# Trains golden/models/qwen3-target and qwen3-draft (train_tiny.py) in parallel, one core each,
+# then the DFlash drafters qwen3-target-dflash and qwen3_5-dflash (train_dflash.py; they distil the
+# targets' own greedy output, so they run after the target is trained), one after the other.
 # Reproducible bit for bit: Debian's single-threaded OpenBLAS is preloaded (the wheel's reference
 # BLAS is ~15x slower at sgemm) and pinned to one thread. Only the TRAINING uses OpenBLAS; every
 # golden output is produced with the stock wheel (docs/fixture-pitfalls.md, P12).
 # Usage: oracles/train.sh [STEPS [OUT_ROOT]]   (defaults: 1500, golden/models)
+#        oracles/train.sh --dflash-only          (only the two DFlash drafters, ~8 min, 1 core)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 py="$here/.venv/bin/python"
 blas=/usr/lib/x86_64-linux-gnu/openblas-serial/libopenblas.so.0
 [ -x "$py" ] || { echo "error: run oracles/venv.sh first" >&2; exit 2; }
 [ -f "$blas" ] || { echo "error: $blas missing (apt-get install libopenblas0-serial)" >&2; exit 2; }
+dflash_only=0
+[ "${1:-}" = "--dflash-only" ] && { dflash_only=1; shift; }
 steps="${1:-1500}"
 root="$(realpath -m "${2:-$here/../golden/models}")"
 export HF_HUB_OFFLINE=1 OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
@@ -18,12 +23,22 @@ export HF_HUB_CACHE="$(mktemp -d)"
 trap 'rm -rf "$HF_HUB_CACHE"' EXIT
 start=$SECONDS
 pids=()
-for which in target draft; do
-  LD_PRELOAD="$blas" "$py" "$here/train_tiny.py" "$which" --steps "$steps" \
-    --out "$root/qwen3-$which" > >(sed -u "s/^/[$which] /") 2>&1 &
-  pids+=($!)
-done
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+if [ $dflash_only = 0 ]; then
+  for which in target draft; do
+    LD_PRELOAD="$blas" "$py" "$here/train_tiny.py" "$which" --steps "$steps" \
+      --out "$root/qwen3-$which" > >(sed -u "s/^/[$which] /") 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+fi
+# The drafters read their targets from golden/models (train_dflash.py); with another OUT_ROOT
+# they are written there but still distil the committed targets.
+if [ $status = 0 ]; then
+  for target in qwen3-target qwen3_5; do
+    LD_PRELOAD="$blas" "$py" "$here/train_dflash.py" "$target" \
+      --out "$root/$target-dflash" 2>&1 | sed -u "s/^/[$target-dflash] /" || status=1
+  done
+fi
 echo "training finished in $((SECONDS - start)) s (status $status)"
 exit $status
