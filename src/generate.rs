@@ -4,7 +4,7 @@
 //! one extra random draw happen after the last token, and the cache holds every emitted
 //! token), EOS counted as a generated token, and "length" at max_tokens.
 
-use mlx::{Array, Dtype};
+use mlx::{ops, Array, Dtype};
 
 use crate::cache::{eval_state, quantize_due, KvQuantization, LayerCache};
 use crate::grammar::Constraint;
@@ -72,19 +72,43 @@ pub fn prefill(
     caches: &mut [LayerCache],
     tokens: &Array,
     params: &GenerateParams,
-    mut on_chunk: impl FnMut(&Array) -> Result<()>,
+    on_chunk: impl FnMut(&Array) -> Result<()>,
 ) -> Result<()> {
+    prefill_tapped(model, caches, tokens, params, &[], on_chunk).map(drop)
+}
+
+/// [`prefill`] keeping the hidden states at `taps` over every token fed, one (1, L, H) array
+/// per tap (a drafter that reads the whole prompt); none when `taps` is empty or `tokens` is.
+pub fn prefill_tapped(
+    model: &dyn LanguageModel,
+    caches: &mut [LayerCache],
+    tokens: &Array,
+    params: &GenerateParams,
+    taps: &[usize],
+    mut on_chunk: impl FnMut(&Array) -> Result<()>,
+) -> Result<Vec<Array>> {
     let mut rest = tokens.clone();
+    let mut chunks: Vec<Vec<Array>> = vec![Vec::new(); taps.len()];
     while rest.dim(0) > 0 {
         let n = (params.prefill_step_size as i32).min(rest.dim(0));
         let chunk = rest.slice_axis(0, 0, n)?;
-        forward_tokens(model, caches, &chunk, params.kv_quantization.as_ref())?;
+        let out = forward_tapped(model, caches, &chunk, params.kv_quantization.as_ref(), taps)?;
         eval_state(caches)?;
+        if !out.hidden.is_empty() {
+            mlx::eval(&out.hidden)?;
+        }
+        for (kept, h) in chunks.iter_mut().zip(out.hidden) {
+            kept.push(h);
+        }
         on_chunk(&chunk)?;
         rest = rest.slice_axis(0, n, rest.dim(0))?;
         mlx::memory::clear_cache();
     }
-    Ok(())
+    chunks
+        .iter()
+        .filter(|parts| !parts.is_empty())
+        .map(|parts| Ok(ops::concatenate(&parts.iter().collect::<Vec<_>>(), 1)?))
+        .collect()
 }
 
 /// mlx_lm.cache_prompt: fresh caches holding all of `tokens`, processed as generate_step with

@@ -31,6 +31,9 @@ struct Case {
 
 type Setup = Box<dyn Fn(&Path) + Send + Sync>;
 
+/// The DFlash drafter fixture (trained for qwen3-target: taps layers 1 and 3).
+const DFLASH: &str = "qwen3-target-dflash";
+
 fn no_setup() -> Setup {
     Box::new(|_| {})
 }
@@ -406,6 +409,62 @@ fn generate_cases() -> Vec<Case> {
             "generate/draft-mtp-and-ngram",
             &["--draft-mtp", "--draft-ngram"],
             &["--draft-mtp", "--draft-ngram"],
+            no_setup(),
+        ),
+        gen(
+            "generate/dflash-missing",
+            &["--draft-dflash", "{S}/nope"],
+            &["{S}/nope", "no such model folder"],
+            no_setup(),
+        ),
+        gen(
+            "generate/dflash-not-a-drafter",
+            &["--draft-dflash", &q],
+            &["model_type", "qwen3", "not a DFlash drafter"],
+            no_setup(),
+        ),
+        gen(
+            "generate/dflash-taps-past-the-target",
+            &["--draft-dflash", &model_arg(DFLASH)],
+            &["target_layer_ids", "[1, 3]", "which has 2"],
+            no_setup(),
+        ),
+        gen(
+            "generate/dflash-block-one",
+            &["--draft-dflash", "{S}/m"],
+            &["block_size", "1", "at least 2"],
+            config_value(DFLASH, "block_size", json!(1)),
+        ),
+        gen(
+            "generate/dflash-taps-unordered",
+            &["--draft-dflash", "{S}/m"],
+            &["target_layer_ids", "[3, 1]", "strictly increasing"],
+            broken_config(DFLASH, |c| {
+                c["dflash_config"]["target_layer_ids"] = json!([3, 1]);
+            }),
+        ),
+        gen(
+            "generate/dflash-mask-past-vocab",
+            &["--draft-dflash", "{S}/m"],
+            &[
+                "mask_token_id",
+                "5000",
+                "below the target's vocabulary size, 1024",
+            ],
+            broken_config(DFLASH, |c| {
+                c["dflash_config"]["mask_token_id"] = json!(5000);
+            }),
+        ),
+        gen(
+            "generate/dflash-sliding-layers",
+            &["--draft-dflash", "{S}/m"],
+            &["layer_types", "sliding"],
+            config_value(DFLASH, "layer_types", json!(["sliding_attention"])),
+        ),
+        gen(
+            "generate/dflash-and-mtp",
+            &["--draft-dflash", "{S}/nope", "--draft-mtp"],
+            &["--draft-dflash", "--draft-mtp"],
             no_setup(),
         ),
         gen(
@@ -969,6 +1028,21 @@ fn trace_cases() -> Vec<Case> {
             "mtp-on-a-target-without-head",
             trace_with(|t| t["draft"] = json!({"kind": "mtp", "block_size": 3})),
             &["mtp.* weights"],
+        ),
+        (
+            "dflash-drafter-missing",
+            trace_with(|t| {
+                t["draft"] =
+                    json!({"kind": "dflash", "model": "golden/models/nope", "block_size": 4})
+            }),
+            &["nope", "no such model folder"],
+        ),
+        (
+            "dflash-block-one",
+            trace_with(
+                |t| t["draft"] = json!({"kind": "dflash", "model": "golden/models/qwen3-target-dflash", "block_size": 1}),
+            ),
+            &["draft.block_size", "1", "[2, 257]"],
         ),
         (
             "prompt-cache-missing",

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use mlx::Array;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use support::{bundle, golden_input, model_dir};
+use support::{bundle, golden_input, model_dir, Spy};
 use verity::bundle::ModelBundle;
 use verity::generate::{forward_tapped, prefill, token_array, GenerateParams, Generation};
 use verity::speculative::{
@@ -366,36 +366,6 @@ fn an_mtp_drafter_needs_a_target_with_an_mtp_head() {
     assert!(MtpDrafter::new(bundle("qwen3_5").model()).is_ok());
 }
 
-/// The MTP drafter recording each round's drafts.
-struct Spy<'m> {
-    inner: MtpDrafter<'m>,
-    drafts: Vec<Vec<u32>>,
-}
-
-impl DraftSource for Spy<'_> {
-    fn taps(&self) -> Vec<usize> {
-        self.inner.taps()
-    }
-
-    fn prefill_mode(&self) -> PrefillMode {
-        self.inner.prefill_mode()
-    }
-
-    fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> verity::Result<()> {
-        self.inner.prefill(prompt, ctx)
-    }
-
-    fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> verity::Result<Vec<u32>> {
-        let drafts = self.inner.draft(n, ctx)?;
-        self.drafts.push(drafts.clone());
-        Ok(drafts)
-    }
-
-    fn commit(&mut self, round: &Verified<'_>) -> verity::Result<()> {
-        self.inner.commit(round)
-    }
-}
-
 #[test]
 fn mtp_drafts_equal_mlx_vlm_round_by_round() {
     support::on_cpu();
@@ -411,10 +381,7 @@ fn mtp_drafts_equal_mlx_vlm_round_by_round() {
             let trace = support::golden(&id);
             let params =
                 verity::parity::replay::params(&trace, target.eos_token_ids.clone()).unwrap();
-            let mut spy = Spy {
-                inner: MtpDrafter::new(target.model()).unwrap(),
-                drafts: Vec::new(),
-            };
+            let mut spy = Spy::new(MtpDrafter::new(target.model()).unwrap());
             generate_speculative(
                 target.model(),
                 &mut spy,

@@ -23,6 +23,9 @@ pub enum Source {
     /// The target's own multi-token-prediction head (Qwen3.5 `mtp.*`), drafting as mlx-vlm's
     /// MTP loop does.
     Mtp,
+    /// A DFlash block drafter folder (repository-relative), drafting as mlx-vlm's DFlash loop
+    /// does; num_draft_tokens + 1 is the block ceiling.
+    Dflash { model: String },
 }
 
 #[derive(Clone, Debug, Deserialize)]

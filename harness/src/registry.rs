@@ -125,7 +125,7 @@ pub struct OracleBug {
 pub struct Conditions {
     /// The trace's oracle tool (e.g. "mlx_lm.server").
     pub tool: Option<String>,
-    /// The trace's draft kind ("model", "mtp").
+    /// The trace's draft kind ("model", "mtp", "dflash").
     pub draft: Option<Vec<String>>,
     /// Fixture names of the trace's target model (the last path component).
     pub models: Option<Vec<String>>,
@@ -138,6 +138,7 @@ impl Conditions {
         let draft_kind = trace.draft.as_ref().map(|d| match d {
             crate::trace::Draft::Model { .. } => "model",
             crate::trace::Draft::Mtp { .. } => "mtp",
+            crate::trace::Draft::Dflash { .. } => "dflash",
         });
         let fixture = trace.model.rsplit('/').next().unwrap_or(&trace.model);
         let set = |name: &String| {

@@ -58,6 +58,9 @@ pub enum Draft {
     },
     /// mlx-vlm native multi-token-prediction heads.
     Mtp { block_size: usize },
+    /// mlx-vlm's DFlash block drafter (a drafter folder); `block_size` is mlx-vlm's
+    /// draft_block_size, the ceiling its adaptive block size stays under.
+    Dflash { model: String, block_size: usize },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

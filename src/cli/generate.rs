@@ -13,9 +13,10 @@ use verity::bundle::ModelBundle;
 use verity::cache::{load_prompt_cache, KvQuantization, LayerCache};
 use verity::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
 use verity::grammar::{Constraint, Grammar};
+use verity::model::dflash::DflashModel;
 use verity::sample::{ProcessorParams, SamplerParams};
 use verity::speculative::{
-    generate_speculative, Control, DraftModel, DraftSource, MtpDrafter, NgramLookup,
+    generate_speculative, Control, DflashDrafter, DraftModel, DraftSource, MtpDrafter, NgramLookup,
     SpeculationStats,
 };
 use verity::tokenizer::{StreamingDetokenizer, UserTurn};
@@ -88,18 +89,23 @@ pub struct GenerateArgs {
     #[arg(long, group = "output_constraint")]
     choice: Vec<String>,
     /// Speculate with this draft model folder (same tokenizer as the model).
-    #[arg(long, conflicts_with_all = ["draft_ngram", "draft_mtp"])]
+    #[arg(long, conflicts_with_all = ["draft_ngram", "draft_mtp", "draft_dflash"])]
     draft_model: Option<PathBuf>,
     /// Speculate with prompt lookup (n-gram) drafts.
-    #[arg(long, conflicts_with = "draft_mtp")]
+    #[arg(long, conflicts_with_all = ["draft_mtp", "draft_dflash"])]
     draft_ngram: bool,
     /// Speculate with the model's own multi-token-prediction head (Qwen3.5 `mtp.*` weights),
     /// as mlx-vlm's MTP loop does (--num-draft-tokens is its block size minus one).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "draft_dflash")]
     draft_mtp: bool,
-    /// Drafts per round.
-    #[arg(long, default_value_t = 3)]
-    num_draft_tokens: usize,
+    /// Speculate with this DFlash block drafter folder (model_type qwen3_dflash), as mlx-vlm's
+    /// DFlash loop does: one drafter pass per round drafts a whole block, whose size adapts to
+    /// acceptance up to the drafter's block_size (or --num-draft-tokens + 1).
+    #[arg(long)]
+    draft_dflash: Option<PathBuf>,
+    /// Drafts per round (default 3; with --draft-dflash, the drafter's block_size - 1).
+    #[arg(long)]
+    num_draft_tokens: Option<usize>,
     /// Shortest and longest n-gram prompt lookup matches.
     #[arg(long, default_value_t = 1)]
     ngram_min: usize,
@@ -161,27 +167,28 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
     let constraint = a.grammar()?.map(|g| bundle.constraint(&g)).transpose()?;
     let mut out = Printer::new(&bundle);
     mlx::memory::reset_peak();
-    let stats = if a.draft_model.is_some() || a.draft_ngram || a.draft_mtp {
-        speculate(&a, &bundle, &prompt, &params, constraint, &mut out)?
-    } else {
-        let caches = starting_caches(&a, &bundle, &params)?;
-        let bar = prefill_bar(prompt.len(), params.prefill_step_size);
-        let generation = Generation::start_reporting(
-            bundle.model(),
-            caches,
-            &prompt,
-            &params,
-            constraint,
-            &mut |done| bar.set_position(done as u64),
-        )?;
-        bar.finish_and_clear();
-        for step in generation {
-            if out.emit(&step?) == Control::Stop {
-                break;
+    let stats =
+        if a.draft_model.is_some() || a.draft_ngram || a.draft_mtp || a.draft_dflash.is_some() {
+            speculate(&a, &bundle, &prompt, &params, constraint, &mut out)?
+        } else {
+            let caches = starting_caches(&a, &bundle, &params)?;
+            let bar = prefill_bar(prompt.len(), params.prefill_step_size);
+            let generation = Generation::start_reporting(
+                bundle.model(),
+                caches,
+                &prompt,
+                &params,
+                constraint,
+                &mut |done| bar.set_position(done as u64),
+            )?;
+            bar.finish_and_clear();
+            for step in generation {
+                if out.emit(&step?) == Control::Stop {
+                    break;
+                }
             }
-        }
-        None
-    };
+            None
+        };
     out.finish(prompt.len(), stats.as_ref())?;
     Ok(ExitCode::SUCCESS)
 }
@@ -342,10 +349,21 @@ fn speculate(
         .as_deref()
         .map(|d| bundle.load_draft(d))
         .transpose()?;
-    let mut source: Box<dyn DraftSource> = match &draft {
-        Some(d) => Box::new(DraftModel::new(d.model())),
-        None if a.draft_mtp => Box::new(MtpDrafter::new(bundle.model())?),
-        None => Box::new(NgramLookup::new(a.ngram_min, a.ngram_max)?),
+    let dflash = a
+        .draft_dflash
+        .as_deref()
+        .map(DflashModel::load)
+        .transpose()?;
+    let mut source: Box<dyn DraftSource> = match (&draft, &dflash) {
+        (Some(d), _) => Box::new(DraftModel::new(d.model())),
+        (None, Some(m)) => Box::new(DflashDrafter::new(bundle.model(), m)?),
+        (None, None) if a.draft_mtp => Box::new(MtpDrafter::new(bundle.model())?),
+        (None, None) => Box::new(NgramLookup::new(a.ngram_min, a.ngram_max)?),
+    };
+    let num_draft_tokens = match (a.num_draft_tokens, &dflash) {
+        (Some(k), _) => k,
+        (None, Some(m)) => m.block_size - 1,
+        (None, None) => 3,
     };
     let mut emit = |step: &GeneratedToken| out.emit(step);
     let (stats, _) = generate_speculative(
@@ -353,7 +371,7 @@ fn speculate(
         source.as_mut(),
         prompt,
         params,
-        a.num_draft_tokens,
+        num_draft_tokens,
         constraint,
         &mut emit,
     )?;

@@ -123,6 +123,15 @@ impl Linear {
         Ok(Linear { weight, bias })
     }
 
+    /// The weight matrix when it is stored dense (for callers that stack several projections
+    /// into one matmul, as some Python modules do).
+    pub fn dense_weight(&self) -> Option<&Array> {
+        match &self.weight {
+            Weight::Dense(w) => Some(w),
+            Weight::Packed(_) => None,
+        }
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(match (&self.weight, &self.bias) {
             (Weight::Dense(w), Some(b)) => ops::addmm(b, x, &w.transpose(&[])?, 1.0, 1.0)?,

@@ -1,5 +1,6 @@
 //! Model families, one file per family mirroring mlx-lm's model files, over shared layers.
 
+pub mod dflash;
 pub mod gemma3_text;
 pub mod layers;
 pub mod llama;

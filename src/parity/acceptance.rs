@@ -10,7 +10,7 @@ use verity_harness::stats::Acceptance;
 use super::Models;
 use crate::generate::{GenerateParams, GeneratedToken};
 use crate::speculative::{
-    generate_speculative, Control, DraftModel, DraftSource, MtpDrafter, NgramLookup,
+    generate_speculative, Control, DflashDrafter, DraftModel, DraftSource, MtpDrafter, NgramLookup,
     SpeculationStats,
 };
 use crate::Result;
@@ -30,7 +30,11 @@ pub fn run_suite(suite: &Suite, models: &mut Models) -> Result<BTreeMap<usize, S
     let target = models.get(&suite.target)?;
     let draft_model = match &suite.source {
         Source::Model { model } => Some(models.get(model)?),
-        Source::Ngram { .. } | Source::Mtp => None,
+        Source::Ngram { .. } | Source::Mtp | Source::Dflash { .. } => None,
+    };
+    let dflash = match &suite.source {
+        Source::Dflash { model } => Some(models.dflash(model)?),
+        _ => None,
     };
     let params = GenerateParams::greedy(suite.max_tokens, target.eos_token_ids.clone());
     let mut out = BTreeMap::new();
@@ -41,6 +45,10 @@ pub fn run_suite(suite: &Suite, models: &mut Models) -> Result<BTreeMap<usize, S
                 (Some(d), _) => Box::new(DraftModel::new(d.model())),
                 (None, Source::Ngram { min, max }) => Box::new(NgramLookup::new(*min, *max)?),
                 (None, Source::Mtp) => Box::new(MtpDrafter::new(target.model())?),
+                (None, Source::Dflash { .. }) => {
+                    let drafter = dflash.as_deref().expect("a DFlash source is loaded above");
+                    Box::new(DflashDrafter::new(target.model(), drafter)?)
+                }
                 (None, Source::Model { .. }) => unreachable!("a model source is loaded above"),
             };
             let mut ignore = |_: &GeneratedToken| Control::Continue;

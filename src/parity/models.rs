@@ -5,11 +5,13 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use crate::bundle::ModelBundle;
+use crate::model::dflash::DflashModel;
 use crate::Result;
 
 pub struct Models {
     root: PathBuf,
     loaded: HashMap<PathBuf, Rc<ModelBundle>>,
+    drafters: HashMap<PathBuf, Rc<DflashModel>>,
 }
 
 impl Models {
@@ -18,6 +20,7 @@ impl Models {
         Models {
             root: root.to_path_buf(),
             loaded: HashMap::new(),
+            drafters: HashMap::new(),
         }
     }
 
@@ -34,6 +37,17 @@ impl Models {
         }
         let m = Rc::new(ModelBundle::load(&dir)?);
         self.loaded.insert(dir, Rc::clone(&m));
+        Ok(m)
+    }
+
+    /// A repository-relative DFlash drafter folder, loaded on first use.
+    pub fn dflash(&mut self, relative: &str) -> Result<Rc<DflashModel>> {
+        let dir = self.path(relative);
+        if let Some(m) = self.drafters.get(&dir) {
+            return Ok(Rc::clone(m));
+        }
+        let m = Rc::new(DflashModel::load(&dir)?);
+        self.drafters.insert(dir, Rc::clone(&m));
         Ok(m)
     }
 }

@@ -16,7 +16,9 @@ use crate::bundle::ModelBundle;
 use crate::cache::{load_prompt_cache, KvQuantization, LayerCache};
 use crate::generate::{score, FinishReason, GenerateParams, GeneratedToken, Generation};
 use crate::model::LanguageModel;
-use crate::speculative::{generate_speculative, Control, DraftModel, DraftSource, MtpDrafter};
+use crate::speculative::{
+    generate_speculative, Control, DflashDrafter, DraftModel, DraftSource, MtpDrafter,
+};
 use crate::{validate, Error, Result};
 
 /// How many of the best entries a trace records per step.
@@ -221,12 +223,28 @@ pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle
         }
         (Some(Draft::Mtp { block_size }), None) => {
             // mlx-vlm's block is the round's verify input: the last token and its drafts.
-            validate::mtp_block_size(*block_size).map_err(|e| e.context(&trace.id))?;
+            validate::draft_block_size(*block_size).map_err(|e| e.context(&trace.id))?;
             let source = &mut MtpDrafter::new(model).map_err(|e| e.context(&trace.id))?;
             speculate(model, source, trace, &params, block_size - 1, &mut record)?;
         }
         (Some(Draft::Mtp { .. }), Some(_)) => {
             return unsupported("MTP speculation from a prompt cache is not implemented yet")
+        }
+        (
+            Some(Draft::Dflash {
+                model: drafter,
+                block_size,
+            }),
+            None,
+        ) => {
+            validate::draft_block_size(*block_size).map_err(|e| e.context(&trace.id))?;
+            let drafter = models.dflash(drafter)?;
+            let source =
+                &mut DflashDrafter::new(model, &drafter).map_err(|e| e.context(&trace.id))?;
+            speculate(model, source, trace, &params, block_size - 1, &mut record)?;
+        }
+        (Some(Draft::Dflash { .. }), Some(_)) => {
+            return unsupported("DFlash speculation from a prompt cache is not supported")
         }
     }
     let Some(finish) = finish else {

@@ -20,7 +20,7 @@ use mlx::{Array, Dtype};
 use super::{DraftContext, DraftSource, PrefillMode, SpeculationStats, Verified};
 use crate::cache::{begin_round, end_round, rollback_plan, LayerCache, Rollback};
 use crate::generate::{
-    forward_tapped, prefill, token_array, GenerateParams, GeneratedToken, Resume,
+    forward_tapped, prefill_tapped, token_array, GenerateParams, GeneratedToken, Resume,
 };
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
@@ -181,7 +181,15 @@ pub fn resume_speculative(
         stats: SpeculationStats::default(),
         taps: source.taps(),
     };
-    let full = source.prefill_mode() == PrefillMode::Full;
+    let mode = source.prefill_mode();
+    let full = mode != PrefillMode::Head;
+    if mode == PrefillMode::FullContext && cached > 0 {
+        return Err(crate::Error::Unsupported(
+            "a drafter that reads the target's hidden states over the whole prompt cannot \
+             start from a prompt cache (it holds no hidden states)"
+                .into(),
+        ));
+    }
     if !full {
         source.prefill(
             prompt,
@@ -195,12 +203,24 @@ pub fn resume_speculative(
     }
     let rest = token_array(&head[cached..])?;
     let sampler = &mut ex.sampler;
-    prefill(model, &mut ex.caches, &rest, params, |chunk| {
-        if cancelled() {
-            return Err(crate::Error::Cancelled);
-        }
-        sampler.extend_history(chunk)
-    })?;
+    let context_taps = if mode == PrefillMode::FullContext {
+        &ex.taps[..]
+    } else {
+        &[]
+    };
+    let context = prefill_tapped(
+        model,
+        &mut ex.caches,
+        &rest,
+        params,
+        context_taps,
+        |chunk| {
+            if cancelled() {
+                return Err(crate::Error::Cancelled);
+            }
+            sampler.extend_history(chunk)
+        },
+    )?;
     on_prefilled(&ex.caches, source.caches());
 
     let mut y = last;
@@ -295,6 +315,13 @@ pub fn resume_speculative(
             .collect::<mlx::Result<_>>()?;
         if seeding {
             seeding = false;
+            if !context.is_empty() {
+                anchor = context
+                    .iter()
+                    .zip(&anchor)
+                    .map(|(prompt, last)| mlx::ops::concatenate(&[prompt, last], 1))
+                    .collect::<mlx::Result<_>>()?;
+            }
             source.prefill(
                 prompt,
                 &mut DraftContext {

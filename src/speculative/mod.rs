@@ -2,6 +2,7 @@
 //! the [`DraftSource`] seam ([`source`]). The executor never names a model family or a cache
 //! type; it asks the rollback contract (crate::cache::Rollback) before every round.
 
+pub mod dflash;
 pub mod draft_model;
 pub mod executor;
 pub mod mtp;
@@ -9,6 +10,7 @@ pub mod ngram;
 pub mod source;
 pub mod stats;
 
+pub use dflash::DflashDrafter;
 pub use draft_model::DraftModel;
 pub use executor::{generate_speculative, resume_speculative, Control, Speculation};
 pub use mtp::MtpDrafter;

@@ -25,6 +25,10 @@ pub enum PrefillMode {
     /// then is the source prefilled, with that token as `last` and the last row's taps as the
     /// anchor (mlx_vlm/speculative/mtp.py, `_mtp_rounds`).
     Full,
+    /// mlx-vlm's DFlash loop: as `Full`, but the target's prefill keeps the taps of every
+    /// prompt row, and the source's prefill gets them all as its anchor, one (1, P, H) array
+    /// per tap (mlx_vlm/speculative/utils.py, SpeculativePrefill).
+    FullContext,
 }
 
 /// What a draft source may use while drafting: the request's sampler (its random key sequence
@@ -35,8 +39,9 @@ pub struct DraftContext<'a> {
     /// The last emitted token, which the drafts continue.
     pub last: u32,
     /// The target's hidden states at the position `last` was sampled from, one (1, 1, H) row
-    /// per tap in the order of `DraftSource::taps`; empty when the source taps nothing or
-    /// before the target has run (prefill in `PrefillMode::Head`).
+    /// per tap in the order of `DraftSource::taps` (in `PrefillMode::FullContext`'s prefill:
+    /// every prompt row); empty when the source taps nothing or before the target has run
+    /// (prefill in `PrefillMode::Head`).
     pub anchor: &'a [Array],
 }
 

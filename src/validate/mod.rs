@@ -160,9 +160,50 @@ pub fn mtp(target: &dyn LanguageModel) -> Result<&crate::model::qwen3_5::MtpHead
     Ok(head)
 }
 
-/// An mlx-vlm MTP block size (a trace's `draft.block_size`): the round's last token and its
-/// drafts, so at least 2 and at most one more than the draft limit.
-pub fn mtp_block_size(block_size: usize) -> Result<()> {
+/// A DFlash drafter pairs with a target whose hidden states are as wide as the drafter's,
+/// that has every layer the drafter taps, and whose vocabulary (the drafter borrows the
+/// target's embedding and output head) holds the drafter's vocabulary and mask token.
+pub fn dflash(
+    target: &dyn LanguageModel,
+    drafter: &crate::model::dflash::DflashModel,
+) -> Result<()> {
+    let width = target.outer().embed_tokens.width();
+    if drafter.hidden_size != width {
+        return Err(invalid(
+            "the DFlash drafter's hidden_size",
+            drafter.hidden_size,
+            &format!("must equal the target's hidden size, {width}"),
+        ));
+    }
+    let vocab = target.vocab_size();
+    if drafter.vocab_size != vocab {
+        return Err(invalid(
+            "the DFlash drafter's vocab_size",
+            drafter.vocab_size,
+            &format!("must equal the target's, {vocab}"),
+        ));
+    }
+    if drafter.mask_token_id as usize >= vocab {
+        return Err(invalid(
+            "the DFlash drafter's mask_token_id",
+            drafter.mask_token_id,
+            &format!("must be a token id below the target's vocabulary size, {vocab}"),
+        ));
+    }
+    let layers = target.num_layers();
+    if let Some(&last) = drafter.target_layer_ids.last().filter(|&&l| l >= layers) {
+        return Err(invalid(
+            "the DFlash drafter's target_layer_ids",
+            format!("{:?} (layer {last})", drafter.target_layer_ids),
+            &format!("must name layers of the target, which has {layers}"),
+        ));
+    }
+    Ok(())
+}
+
+/// An mlx-vlm block size (a trace's `draft.block_size`, MTP or DFlash): the round's last token
+/// and its drafts, so at least 2 and at most one more than the draft limit.
+pub fn draft_block_size(block_size: usize) -> Result<()> {
     within("draft.block_size", block_size, 2, MAX_DRAFT_TOKENS + 1)
 }
 

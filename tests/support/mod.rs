@@ -9,6 +9,7 @@ use libtest_mimic::Arguments;
 use verity::bundle::ModelBundle;
 use verity::generate::GenerateParams;
 use verity::parity::replay;
+use verity::speculative::{DraftContext, DraftSource, PrefillMode, Verified};
 use verity_harness::trace::Trace;
 
 /// Runs this test's MLX work on the CPU backend, first isolating its JIT cache. Its assertions
@@ -75,5 +76,44 @@ pub fn proptest_cases(default: u32, fuzz: u32) -> u32 {
         Ok("fuzz") => fuzz,
         Ok("gpu") => 16,
         _ => default,
+    }
+}
+
+/// A draft source recording each round's drafts (to compare with an oracle's, round by round).
+pub struct Spy<S> {
+    pub inner: S,
+    pub drafts: Vec<Vec<u32>>,
+}
+
+impl<S> Spy<S> {
+    pub fn new(inner: S) -> Spy<S> {
+        Spy {
+            inner,
+            drafts: Vec::new(),
+        }
+    }
+}
+
+impl<S: DraftSource> DraftSource for Spy<S> {
+    fn taps(&self) -> Vec<usize> {
+        self.inner.taps()
+    }
+
+    fn prefill_mode(&self) -> PrefillMode {
+        self.inner.prefill_mode()
+    }
+
+    fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> verity::Result<()> {
+        self.inner.prefill(prompt, ctx)
+    }
+
+    fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> verity::Result<Vec<u32>> {
+        let drafts = self.inner.draft(n, ctx)?;
+        self.drafts.push(drafts.clone());
+        Ok(drafts)
+    }
+
+    fn commit(&mut self, round: &Verified<'_>) -> verity::Result<()> {
+        self.inner.commit(round)
     }
 }

@@ -1,0 +1,250 @@
+//! The DFlash block drafter through the DraftSource seam: tier C (speculative ≡ plain, tokens
+//! and logprob bits) on every fixture architecture it pairs with, the prompt rows it starts
+//! from, its drafts against mlx-vlm's round by round, and the pairing check. The mlx-vlm DFlash
+//! goldens are replayed by tests/goldens.rs.
+
+mod support;
+
+use mlx::Array;
+use support::{bundle, golden_input, model_dir, Spy};
+use verity::generate::{token_array, Generation};
+use verity::model::dflash::DflashModel;
+use verity::speculative::{
+    generate_speculative, Control, DflashDrafter, DraftContext, DraftSource, PrefillMode,
+    SpeculationStats, Verified,
+};
+
+fn bits(a: &Array) -> Vec<u8> {
+    a.to_bytes().unwrap()
+}
+
+fn drafter(name: &str) -> DflashModel {
+    DflashModel::load(&model_dir(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// What a pair's runs must show besides equality with plain decoding.
+#[derive(Clone, Copy)]
+enum Expect {
+    /// Drafts, and some accepted (a drafter trained on this target's own output).
+    Accepted,
+    /// Drafts (a drafter of the right width, untrained for this target or for a random one).
+    Drafted,
+    /// Every round refused before drafting: the target's sliding-window caches cannot take a
+    /// round back, so the executor decodes without drafts.
+    Refused,
+}
+
+/// Each fixture with the layers the drafters tap (1 and 3), and the drafter trained for it (or
+/// for a target of the same width, where none was).
+const PAIRS: [(&str, &str, Expect); 4] = [
+    ("qwen3-target", "qwen3-target-dflash", Expect::Accepted),
+    ("gemma3", "qwen3-target-dflash", Expect::Refused),
+    ("qwen3_next", "qwen3-target-dflash", Expect::Drafted),
+    ("qwen3_5", "qwen3_5-dflash", Expect::Drafted),
+];
+
+#[test]
+fn dflash_speculation_equals_plain_on_every_architecture_it_pairs_with() {
+    support::on_cpu();
+    for (name, drafter_name, expect) in PAIRS {
+        let target = bundle(name);
+        let model = drafter(drafter_name);
+        for trace in ["greedy/code", "greedy/chat"] {
+            let id = format!("{name}/{trace}");
+            let (prompt, params) = golden_input(&id, 40);
+            let want: Vec<(u32, Vec<u8>)> = Generation::new(target.model(), &prompt, &params)
+                .unwrap()
+                .map(|s| {
+                    let s = s.unwrap();
+                    (s.token, bits(&s.logprobs))
+                })
+                .collect();
+            for k in [3, 7] {
+                let mut source = DflashDrafter::new(target.model(), &model).unwrap();
+                let mut got = Vec::new();
+                let (stats, _) = generate_speculative(
+                    target.model(),
+                    &mut source,
+                    &prompt,
+                    &params,
+                    k,
+                    None,
+                    &mut |t| {
+                        got.push((t.token, bits(&t.logprobs)));
+                        Control::Continue
+                    },
+                )
+                .unwrap();
+                assert!(
+                    got == want,
+                    "{id} k={k}: DFlash speculation differs from plain"
+                );
+                check_stats(&id, k, &stats, expect);
+            }
+        }
+    }
+}
+
+fn check_stats(id: &str, k: usize, stats: &SpeculationStats, expect: Expect) {
+    if let Expect::Refused = expect {
+        assert!(
+            stats.rounds > 0 && stats.refused_rounds == stats.rounds && stats.drafted == 0,
+            "{id} k={k}: {stats:?}"
+        );
+        return;
+    }
+    assert!(
+        stats.rounds > 0 && stats.drafted > 0,
+        "{id} k={k}: {stats:?}"
+    );
+    assert_eq!(stats.refused_rounds, 0, "{id} k={k}: {stats:?}");
+    // One block per round, never past the ceiling.
+    assert!(stats.drafted <= stats.rounds * k, "{id} k={k}: {stats:?}");
+    if let Expect::Accepted = expect {
+        assert!(
+            stats.from_draft > 0 && stats.partial_rollbacks > 0,
+            "{id} k={k}: the trained drafter had nothing accepted, or everything: {stats:?}"
+        );
+    }
+}
+
+/// The DFlash drafter recording the context its prefill is given.
+struct PrefillSpy<'m> {
+    inner: DflashDrafter<'m>,
+    context: Vec<Vec<u8>>,
+    last: Option<u32>,
+}
+
+impl DraftSource for PrefillSpy<'_> {
+    fn taps(&self) -> Vec<usize> {
+        self.inner.taps()
+    }
+
+    fn prefill_mode(&self) -> PrefillMode {
+        self.inner.prefill_mode()
+    }
+
+    fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> verity::Result<()> {
+        self.context = ctx.anchor.iter().map(bits).collect();
+        self.last = Some(ctx.last);
+        self.inner.prefill(prompt, ctx)
+    }
+
+    fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> verity::Result<Vec<u32>> {
+        self.inner.draft(n, ctx)
+    }
+
+    fn commit(&mut self, round: &Verified<'_>) -> verity::Result<()> {
+        self.inner.commit(round)
+    }
+}
+
+#[test]
+fn the_drafter_starts_from_the_taps_over_every_prompt_row() {
+    support::on_cpu();
+    for (name, drafter_name, id) in [
+        (
+            "qwen3-target",
+            "qwen3-target-dflash",
+            "qwen3-target/chunked-prefill/long",
+        ),
+        ("qwen3_5", "qwen3_5-dflash", "qwen3_5/vlm-plain/long"),
+    ] {
+        let target = bundle(name);
+        let model = drafter(drafter_name);
+        // A prompt longer than the prefill step, so the target takes it in several chunks.
+        let (prompt, mut params) = golden_input(id, 4);
+        params.prefill_step_size = 16;
+        assert!(prompt.len() > 2 * params.prefill_step_size);
+        let mut spy = PrefillSpy {
+            inner: DflashDrafter::new(target.model(), &model).unwrap(),
+            context: Vec::new(),
+            last: None,
+        };
+        let mut first = None;
+        generate_speculative(
+            target.model(),
+            &mut spy,
+            &prompt,
+            &params,
+            3,
+            None,
+            &mut |t| {
+                first.get_or_insert(t.token);
+                Control::Continue
+            },
+        )
+        .unwrap();
+        assert_eq!(spy.last, first, "{name}: the prefill's last token");
+        let ids = token_array(&prompt).unwrap().expand_dims(&[0]).unwrap();
+        let taps = spy.taps();
+        let whole = target
+            .model()
+            .forward(&ids, &mut target.model().make_cache(None), &taps)
+            .unwrap();
+        let want: Vec<Vec<u8>> = whole.hidden.iter().map(bits).collect();
+        assert_eq!(want.len(), 2);
+        assert!(
+            spy.context == want,
+            "{name}: the drafter's context is not one forward's taps over the whole prompt"
+        );
+    }
+}
+
+#[test]
+fn dflash_drafts_equal_mlx_vlm_round_by_round() {
+    support::on_cpu();
+    let target = bundle("qwen3_5");
+    let model = drafter("qwen3_5-dflash");
+    let (mut traces, mut rounds, mut sizes) = (0, 0, std::collections::BTreeSet::new());
+    for block in [4, 8] {
+        for prompt in ["code", "chat", "chat-sort", "unicode", "long"] {
+            let id = format!("qwen3_5/vlm-dflash{block}/{prompt}");
+            let path = support::root().join(format!("golden/traces/{id}.json"));
+            let json: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            let want: Vec<Vec<u32>> =
+                serde_json::from_value(json["dflash_drafts"].clone()).unwrap();
+            let trace = support::golden(&id);
+            let params =
+                verity::parity::replay::params(&trace, target.eos_token_ids.clone()).unwrap();
+            let mut spy = Spy::new(DflashDrafter::new(target.model(), &model).unwrap());
+            generate_speculative(
+                target.model(),
+                &mut spy,
+                &trace.prompt.tokens,
+                &params,
+                block - 1,
+                None,
+                &mut |_| Control::Continue,
+            )
+            .unwrap();
+            assert_eq!(spy.drafts, want, "{id}: drafts differ from mlx-vlm's");
+            traces += 1;
+            rounds += want.len();
+            sizes.extend(want.iter().map(Vec::len));
+        }
+    }
+    assert_eq!(traces, 10);
+    assert!(rounds > 100, "{rounds} rounds");
+    // The adaptive block size was exercised: more than one block size was drafted.
+    assert!(sizes.len() > 1, "block sizes seen: {sizes:?}");
+}
+
+#[test]
+fn a_dflash_drafter_is_checked_against_its_target() {
+    support::on_cpu();
+    let model = drafter("qwen3-target-dflash");
+    for (name, needle) in [
+        ("qwen3", "target_layer_ids"),
+        ("llama", "target_layer_ids"),
+        ("qwen3-draft", "hidden_size"),
+    ] {
+        let target = bundle(name);
+        let err = DflashDrafter::new(target.model(), &model)
+            .err()
+            .unwrap_or_else(|| panic!("{name}: paired"))
+            .to_string();
+        assert!(err.contains(needle), "{name}: {err}");
+    }
+}
