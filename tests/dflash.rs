@@ -6,7 +6,7 @@
 mod support;
 
 use mlx::Array;
-use support::{bundle, golden_input, model_dir, Spy};
+use support::{bundle, golden_input, model_dir};
 use verity::generate::{token_array, Generation};
 use verity::model::dflash::DflashModel;
 use verity::speculative::{
@@ -200,26 +200,8 @@ fn dflash_drafts_equal_mlx_vlm_round_by_round() {
     for block in [4, 8] {
         for prompt in ["code", "chat", "chat-sort", "unicode", "long"] {
             let id = format!("qwen3_5/vlm-dflash{block}/{prompt}");
-            let path = support::root().join(format!("golden/traces/{id}.json"));
-            let json: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-            let want: Vec<Vec<u32>> =
-                serde_json::from_value(json["dflash_drafts"].clone()).unwrap();
-            let trace = support::golden(&id);
-            let params =
-                verity::parity::replay::params(&trace, target.eos_token_ids.clone()).unwrap();
-            let mut spy = Spy::new(DflashDrafter::new(target.model(), &model).unwrap());
-            generate_speculative(
-                target.model(),
-                &mut spy,
-                &trace.prompt.tokens,
-                &params,
-                block - 1,
-                None,
-                &mut |_| Control::Continue,
-            )
-            .unwrap();
-            assert_eq!(spy.drafts, want, "{id}: drafts differ from mlx-vlm's");
+            let source = DflashDrafter::new(target.model(), &model).unwrap();
+            let want = support::drafts_equal_mlx_vlm(&target, &id, "dflash_drafts", source, block);
             traces += 1;
             rounds += want.len();
             sizes.extend(want.iter().map(Vec::len));

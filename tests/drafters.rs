@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use mlx::Array;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use support::{bundle, golden_input, model_dir, Spy};
+use support::{bundle, golden_input, model_dir};
 use verity::bundle::ModelBundle;
 use verity::generate::{forward_tapped, prefill, token_array, GenerateParams, Generation};
 use verity::speculative::{
@@ -374,25 +374,8 @@ fn mtp_drafts_equal_mlx_vlm_round_by_round() {
     for block in [2, 3, 4] {
         for prompt in ["code", "chat", "chat-sort", "unicode", "long"] {
             let id = format!("qwen3_5/vlm-mtp{block}/{prompt}");
-            let path = support::root().join(format!("golden/traces/{id}.json"));
-            let json: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-            let want: Vec<Vec<u32>> = serde_json::from_value(json["mtp_drafts"].clone()).unwrap();
-            let trace = support::golden(&id);
-            let params =
-                verity::parity::replay::params(&trace, target.eos_token_ids.clone()).unwrap();
-            let mut spy = Spy::new(MtpDrafter::new(target.model()).unwrap());
-            generate_speculative(
-                target.model(),
-                &mut spy,
-                &trace.prompt.tokens,
-                &params,
-                block - 1,
-                None,
-                &mut |_| Control::Continue,
-            )
-            .unwrap();
-            assert_eq!(spy.drafts, want, "{id}: drafts differ from mlx-vlm's");
+            let source = MtpDrafter::new(target.model()).unwrap();
+            let want = support::drafts_equal_mlx_vlm(&target, &id, "mtp_drafts", source, block);
             traces += 1;
             rounds += want.len();
         }

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::layers::{AttentionProjections, Dims, Linear, PreNormBlock, RmsNorm, Rope};
-use crate::cache::{KvCache, LayerCache, Mask};
+use crate::cache::{default_caches, LayerCache, Mask};
 use crate::load::{load_config, Config, LoadError, LoadResult, QuantConfig, Weights};
 use crate::Result;
 
@@ -189,10 +189,7 @@ impl DflashModel {
 
     /// Fresh caches: one plain KV cache per layer, holding context keys and values only.
     pub fn make_cache(&self) -> Vec<LayerCache> {
-        self.layers
-            .iter()
-            .map(|_| LayerCache::Kv(KvCache::default()))
-            .collect()
+        default_caches(self.layers.len(), None)
     }
 
     /// DFlashDraftModel._hidden: `block` (1, L, H) is the embedded block, `context` (1, S,

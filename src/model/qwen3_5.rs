@@ -11,7 +11,7 @@ use serde_json::{json, Map, Value};
 use super::layers::{Dims, Linear, OuterLayers, RmsNorm, Rope};
 use super::qwen3_next::{self, AttentionLayer, LinearDims, Projections, Shape};
 use super::{Forward, LanguageModel};
-use crate::cache::{KvCache, LayerCache};
+use crate::cache::{default_caches, LayerCache};
 use crate::load::{Config, LoadResult, QuantConfig, Weights};
 use crate::Result;
 
@@ -256,10 +256,7 @@ impl MtpHead {
 
     /// Fresh caches, one plain KV cache per layer (qwen3_5_mtp.py:99-116).
     pub fn make_cache(&self) -> Vec<LayerCache> {
-        self.layers
-            .iter()
-            .map(|_| LayerCache::Kv(KvCache::default()))
-            .collect()
+        default_caches(self.layers.len(), None)
     }
 
     /// One pass over L entries: `embedded` (1, L, H) are the embedded tokens t_{i+1}, `hidden`

@@ -117,3 +117,34 @@ impl<S: DraftSource> DraftSource for Spy<S> {
         self.inner.commit(round)
     }
 }
+
+/// Replays the greedy mlx-vlm speculative trace `id` with `source` (verify input `block` tokens)
+/// and asserts that every round drafted what mlx-vlm's drafter did, as the recorder kept it
+/// under `field`. Returns each round's drafts.
+pub fn drafts_equal_mlx_vlm<S: DraftSource>(
+    target: &ModelBundle,
+    id: &str,
+    field: &str,
+    source: S,
+    block: usize,
+) -> Vec<Vec<u32>> {
+    let path = root().join(format!("golden/traces/{id}.json"));
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let want: Vec<Vec<u32>> = serde_json::from_value(json[field].clone()).unwrap();
+    let trace = golden(id);
+    let params = replay::params(&trace, target.eos_token_ids.clone()).unwrap();
+    let mut spy = Spy::new(source);
+    verity::speculative::generate_speculative(
+        target.model(),
+        &mut spy,
+        &trace.prompt.tokens,
+        &params,
+        block - 1,
+        None,
+        &mut |_| verity::speculative::Control::Continue,
+    )
+    .unwrap();
+    assert_eq!(spy.drafts, want, "{id}: drafts differ from mlx-vlm's");
+    want
+}
