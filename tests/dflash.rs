@@ -19,6 +19,9 @@ fn bits(a: &Array) -> Vec<u8> {
 }
 
 fn drafter(name: &str) -> DflashModel {
+    if name == "two-layer" {
+        return two_layer_drafter();
+    }
     DflashModel::load(&model_dir(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
@@ -34,14 +37,31 @@ enum Expect {
     Refused,
 }
 
-/// Each fixture with the layers the drafters tap (1 and 3), and the drafter trained for it (or
-/// for a target of the same width, where none was).
-const PAIRS: [(&str, &str, Expect); 4] = [
+/// Each fixture with a drafter of its width: the one trained for it, or qwen3-target's
+/// (tapping layers 1 and 3; "two-layer" is a copy tapping layers 0 and 1 instead).
+const PAIRS: [(&str, &str, Expect); 6] = [
     ("qwen3-target", "qwen3-target-dflash", Expect::Accepted),
     ("gemma3", "qwen3-target-dflash", Expect::Refused),
     ("qwen3_next", "qwen3-target-dflash", Expect::Drafted),
     ("qwen3_5", "qwen3_5-dflash", Expect::Drafted),
+    ("qwen3", "two-layer", Expect::Drafted),
+    ("llama", "two-layer", Expect::Drafted),
 ];
+
+/// qwen3-target's drafter re-tapped at layers 0 and 1, for the two-layer fixtures.
+fn two_layer_drafter() -> DflashModel {
+    let src = model_dir("qwen3-target-dflash");
+    let dir = std::env::temp_dir().join(format!("verity-dflash-two-layer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 1]);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let model = DflashModel::load(&dir).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    model
+}
 
 #[test]
 fn dflash_speculation_equals_plain_on_every_architecture_it_pairs_with() {
