@@ -8,7 +8,8 @@ per k on the same prompts: mlx-lm's stream_generate with the draft model, or for
 (the qwen3_5 fixture's own MTP head) mlx-vlm's MTP loop at block size k + 1, and for
 `dflash-qwen3_5` mlx-vlm's DFlash loop with the qwen3_5-dflash drafter at block ceiling k + 1.
 The `dflash` suite (qwen3-target with its DFlash drafter) has no oracle: mlx-vlm's qwen3 model
-cannot hand a drafter its hidden states.
+cannot hand a drafter its hidden states; `dflash-chain` runs the same drafter as a chain (one
+pass per draft), the block-vs-chain probe.
 
     oracles/.venv/bin/python oracles/make_accept_suite.py [SUITE]...
 """
@@ -105,7 +106,7 @@ def write_suite(name, target, source, ks, prompts, oracle, fractions):
 
 def main():
     only = set(sys.argv[1:])
-    known = set(SUITES) | {"mtp", "dflash", "dflash-qwen3_5"}
+    known = set(SUITES) | {"mtp", "dflash", "dflash-chain", "dflash-qwen3_5"}
     if only - known:
         common.die(f"unknown suites {sorted(only - known)}; known: {sorted(known)}")
     target, tok = load(str(model_dir("qwen3-target")))
@@ -125,10 +126,11 @@ def main():
         fractions = {k: vlm_from_draft_fraction(k, prompts, "dflash", "qwen3_5-dflash") for k in DFLASH_KS}
         source = '{ kind = "dflash", model = "golden/models/qwen3_5-dflash" }'
         write_suite("dflash-qwen3_5", "qwen3_5", source, DFLASH_KS, prompts, "mlx-vlm", fractions)
-    if not only or "dflash" in only:
-        source = '{ kind = "dflash", model = "golden/models/qwen3-target-dflash" }'
-        write_suite("dflash", "qwen3-target", source, DFLASH_KS, prompts,
-                    "mlx-vlm's qwen3 model cannot hand a drafter its hidden states", {})
+    for name, chain in [("dflash", "false"), ("dflash-chain", "true")]:
+        if not only or name in only:
+            source = f'{{ kind = "dflash", model = "golden/models/qwen3-target-dflash", chain = {chain} }}'
+            write_suite(name, "qwen3-target", source, DFLASH_KS, prompts,
+                        "mlx-vlm's qwen3 model cannot hand a drafter its hidden states", {})
 
 
 if __name__ == "__main__":

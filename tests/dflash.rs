@@ -9,10 +9,12 @@ use mlx::Array;
 use support::{bundle, golden_input, model_dir};
 use verity::generate::{token_array, Generation};
 use verity::model::dflash::DflashModel;
+use verity::parity::acceptance::acceptance;
 use verity::speculative::{
     generate_speculative, Control, DflashDrafter, DraftContext, DraftSource, PrefillMode,
     SpeculationStats, Verified,
 };
+use verity_harness::acceptance::{Baseline, Suite};
 
 fn bits(a: &Array) -> Vec<u8> {
     a.to_bytes().unwrap()
@@ -249,4 +251,52 @@ fn a_dflash_drafter_is_checked_against_its_target() {
             .to_string();
         assert!(err.contains(needle), "{name}: {err}");
     }
+}
+
+/// The block-vs-chain probe: the trained drafter run as a block (one pass per round) and as a
+/// chain (one pass per draft) over the `dflash` and `dflash-chain` suites. Both emit plain
+/// decoding's tokens, and each measures exactly its committed baseline, which the README's
+/// comparison quotes.
+#[test]
+fn the_block_vs_chain_probe_measures_both_ways() {
+    support::on_cpu();
+    let root = support::root();
+    let mut models = verity::parity::Models::new(root);
+    for name in ["dflash", "dflash-chain"] {
+        let path = root.join(format!("golden/accept/{name}.toml"));
+        let suite = Suite::load(&path).unwrap();
+        let baseline = Baseline::load_for(&Suite::baseline_path(&path), &path, &suite).unwrap();
+        let measured = verity::parity::acceptance::run_suite(&suite, &mut models).unwrap();
+        for (k, stats) in &measured {
+            assert_eq!(
+                acceptance(stats),
+                baseline.acceptance[k],
+                "{name} k={k}: acceptance differs from the committed baseline"
+            );
+        }
+    }
+    let target = bundle("qwen3-target");
+    let model = drafter("qwen3-target-dflash");
+    let (prompt, params) = golden_input("qwen3-target/greedy/chat", 40);
+    let want: Vec<u32> = Generation::new(target.model(), &prompt, &params)
+        .unwrap()
+        .map(|s| s.unwrap().token)
+        .collect();
+    let mut chain = DflashDrafter::chained(target.model(), &model).unwrap();
+    let mut got = Vec::new();
+    let (stats, _) = generate_speculative(
+        target.model(),
+        &mut chain,
+        &prompt,
+        &params,
+        3,
+        None,
+        &mut |t| {
+            got.push(t.token);
+            Control::Continue
+        },
+    )
+    .unwrap();
+    assert_eq!(got, want, "the chained drafter changed the output");
+    assert!(stats.from_draft > 0, "{stats:?}");
 }

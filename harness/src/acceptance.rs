@@ -24,8 +24,13 @@ pub enum Source {
     /// MTP loop does.
     Mtp,
     /// A DFlash block drafter folder (repository-relative), drafting as mlx-vlm's DFlash loop
-    /// does; num_draft_tokens + 1 is the block ceiling.
-    Dflash { model: String },
+    /// does; num_draft_tokens + 1 is the block ceiling. With `chain`, the drafter runs one pass
+    /// per draft (the block-vs-chain probe).
+    Dflash {
+        model: String,
+        #[serde(default)]
+        chain: bool,
+    },
 }
 
 #[derive(Clone, Debug, Deserialize)]

@@ -33,7 +33,7 @@ pub fn run_suite(suite: &Suite, models: &mut Models) -> Result<BTreeMap<usize, S
         Source::Ngram { .. } | Source::Mtp | Source::Dflash { .. } => None,
     };
     let dflash = match &suite.source {
-        Source::Dflash { model } => Some(models.dflash(model)?),
+        Source::Dflash { model, .. } => Some(models.dflash(model)?),
         _ => None,
     };
     let params = GenerateParams::greedy(suite.max_tokens, target.eos_token_ids.clone());
@@ -45,9 +45,13 @@ pub fn run_suite(suite: &Suite, models: &mut Models) -> Result<BTreeMap<usize, S
                 (Some(d), _) => Box::new(DraftModel::new(d.model())),
                 (None, Source::Ngram { min, max }) => Box::new(NgramLookup::new(*min, *max)?),
                 (None, Source::Mtp) => Box::new(MtpDrafter::new(target.model())?),
-                (None, Source::Dflash { .. }) => {
+                (None, Source::Dflash { chain, .. }) => {
                     let drafter = dflash.as_deref().expect("a DFlash source is loaded above");
-                    Box::new(DflashDrafter::new(target.model(), drafter)?)
+                    Box::new(if *chain {
+                        DflashDrafter::chained(target.model(), drafter)?
+                    } else {
+                        DflashDrafter::new(target.model(), drafter)?
+                    })
                 }
                 (None, Source::Model { .. }) => unreachable!("a model source is loaded above"),
             };

@@ -10,6 +10,11 @@
 //! - commit: the verified rows up to the target's own token (`accepted + 1` rows) become the
 //!   next context. The drafter's caches only ever hold context, so a rejected draft leaves
 //!   nothing to take back.
+//!
+//! The same drafter can run as a chain ([`DflashDrafter::chained`]): one pass per draft, each
+//! with the drafts picked so far in place of their masks. That is the block-vs-chain probe: a
+//! block drafter earns its one pass per round when its acceptance per position is close to what
+//! the chain of passes gets (`verity accept` on a suite with `chain = true`).
 
 use mlx::{ops, Array, Dtype};
 
@@ -33,6 +38,8 @@ pub struct DflashDrafter<'m> {
     pending: Option<Array>,
     /// (accepted, drafted) per round, for the block-size policy.
     history: Vec<(usize, usize)>,
+    /// One pass per draft instead of one per block (the probe).
+    chain: bool,
 }
 
 impl<'m> DflashDrafter<'m> {
@@ -45,12 +52,56 @@ impl<'m> DflashDrafter<'m> {
             caches: model.make_cache(),
             pending: None,
             history: Vec::new(),
+            chain: false,
+        })
+    }
+
+    /// The drafter run as a chain: one pass per draft, pass j seeing the drafts before it in
+    /// place of their masks (for the block-vs-chain probe; the block size policy is the same).
+    pub fn chained(
+        target: &'m dyn LanguageModel,
+        model: &'m DflashModel,
+    ) -> Result<DflashDrafter<'m>> {
+        Ok(DflashDrafter {
+            chain: true,
+            ..Self::new(target, model)?
         })
     }
 
     /// The drafter's KV caches (context only).
     pub fn caches(&self) -> &[LayerCache] {
         &self.caches
+    }
+
+    /// One drafter pass over `block` after `context`: the target's logits (bs - 1, V) at the
+    /// block's rows 1.., whose picks are the drafts.
+    fn pass(&mut self, block: &[u32], context: &Array) -> Result<Array> {
+        let ids = token_array(block)?.expand_dims(&[0])?;
+        let embedded = self.target.outer().embed_tokens.forward(&ids)?;
+        let h = self.model.forward(&embedded, context, &mut self.caches)?;
+        let rows = h.slice_axis(1, 1, block.len() as i32)?.squeeze(&[0])?;
+        Ok(self.target.outer().logits(&rows)?)
+    }
+
+    /// The chain: pass j starts from the caches as they were before the round, with the drafts
+    /// picked so far in place of their masks, and its row j is draft j.
+    fn chain_drafts(
+        &mut self,
+        mut block: Vec<u32>,
+        context: &Array,
+        ctx: &mut DraftContext<'_>,
+    ) -> Result<Vec<u32>> {
+        let before = self.caches.clone();
+        let mut drafts = Vec::with_capacity(block.len() - 1);
+        for j in 1..block.len() {
+            self.caches = before.clone();
+            let logits = self.pass(&block, context)?;
+            let row = logits.slice_axis(0, j as i32 - 1, j as i32)?;
+            let token = ctx.sample(&row, &drafts)?.astype(Dtype::Uint32)?;
+            drafts.push(token.item::<u32>()?);
+            block[j] = drafts[j - 1];
+        }
+        Ok(drafts)
     }
 
     /// Appends a round's (1, R, taps x H) context rows to those not yet fed.
@@ -131,13 +182,10 @@ impl DraftSource for DflashDrafter<'_> {
         })?;
         let mut block = vec![self.model.mask_token_id; bs];
         block[0] = ctx.last;
-        let ids = token_array(&block)?.expand_dims(&[0])?;
-        let embedded = self.target.outer().embed_tokens.forward(&ids)?;
-        let h = self.model.forward(&embedded, &context, &mut self.caches)?;
-        let logits = self
-            .target
-            .outer()
-            .logits(&h.slice_axis(1, 1, bs as i32)?.squeeze(&[0])?)?;
+        if self.chain {
+            return self.chain_drafts(block, &context, ctx);
+        }
+        let logits = self.pass(&block, &context)?;
         if !ctx.needs_draft_ids() {
             let drafts = ctx.sample(&logits, &[])?.astype(Dtype::Uint32)?;
             return Ok(drafts.to_vec::<u32>()?);
