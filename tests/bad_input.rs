@@ -1509,6 +1509,21 @@ fn other_cases() -> Vec<Case> {
             no_setup(),
         ),
         case(
+            "bench-speed/dflash-taps-past-the-target",
+            &[
+                "bench",
+                "speed",
+                "--model",
+                &model_arg("qwen3"),
+                "--draft-dflash",
+                &model_arg(DFLASH),
+                "--no-mlx-lm",
+            ],
+            2,
+            &["target_layer_ids", "[1, 3]", "which has 2"],
+            no_setup(),
+        ),
+        case(
             "bench-speed/model-missing",
             &["bench", "speed", "--model", "{S}/nope", "--no-mlx-lm"],
             2,

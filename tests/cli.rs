@@ -318,6 +318,7 @@ fn generate_streams_the_same_tokens_as_the_golden_trace() {
 fn bench_speed_prints_every_row() {
     let model = root().join("golden/models/qwen3-target");
     let draft = root().join("golden/models/qwen3-draft");
+    let dflash = root().join("golden/models/qwen3-target-dflash");
     let out = verity(&[
         "bench",
         "speed",
@@ -325,6 +326,8 @@ fn bench_speed_prints_every_row() {
         &model.to_string_lossy(),
         "--draft-model",
         &draft.to_string_lossy(),
+        "--draft-dflash",
+        &dflash.to_string_lossy(),
         "--no-mlx-lm",
         "--runs",
         "1",
@@ -358,6 +361,7 @@ fn bench_speed_prints_every_row() {
             "peak memory 16",
             "text prompt, plain",
             "text prompt, draft model k=3",
+            "text prompt, DFlash drafter",
             "text prompt, n-gram k=3",
             "text prompt, regex grammar",
             "cold start (load + 1 token)",

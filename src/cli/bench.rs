@@ -20,6 +20,7 @@ use verity::grammar::Grammar;
 use verity::model::dflash::DflashModel;
 use verity::request::GenerateParams;
 use verity::speculative::{DflashDrafter, DraftModel, NgramLookup};
+use verity::validate;
 
 #[derive(Args)]
 pub struct SpeedArgs {
@@ -311,7 +312,7 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     // Checked now, loaded when its row runs: resident drafter weights would count in the peak
     // memory rows, and mlx-lm's side holds no such drafter.
     if let Some(dir) = &a.draft_dflash {
-        DflashModel::load(dir)?;
+        validate::dflash(bundle.model(), &DflashModel::load(dir)?)?;
     }
     let mut dflash: Option<DflashModel> = None;
     let text_kinds = [
