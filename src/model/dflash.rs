@@ -58,11 +58,14 @@ fn defaults() -> Value {
 /// The drafter type mlx-vlm resolves a checkpoint to (mlx_vlm/utils.py, get_model_type): a
 /// DFlash checkpoint names its target's family in model_type and carries a `dflash_config`, so
 /// qwen3 + dflash_config is "qwen3_dflash"; a projector_type "dspark" or a Markov rank makes it
-/// a DSpark drafter.
+/// a DSpark drafter. A config without a `dflash_config` is no drafter at all.
 fn drafter_kind(config: &Config) -> LoadResult<String> {
     let model_type = config.model_type()?.to_lowercase();
     let Some(nested) = config.json.get("dflash_config") else {
-        return Ok(format!("{model_type} without a dflash_config"));
+        return Err(config.error(format!(
+            "model_type {model_type:?} without a dflash_config is not a DFlash drafter \
+             (verity knows qwen3_dflash: model_type \"qwen3\" with a dflash_config)"
+        )));
     };
     let rank = |v: Option<&Value>| v.and_then(Value::as_i64).unwrap_or(0);
     let dspark = nested.get("projector_type").and_then(Value::as_str) == Some("dspark")
