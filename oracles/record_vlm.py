@@ -20,6 +20,14 @@ greedy loop calls the drafter's draft_block_greedy, whose blocks are recorded (o
 block - 1 drafts per round, so the adapted block sizes show). Traces this script owns (oracle.tool "mlx-vlm") that
 it did not write this run are deleted.
 
+A group with `temp` and `seed` samples: mlx-vlm then picks its positioned sampler
+(mlx_vlm/generate/ar.py:292-305, `_PositionedTargetSampler`: generated position p draws with
+key(_position_seed(seed, 0, p))), its MTP loop drafts greedily and samples the target at each
+verified position (speculative/mtp.py:785, 289-313), so speculative and plain runs sample the
+same tokens. Such traces carry `"keys": "positioned"` in their params and live under
+vlm-<plain|mtpN>-seed<seed>/. `top_k` may be given too (the other filters make mlx-vlm fall back
+to its global key sequence, which no trace records).
+
     oracles/.venv/bin/python oracles/record_vlm.py [--only SUBSTRING]...
 
 Recording is deterministic: rerunning leaves `git status` clean.
@@ -54,6 +62,14 @@ def expand(manifest):
         if group["tier"] == "B" and not (group.get("reason") and group.get("logprob_tolerance")):
             raise ManifestError(f"vlm_group #{g + 1}: tier B needs a reason and a logprob_tolerance")
         drafter = group.get("drafter")
+        if ("temp" in group) != ("seed" in group):
+            raise ManifestError(f"vlm_group #{g + 1}: give both temp and seed, or neither")
+        if sampling(group) and not (group["temp"] > 0 and isinstance(group["seed"], int) and group["seed"] >= 0):
+            raise ManifestError(f"vlm_group #{g + 1}: temp must be > 0 and seed an integer >= 0")
+        if "top_k" in group and not sampling(group):
+            raise ManifestError(f"vlm_group #{g + 1}: top_k without temp and seed")
+        if sampling(group) and drafter:
+            raise ManifestError(f"vlm_group #{g + 1}: sampled DFlash runs are not recorded")
         for model in group["models"]:
             for bs in group["block_sizes"]:
                 if bs != 0 and not 2 <= bs <= 257:
@@ -61,6 +77,8 @@ def expand(manifest):
                 if drafter and bs == 0:
                     raise ManifestError(f"vlm_group #{g + 1}: a drafter group records no plain runs (block size 0)")
                 variant = "vlm-plain" if bs == 0 else f"vlm-dflash{bs}" if drafter else f"vlm-mtp{bs}"
+                if sampling(group):
+                    variant += f"-seed{group['seed']}"
                 for pname in group["prompts"]:
                     if pname not in prompts:
                         raise ManifestError(f"vlm_group #{g + 1}: unknown prompt '{pname}'")
@@ -71,6 +89,18 @@ def expand(manifest):
                     yield {"id": case_id, "suite": group["suite"], "model": model, "block_size": bs,
                            "prompt_name": pname, "prompt": prompts[pname], "group": group,
                            "drafter": drafter}
+
+
+def sampling(group):
+    """Whether a group samples (mlx-vlm's positioned sampler) rather than decoding greedily."""
+    return "seed" in group
+
+
+def sampling_kwargs(group):
+    """stream_generate's sampling arguments for a group (greedy when it names no seed)."""
+    if not sampling(group):
+        return {"temperature": 0.0}
+    return {"temperature": group["temp"], "seed": group["seed"], "top_k": group.get("top_k", 0)}
 
 
 class Models:
@@ -112,7 +142,7 @@ def run(model, processor, tokens, max_tokens, **kwargs):
     """One stream_generate run: the per-token results and the final summary (which repeats the
     last token and carries the whole generation in token_ids, mlx_vlm/generate/dispatch.py)."""
     results = list(stream_generate(model, processor, "", input_ids=mx.array([tokens]),
-                                   max_tokens=max_tokens, temperature=0.0, **kwargs))
+                                   max_tokens=max_tokens, **kwargs))
     return results[:-1], results[-1]
 
 
@@ -131,9 +161,10 @@ def record_case(case, models, plain_runs):
     tokenizer = processor.tokenizer
     rendered, tokens = prompt_tokens(tokenizer, case["prompt"])
     max_tokens = group["max_tokens"]
-    key = (case["model"], case["prompt_name"])
+    sample_kw = sampling_kwargs(group)
+    key = (case["model"], case["prompt_name"], tuple(sorted(sample_kw.items())))
     if key not in plain_runs:
-        plain_runs[key] = run(model, processor, tokens, max_tokens)
+        plain_runs[key] = run(model, processor, tokens, max_tokens, **sample_kw)
     results, final = plain_runs[key]
     generated = final.token_ids
     flags = [False] * len(generated)
@@ -156,7 +187,7 @@ def record_case(case, models, plain_runs):
         setattr(drafter, method, recording_draft_block)
         try:
             _, spec_final = run(model, processor, tokens, max_tokens, draft_model=drafter,
-                                draft_kind=kind, draft_block_size=bs)
+                                draft_kind=kind, draft_block_size=bs, **sample_kw)
         finally:
             delattr(drafter, method)
         if spec_final.token_ids != generated:
@@ -176,9 +207,11 @@ def record_case(case, models, plain_runs):
               "top": top_entries(lp), "from_draft": f}
              for t, lp, f in zip(generated, logprobs, flags)]
     eos = sorted(int(t) for t in tokenizer.stopping_criteria.eos_token_ids)
-    # The greedy sampler, written with mlx-lm's argument names as every trace is.
+    # The sampler, written with mlx-lm's argument names as every trace is.
     sampler = {k: DEFAULTS[k] for k in sorted(SAMPLER_KEYS)}
     sampler["xtc_special_tokens"] = tokenizer.encode("\n") + eos
+    if sampling(group):
+        sampler["temp"], sampler["top_k"] = group["temp"], group.get("top_k", 0)
     return {
         "format": "verity-trace/1",
         "id": case["id"],
@@ -191,7 +224,8 @@ def record_case(case, models, plain_runs):
         "prompt": {"tokens": [int(t) for t in tokens], "text": case["prompt"]["text"],
                    "chat": bool(case["prompt"].get("chat", False)), "rendered": rendered},
         "params": {
-            "max_tokens": max_tokens, "seed": None, "sampler": sampler,
+            "max_tokens": max_tokens, "seed": group.get("seed"),
+            **({"keys": "positioned"} if sampling(group) else {}), "sampler": sampler,
             "processors": {k: DEFAULTS[k] for k in sorted(PROCESSOR_KEYS)},
             "prefill_step_size": 2048, "max_kv_size": None, "kv_bits": None, "kv_group_size": 64,
             "quantized_kv_start": 5000,

@@ -26,7 +26,7 @@ impl GenerateParams {
         validate::request(model, prompt, self)?;
         let sampler = Sampler::new(self.sampler.clone());
         let processors = LogitsProcessors::new(&self.processors)?;
-        StepSampler::new(sampler, processors, self.seed, constraint)
+        StepSampler::new(sampler, processors, self.seed, self.keys, constraint)
     }
 }
 

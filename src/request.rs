@@ -5,7 +5,7 @@
 use std::fmt;
 
 use crate::cache::KvQuantization;
-use crate::sample::{ProcessorParams, SamplerParams};
+use crate::sample::{KeySchedule, ProcessorParams, SamplerParams};
 
 /// Why a generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +32,8 @@ pub struct GenerateParams {
     pub sampler: SamplerParams,
     pub processors: ProcessorParams,
     pub seed: Option<u64>,
+    /// How the seed keys each draw: mlx-lm's sequence or mlx-vlm's per-position keys.
+    pub keys: KeySchedule,
     pub prefill_step_size: usize,
     pub max_kv_size: Option<usize>,
     pub kv_quantization: Option<KvQuantization>,
@@ -47,6 +49,7 @@ impl GenerateParams {
             sampler: SamplerParams::default(),
             processors: ProcessorParams::default(),
             seed: None,
+            keys: KeySchedule::Sequence,
             prefill_step_size: 2048,
             max_kv_size: None,
             kv_quantization: None,

@@ -241,6 +241,7 @@ const GENERATE_FLAGS: &[(&str, &str, &str)] = &[
     ("--xtc-threshold", "NaN", "xtc_threshold"),
     ("--seed", "x", "--seed"),
     ("--seed", "18446744073709551616", "--seed"),
+    ("--keys", "random", "--keys"),
     (
         "--logit-bias",
         "1024=10",
@@ -332,6 +333,25 @@ fn generate_cases() -> Vec<Case> {
             no_setup(),
         ));
     }
+    cases.push(case(
+        "generate/positioned-keys-with-top-p",
+        &[
+            "generate",
+            "--model",
+            &q,
+            "-m",
+            "4",
+            "--keys",
+            "positioned",
+            "--temp",
+            "0.8",
+            "--top-p",
+            "0.9",
+        ],
+        2,
+        &["top_p", "0.9", "positioned keys"],
+        no_setup(),
+    ));
     let ngram = |name: &str, extra: &[&str], needles: &[&str]| {
         let mut args = vec!["generate", "--model", &q, "-m", "4", "--draft-ngram"];
         args.extend(extra);
@@ -980,6 +1000,21 @@ fn trace_cases() -> Vec<Case> {
             "top-p-two",
             trace_with(|t| t["params"]["sampler"]["top_p"] = json!(2.0)),
             &["top_p", "2"],
+        ),
+        (
+            "keys-unknown",
+            trace_with(|t| t["params"]["keys"] = json!("random")),
+            &["keys", "random"],
+        ),
+        (
+            "positioned-keys-with-min-p",
+            trace_with(|t| {
+                t["params"]["keys"] = json!("positioned");
+                t["params"]["seed"] = json!(3);
+                t["params"]["sampler"]["temp"] = json!(0.8);
+                t["params"]["sampler"]["min_p"] = json!(0.1);
+            }),
+            &["min_p", "0.1", "positioned keys"],
         ),
         (
             "temp-negative",

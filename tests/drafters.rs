@@ -370,17 +370,26 @@ fn an_mtp_drafter_needs_a_target_with_an_mtp_head() {
 fn mtp_drafts_equal_mlx_vlm_round_by_round() {
     support::on_cpu();
     let target = bundle("qwen3_5");
-    let (mut traces, mut rounds) = (0, 0);
-    for block in [2, 3, 4] {
-        for prompt in ["code", "chat", "chat-sort", "unicode", "long"] {
-            let id = format!("qwen3_5/vlm-mtp{block}/{prompt}");
-            let source = MtpDrafter::new(target.model()).unwrap();
-            let want = support::drafts_equal_mlx_vlm(&target, &id, "mtp_drafts", source, block);
-            traces += 1;
-            rounds += want.len();
-        }
+    let prompts = ["code", "chat", "chat-sort", "unicode", "long"];
+    // Greedy at every block size, then sampled with positioned keys (mlx-vlm drafts greedily
+    // and samples the target per position).
+    let mut cases: Vec<(usize, String)> = [2, 3, 4]
+        .into_iter()
+        .flat_map(|block| prompts.map(|p| (block, format!("vlm-mtp{block}/{p}"))))
+        .collect();
+    cases.extend(prompts.map(|p| (3, format!("vlm-mtp3-seed11/{p}"))));
+    for block in [2, 4] {
+        cases.extend(["code", "chat"].map(|p| (block, format!("vlm-mtp{block}-seed5/{p}"))));
     }
-    assert_eq!(traces, 15);
+    let (mut traces, mut rounds) = (0, 0);
+    for (block, case) in cases {
+        let id = format!("qwen3_5/{case}");
+        let source = MtpDrafter::new(target.model()).unwrap();
+        let want = support::drafts_equal_mlx_vlm(&target, &id, "mtp_drafts", source, block);
+        traces += 1;
+        rounds += want.len();
+    }
+    assert_eq!(traces, 24);
     assert!(rounds > 500, "{rounds} rounds");
 }
 

@@ -7,6 +7,7 @@ mod support;
 use support::{bundle, golden_input};
 use verity::bundle::ModelBundle;
 use verity::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
+use verity::sample::KeySchedule;
 use verity::speculative::{
     generate_speculative, Control, DraftModel, DraftSource, NgramLookup, SpeculationStats,
 };
@@ -136,6 +137,47 @@ fn greedy_speculation_with_logits_processors_equals_plain() {
     assert!(
         stats.accepted > 0 && stats.partial_rollbacks > 0,
         "{stats:?}"
+    );
+}
+
+#[test]
+fn positioned_keys_make_sampled_speculation_equal_plain() {
+    // A key sequence (mlx-lm) draws differently when speculating; positioned keys (mlx-vlm:
+    // one key per generated position) do not, so sampled speculation ≡ plain under them.
+    let (target, draft) = trained_pair();
+    let (prompt, mut params) = golden_input("qwen3-target/temp08/code", 48);
+    assert!(params.sampler.temp > 0.0 && params.seed.is_some());
+    params.keys = KeySchedule::Positioned;
+    let want = plain(&target, &prompt, &params);
+    for k in [2, 4] {
+        let sources: [Box<dyn DraftSource>; 2] = [
+            Box::new(DraftModel::new(draft.model())),
+            Box::new(NgramLookup::new(1, 3).unwrap()),
+        ];
+        for mut source in sources {
+            let (got, stats) = speculative(&target, source.as_mut(), &prompt, &params, k, None);
+            assert!(got == want, "k={k}: sampled speculation differs from plain");
+            assert!(stats.drafted > 0, "k={k}: {stats:?}");
+        }
+        let (_, stats) = speculative(
+            &target,
+            &mut DraftModel::new(draft.model()),
+            &prompt,
+            &params,
+            k,
+            None,
+        );
+        assert!(
+            stats.accepted > 0 && stats.partial_rollbacks > 0,
+            "{stats:?}"
+        );
+    }
+    params.keys = KeySchedule::Sequence;
+    let mut source = DraftModel::new(draft.model());
+    let (got, _) = speculative(&target, &mut source, &prompt, &params, 4, None);
+    assert!(
+        got != plain(&target, &prompt, &params),
+        "a key sequence drew the same tokens speculating: the test proves nothing"
     );
 }
 

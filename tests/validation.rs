@@ -14,7 +14,7 @@ use support::{bundle, proptest_cases};
 use verity::cache::KvQuantization;
 use verity::generate::{GenerateParams, Generation};
 use verity::model::LanguageModel;
-use verity::sample::{ProcessorParams, SamplerParams};
+use verity::sample::{KeySchedule, ProcessorParams, SamplerParams};
 use verity::speculative::{generate_speculative, Control, NgramLookup};
 use verity::Error;
 
@@ -27,6 +27,7 @@ struct Request {
     processors: ProcessorParams,
     max_kv_size: Option<usize>,
     kv: Option<(i32, i32)>,
+    keys: KeySchedule,
     /// Speculate with n-gram lookup: (num_draft_tokens, ngram_min, ngram_max).
     ngram: Option<(usize, usize, usize)>,
 }
@@ -118,15 +119,17 @@ fn request() -> impl Strategy<Value = Request> {
                 count(2..5, 65..70),
             ),
         ),
+        prop_oneof![Just(KeySchedule::Sequence), Just(KeySchedule::Positioned)],
     )
         .prop_map(
-            |(prompt, max_tokens, sampler, processors, max_kv_size, kv, ngram)| Request {
+            |(prompt, max_tokens, sampler, processors, max_kv_size, kv, ngram, keys)| Request {
                 prompt,
                 max_tokens,
                 sampler,
                 processors,
                 max_kv_size,
                 kv,
+                keys,
                 ngram,
             },
         )
@@ -139,6 +142,7 @@ fn run(model: &dyn LanguageModel, eos: &[u32], r: &Request) -> Result<Vec<u32>, 
         sampler: r.sampler.clone(),
         processors: r.processors.clone(),
         seed: Some(7),
+        keys: r.keys,
         prefill_step_size: 4,
         max_kv_size: r.max_kv_size,
         kv_quantization: r.kv.map(|(bits, group_size)| KvQuantization {

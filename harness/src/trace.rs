@@ -92,6 +92,9 @@ pub struct PromptCacheRef {
 pub struct Params {
     pub max_tokens: usize,
     pub seed: Option<u64>,
+    /// How the seed keys each draw; absent in mlx-lm's traces (a key sequence).
+    #[serde(default, skip_serializing_if = "Keys::is_sequence")]
+    pub keys: Keys,
     pub sampler: Map<String, Value>,
     pub processors: Map<String, Value>,
     pub prefill_step_size: usize,
@@ -108,6 +111,24 @@ impl Params {
             .get("temp")
             .and_then(Value::as_f64)
             .unwrap_or(0.0)
+    }
+}
+
+/// How a trace's oracle keyed its random draws from the seed.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Keys {
+    /// mlx-lm: `mx.random.seed(seed)`, then one key split off per draw.
+    #[default]
+    Sequence,
+    /// mlx-vlm's positioned sampler: generated position p draws with
+    /// `key(_position_seed(seed, 0, p))` (mlx_vlm/generate/ar.py:75-148).
+    Positioned,
+}
+
+impl Keys {
+    fn is_sequence(&self) -> bool {
+        *self == Keys::Sequence
     }
 }
 

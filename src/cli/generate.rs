@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use verity::bundle::ModelBundle;
@@ -14,7 +15,7 @@ use verity::cache::{load_prompt_cache, KvQuantization, LayerCache};
 use verity::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
 use verity::grammar::{Constraint, Grammar};
 use verity::model::dflash::DflashModel;
-use verity::sample::{ProcessorParams, SamplerParams};
+use verity::sample::{KeySchedule, ProcessorParams, SamplerParams};
 use verity::speculative::{
     generate_speculative, Control, DflashDrafter, DraftModel, DraftSource, MtpDrafter, NgramLookup,
     SpeculationStats,
@@ -50,6 +51,10 @@ pub struct GenerateArgs {
     /// Random seed; sampling without one uses seed 0, so every run is reproducible.
     #[arg(long)]
     seed: Option<u64>,
+    /// How the seed keys each draw: `sequence` (mlx-lm: one global key split per draw) or
+    /// `positioned` (mlx-vlm: one key per generated position, temperature and top-k only).
+    #[arg(long, default_value = "sequence", value_parser = key_schedule())]
+    keys: KeySchedule,
     /// Feed the prompt as raw text, without the model's chat template.
     #[arg(long)]
     ignore_chat_template: bool,
@@ -149,6 +154,13 @@ impl CacheArgs {
             ..GenerateParams::greedy(1, Vec::new())
         }
     }
+}
+
+fn key_schedule() -> impl clap::builder::TypedValueParser<Value = KeySchedule> {
+    PossibleValuesParser::new(["sequence", "positioned"]).map(|s| match s.as_str() {
+        "positioned" => KeySchedule::Positioned,
+        _ => KeySchedule::Sequence,
+    })
 }
 
 fn parse_bias(s: &str) -> Result<(u32, f64), String> {
@@ -282,6 +294,7 @@ fn generate_params(a: &GenerateArgs, bundle: &ModelBundle) -> anyhow::Result<Gen
             frequency_context_size: a.frequency_context_size,
         },
         seed,
+        keys: a.keys,
         prefill_step_size: a.cache.prefill_step_size,
         max_kv_size: a.cache.max_kv_size,
         kv_quantization: a.cache.kv_quantization(),

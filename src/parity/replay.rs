@@ -16,6 +16,7 @@ use crate::bundle::ModelBundle;
 use crate::cache::{load_prompt_cache, KvQuantization, LayerCache};
 use crate::generate::{score, FinishReason, GenerateParams, GeneratedToken, Generation};
 use crate::model::LanguageModel;
+use crate::sample::KeySchedule;
 use crate::speculative::{
     generate_speculative, Control, DflashDrafter, DraftModel, DraftSource, MtpDrafter,
 };
@@ -68,6 +69,10 @@ pub fn params(trace: &Trace, eos_token_ids: Vec<u32>) -> Result<GenerateParams> 
         sampler: arguments("sampler", &p.sampler)?,
         processors: arguments("processors", &p.processors)?,
         seed: p.seed,
+        keys: match p.keys {
+            trace::Keys::Sequence => KeySchedule::Sequence,
+            trace::Keys::Positioned => KeySchedule::Positioned,
+        },
         prefill_step_size: p.prefill_step_size,
         max_kv_size: p.max_kv_size,
         kv_quantization: p.kv_bits.map(|bits| KvQuantization {

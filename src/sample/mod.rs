@@ -2,11 +2,13 @@
 //! the logits processors, and the step sampler that joins them with the grammar mask so plain
 //! and speculative decoding sample through one path.
 
+mod keys;
 mod params;
 mod processors;
 mod sampler;
 mod step;
 
+pub use keys::{position_seed, KeySchedule};
 pub use params::{ProcessorParams, SamplerParams};
 pub use processors::LogitsProcessors;
 pub use sampler::Sampler;

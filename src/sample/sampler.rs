@@ -5,6 +5,7 @@
 use mlx::random::{self, KeySequence};
 use mlx::{ops, Array, Dtype};
 
+use super::keys::{position_key, SampleKeys};
 use super::SamplerParams;
 use crate::{Error, Result};
 
@@ -30,14 +31,27 @@ impl Sampler {
         self.p.temp == 0.0
     }
 
-    /// Samples from (rows, V) logprobs; returns (rows,) uint32 token ids. Each random draw
-    /// takes the next key of `keys`, in mlx-lm's program order (XTC's, then categorical's).
-    pub fn sample(&self, logprobs: &Array, keys: Option<&mut KeySequence>) -> Result<Array> {
+    /// Samples from (rows, V) logprobs; returns (rows,) uint32 token ids. With a key sequence
+    /// each random draw takes its next key, in mlx-lm's program order (XTC's, then
+    /// categorical's); with positioned keys row i is drawn alone at the next position + i.
+    pub(crate) fn sample(&self, logprobs: &Array, keys: Option<&mut SampleKeys>) -> Result<Array> {
         if self.is_greedy() {
             return Ok(ops::argmax(logprobs, -1, false)?);
         }
-        let keys =
-            keys.ok_or_else(|| invalid("sampling at temperature > 0 needs a seed".into()))?;
+        match keys {
+            Some(SampleKeys::Sequence(keys)) => self.sample_sequence(logprobs, keys),
+            Some(SampleKeys::Positioned { seed, next }) => {
+                let rows = logprobs.dim(0);
+                let tokens = self.sample_positioned(logprobs, *seed, *next)?;
+                *next += rows as usize;
+                Ok(tokens)
+            }
+            None => Err(invalid("sampling at temperature > 0 needs a seed".into())),
+        }
+    }
+
+    /// mlx-lm's make_sampler chain with the global key sequence.
+    fn sample_sequence(&self, logprobs: &Array, keys: &mut KeySequence) -> Result<Array> {
         let p = &self.p;
         let mut lp = logprobs.clone();
         if 0.0 < p.top_p && p.top_p < 1.0 {
@@ -62,7 +76,35 @@ impl Sampler {
         let scaled = lp.multiply_scalar((1.0 / p.temp) as f32)?;
         Ok(random::categorical(&scaled, -1, &keys.next_key()?)?)
     }
+
+    /// `_PositionedTargetSampler.sample_target`: top-k, then each (V,) row drawn with its
+    /// position's key at the temperature mlx-vlm clamps to at least 0.01 (`clamp_temperature`).
+    /// A (V,) row takes MLX's Gumbel path, as mlx-vlm's vmap over rows does; a (1, V) row would
+    /// not (mlx::random::categorical). Filters other than top-k are refused up front
+    /// (crate::validate), as mlx-vlm falls back to its key sequence for them.
+    fn sample_positioned(&self, logprobs: &Array, seed: u64, first: usize) -> Result<Array> {
+        let p = &self.p;
+        let lp = if p.top_k > 0 {
+            top_k(logprobs, p.top_k)?
+        } else {
+            logprobs.clone()
+        };
+        let inverse = (1.0 / p.temp.max(MIN_POSITIONED_TEMP)) as f32;
+        let vocab = lp.dim(-1);
+        let tokens = (0..lp.dim(0))
+            .map(|i| {
+                let row = lp.slice_axis(0, i, i + 1)?.reshape(&[vocab])?;
+                let key = position_key(seed, first + i as usize)?;
+                random::categorical(&row.multiply_scalar(inverse)?, -1, &key)
+            })
+            .collect::<mlx::Result<Vec<_>>>()?;
+        Ok(ops::stack(&tokens.iter().collect::<Vec<_>>(), 0)?)
+    }
 }
+
+/// mlx-vlm's MIN_SAMPLING_TEMPERATURE (sample_utils.py): positive temperatures below it are
+/// raised to it.
+const MIN_POSITIONED_TEMP: f64 = 0.01;
 
 /// apply_top_p: keep the smallest set of top tokens whose mass reaches `top_p` (ties kept).
 fn top_p(lp: &Array, top_p: f64) -> mlx::Result<Array> {

@@ -1,10 +1,10 @@
 //! The step sampler: processors -> grammar mask -> logprobs -> sample, in the order mlx-lm's
 //! `_step` applies them, holding the token history the processors read, the explicit random
-//! key sequence, and the request's grammar.
+//! keys, and the request's grammar.
 
-use mlx::random::KeySequence;
-use mlx::Array;
+use mlx::{ops, Array};
 
+use super::keys::{KeySchedule, SampleKeys};
 use super::{LogitsProcessors, Sampler};
 use crate::grammar::Constraint;
 use crate::Result;
@@ -21,22 +21,24 @@ pub enum Masking {
 pub struct StepSampler {
     sampler: Sampler,
     processors: LogitsProcessors,
-    keys: Option<KeySequence>,
+    keys: Option<SampleKeys>,
     /// Every token fed to the model so far (generate_step's `tokens`), when processors need it.
     history: Option<Array>,
     constraint: Option<Constraint>,
 }
 
 impl StepSampler {
-    /// `seed` seeds the key sequence like `mx.random.seed(seed)`; sampling without one is
-    /// refused by the sampler, since it could not be replayed.
+    /// `seed` seeds the keys `schedule` draws with (`mx.random.seed(seed)` for a key
+    /// sequence); sampling without one is refused by the sampler, since it could not be
+    /// replayed.
     pub fn new(
         sampler: Sampler,
         processors: LogitsProcessors,
         seed: Option<u64>,
+        schedule: KeySchedule,
         constraint: Option<Constraint>,
     ) -> Result<StepSampler> {
-        let keys = seed.map(KeySequence::new).transpose()?;
+        let keys = seed.map(|s| SampleKeys::new(schedule, s)).transpose()?;
         Ok(StepSampler {
             sampler,
             processors,
@@ -73,8 +75,12 @@ impl StepSampler {
         }
     }
 
-    /// Takes the last `n` advanced tokens back out of the grammar.
-    pub fn rewind_grammar(&mut self, n: usize) -> Result<()> {
+    /// Takes back the last `n` sampled positions that were not emitted: out of the grammar,
+    /// and out of positioned keys (so the next draw samples the next emitted position).
+    pub fn rewind(&mut self, n: usize) -> Result<()> {
+        if let Some(keys) = &mut self.keys {
+            keys.rewind(n);
+        }
         match &mut self.constraint {
             Some(c) => Ok(c.rollback(n)?),
             None => Ok(()),
@@ -137,5 +143,15 @@ impl StepSampler {
     /// Samples one token per row of `logprobs`.
     pub fn sample(&mut self, logprobs: &Array) -> Result<Array> {
         self.sampler.sample(logprobs, self.keys.as_mut())
+    }
+
+    /// Picks a draft token from a draft source's logprobs: as the target samples, except under
+    /// positioned keys, where drafts are greedy (mlx-vlm's MTP loop, speculative/mtp.py:785):
+    /// the target's draw at a position does not depend on the drafts, so they need no keys.
+    pub fn sample_draft(&mut self, logprobs: &Array) -> Result<Array> {
+        match self.keys {
+            Some(SampleKeys::Positioned { .. }) => Ok(ops::argmax(logprobs, -1, false)?),
+            _ => self.sample(logprobs),
+        }
     }
 }

@@ -21,7 +21,7 @@ use super::stop::{Pushed, StopMatcher};
 use crate::bundle::ModelBundle;
 use crate::cache::{KvQuantization, LayerCache};
 use crate::generate::{FinishReason, GenerateParams, GeneratedToken, Generation, Resume};
-use crate::sample::{ProcessorParams, SamplerParams};
+use crate::sample::{KeySchedule, ProcessorParams, SamplerParams};
 use crate::speculative::{
     resume_speculative, Control, DraftModel, DraftSource, NgramLookup, Speculation,
     SpeculationStats,
@@ -493,6 +493,7 @@ impl Engine {
                 frequency_context_size: r.frequency_context_size,
             },
             seed: r.seed.or((r.temperature > 0.0).then_some(0)),
+            keys: KeySchedule::Sequence,
             prefill_step_size: self.config.prefill_step_size,
             max_kv_size: self.config.max_kv_size,
             kv_quantization: self.config.kv_quantization,

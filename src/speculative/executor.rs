@@ -292,8 +292,9 @@ pub fn resume_speculative(
                 break;
             }
         }
-        // The grammar walked every examined position; take back what was not emitted.
-        ex.sampler.rewind_grammar(tokens.len() - emit_count)?;
+        // The grammar and positioned keys walked every examined position; take back what was
+        // not emitted.
+        ex.sampler.rewind(tokens.len() - emit_count)?;
         // The target fed y and the k drafts; it keeps y and the accepted ones.
         end_round(&mut ex.caches, k - accepted)?;
         let verified = Verified {

@@ -69,14 +69,15 @@ impl<'a> DraftContext<'a> {
     }
 
     /// Samples one token from a draft model's (1, V) logits as the target would sample after
-    /// the last emitted token and `drafted`: processors, logprobs, sampler. Drafts are not
-    /// constrained by a grammar; the target's verify walk is.
+    /// the last emitted token and `drafted`: processors, logprobs, sampler (greedy under
+    /// positioned keys, StepSampler::sample_draft). Drafts are not constrained by a grammar;
+    /// the target's verify walk is.
     pub fn sample(&mut self, logits: &Array, drafted: &[u32]) -> Result<Array> {
         let mut fed = vec![self.last];
         fed.extend(drafted);
         let logits = self.sampler.process(logits, &fed, Masking::Unconstrained)?;
         let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
-        self.sampler.sample(&logprobs)
+        self.sampler.sample_draft(&logprobs)
     }
 }
 

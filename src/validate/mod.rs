@@ -12,7 +12,7 @@ pub use prompt_cache::prompt_cache;
 use crate::error::invalid;
 use crate::model::LanguageModel;
 use crate::request::GenerateParams;
-use crate::sample::{ProcessorParams, SamplerParams};
+use crate::sample::{KeySchedule, ProcessorParams, SamplerParams};
 use crate::Result;
 
 /// The most drafts a round may propose (a block drafter's block is at most this long).
@@ -38,6 +38,9 @@ pub fn request(model: &dyn LanguageModel, prompt: &[u32], p: &GenerateParams) ->
     at_least("max_tokens", p.max_tokens, 1)?;
     at_least("prefill_step_size", p.prefill_step_size, 1)?;
     sampler(&p.sampler, vocab)?;
+    if p.keys == KeySchedule::Positioned {
+        positioned(&p.sampler)?;
+    }
     processors(&p.processors, vocab)?;
     if p.sampler.temp > 0.0 && p.seed.is_none() {
         return Err(invalid(
@@ -236,6 +239,23 @@ fn sampler(p: &SamplerParams, vocab: usize) -> Result<()> {
     within("top_k", p.top_k, 0, vocab)?;
     within("min_tokens_to_keep", p.min_tokens_to_keep, 1, vocab)?;
     token_ids("xtc_special_tokens", &p.xtc_special_tokens, vocab)
+}
+
+/// Positioned keys key only temperature and top-k draws (mlx-vlm picks its positioned sampler
+/// only then, mlx_vlm/generate/ar.py:292-305); the other filters are refused.
+fn positioned(p: &SamplerParams) -> Result<()> {
+    let allowed = "must be left at its default with positioned keys (only temperature and \
+                   top_k are sampled per position)";
+    if 0.0 < p.top_p && p.top_p < 1.0 {
+        return Err(invalid("top_p", p.top_p, allowed));
+    }
+    if p.min_p != 0.0 {
+        return Err(invalid("min_p", p.min_p, allowed));
+    }
+    if p.xtc_probability != 0.0 {
+        return Err(invalid("xtc_probability", p.xtc_probability, allowed));
+    }
+    Ok(())
 }
 
 /// mlx-lm's `make_logits_processors` arguments.
