@@ -709,8 +709,20 @@ fn model_folder_cases() -> Vec<Case> {
         ),
         folder(
             "hidden-size-a-string",
-            &["config.json", "\"big\"", "expected i32"],
+            &["config.json", "hidden_size", "\"big\"", "expected i32"],
             config_value("qwen3", "hidden_size", json!("big")),
+        ),
+        folder(
+            "rope-theta-a-list",
+            &["config.json", "rope_theta", "expected f64"],
+            config_value("llama", "rope_theta", json!([1])),
+        ),
+        folder(
+            "text-config-layers-negative",
+            &["config.json", "text_config.num_hidden_layers", "-2"],
+            broken_config("qwen3_5", |c| {
+                c["text_config"]["num_hidden_layers"] = json!(-2);
+            }),
         ),
         folder(
             "vocab-size-changed",

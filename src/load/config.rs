@@ -69,30 +69,44 @@ impl Config {
     /// Keys the config lacks are taken from `defaults` (a JSON object of the Python dataclass's
     /// defaults, or `{}` where every argument is required).
     pub fn args<T: DeserializeOwned>(&self, defaults: Value) -> Result<T, LoadError> {
-        self.deserialize(self.json.clone(), defaults)
+        self.deserialize(self.json.clone(), defaults, "")
     }
 
     /// Like [`Config::args`], on `text_config` when the config nests one (vision-language
     /// checkpoints such as qwen3_5), else on the whole config.
     pub fn text_args<T: DeserializeOwned>(&self, defaults: Value) -> Result<T, LoadError> {
         match self.json.get("text_config") {
-            Some(Value::Object(text)) => self.deserialize(text.clone(), defaults),
+            Some(Value::Object(text)) => self.deserialize(text.clone(), defaults, "text_config."),
             _ => self.args(defaults),
         }
     }
 
+    /// Deserializes `args` (completed from `defaults`); a value of the wrong type is named by
+    /// its key path, `prefix` first.
     fn deserialize<T: DeserializeOwned>(
         &self,
         mut args: Map<String, Value>,
         defaults: Value,
+        prefix: &str,
     ) -> Result<T, LoadError> {
         if let Value::Object(defaults) = defaults {
             for (key, value) in defaults {
                 args.entry(key).or_insert(value);
             }
         }
-        serde_json::from_value(Value::Object(args))
-            .map_err(|e| self.error(format!("bad model arguments: {e}")))
+        let object = Value::Object(args.clone());
+        serde_path_to_error::deserialize(object).map_err(|e| {
+            let path = e.path().to_string();
+            let message = e.into_inner().to_string();
+            let key = match path.as_str() {
+                "." => culprit::<T>(&args, &message),
+                _ => Some(path),
+            };
+            self.error(match key {
+                Some(key) => format!("bad model arguments: {prefix}{key}: {message}"),
+                None => format!("bad model arguments: {message}"),
+            })
+        })
     }
 
     /// The EOS token ids the config names (an int or a list), in order.
@@ -108,4 +122,18 @@ impl Config {
             Some(_) => Err(bad()),
         }
     }
+}
+
+/// The key a type error is about, when serde could not say: inside a `#[serde(flatten)]` field
+/// (the model argument structs flatten their shared dimensions) the path is lost. A type error
+/// is raised while the bad key is visited, so it is the one key whose removal changes the error.
+fn culprit<T: DeserializeOwned>(args: &Map<String, Value>, message: &str) -> Option<String> {
+    args.keys()
+        .find(|key| {
+            let mut without = args.clone();
+            without.remove(*key);
+            serde_json::from_value::<T>(Value::Object(without))
+                .map_or_else(|e| e.to_string() != message, |_| true)
+        })
+        .cloned()
 }
