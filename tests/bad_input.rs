@@ -1297,6 +1297,19 @@ fn accept_cases() -> Vec<Case> {
             &["5000"],
         ),
         suite(
+            "oracle-accepts-more-than-it-drafts",
+            suite_with(|s| {
+                let oracle: toml::Table = toml::from_str(
+                    "from_draft = { \"3\" = 0.5 }\n\
+                     drafted_by_pos = { \"3\" = [10, 8, 6] }\n\
+                     accepted_by_pos = { \"3\" = [4, 9, 1] }",
+                )
+                .unwrap();
+                s.insert("oracle".into(), toml::Value::Table(oracle));
+            }),
+            &["oracle k=3", "[4, 9, 1]", "[10, 8, 6]"],
+        ),
+        suite(
             "target-missing",
             suite_with(|s| {
                 s.insert("target".into(), "golden/models/nope".into());

@@ -52,6 +52,35 @@ pub struct Suite {
 pub struct OracleAcceptance {
     /// mlx-lm's from_draft fraction (accepted / emitted) per num_draft_tokens.
     pub from_draft: BTreeMap<String, f64>,
+    /// Where the oracle reports its rounds (mlx-vlm's draft_lens and accept_lens): per
+    /// num_draft_tokens, the rounds that drafted each position, summed over the prompts.
+    #[serde(default)]
+    pub drafted_by_pos: BTreeMap<String, Vec<usize>>,
+    /// Per num_draft_tokens, the rounds that accepted each position.
+    #[serde(default)]
+    pub accepted_by_pos: BTreeMap<String, Vec<usize>>,
+}
+
+impl OracleAcceptance {
+    /// How the oracle's per-position counts at `k` differ from `run`'s: None when it has
+    /// none for `k`, else one line per differing counter (empty: equal).
+    pub fn by_position_mismatches(&self, k: usize, run: &Acceptance) -> Option<Vec<String>> {
+        let key = k.to_string();
+        let drafted = self.drafted_by_pos.get(&key)?;
+        let accepted = self.accepted_by_pos.get(&key)?;
+        let mut out = Vec::new();
+        for (what, oracle, ours) in [
+            ("drafted", drafted, &run.drafted_by_pos),
+            ("accepted", accepted, &run.accepted_by_pos),
+        ] {
+            if oracle != ours {
+                out.push(format!(
+                    "{what} by position {ours:?}, the oracle's {oracle:?}"
+                ));
+            }
+        }
+        Some(out)
+    }
 }
 
 /// A suite's acceptance per num_draft_tokens, as committed next to it.
@@ -119,6 +148,29 @@ impl Suite {
                     suite.num_draft_tokens
                 ),
             ));
+        }
+        if let Some(o) = &suite.oracle {
+            let keys = |m: &BTreeMap<String, Vec<usize>>| m.keys().cloned().collect::<Vec<_>>();
+            if keys(&o.drafted_by_pos) != keys(&o.accepted_by_pos) {
+                return Err(invalid(
+                    path,
+                    "oracle.drafted_by_pos and oracle.accepted_by_pos must name the same k",
+                ));
+            }
+            for (k, drafted) in &o.drafted_by_pos {
+                let accepted = &o.accepted_by_pos[k];
+                let fits = drafted.len() == accepted.len()
+                    && drafted.iter().zip(accepted).all(|(d, a)| a <= d);
+                if !fits {
+                    return Err(invalid(
+                        path,
+                        format!(
+                            "oracle k={k}: accepted_by_pos {accepted:?} must pair with \
+                             drafted_by_pos {drafted:?}, each at most its count"
+                        ),
+                    ));
+                }
+            }
         }
         Ok(suite)
     }

@@ -82,6 +82,23 @@ fn run(a: AcceptArgs) -> anyhow::Result<bool> {
         print!("{}", table(&path, &suite, &stats));
         let measured: BTreeMap<usize, Acceptance> =
             stats.iter().map(|(k, s)| (*k, acceptance(s))).collect();
+        // Where the oracle reports per-position counts, they must be verity's exactly.
+        let mut parity = Vec::new();
+        for (k, a) in &measured {
+            let mismatches = suite
+                .oracle
+                .as_ref()
+                .and_then(|o| o.by_position_mismatches(*k, a));
+            match mismatches {
+                Some(m) if m.is_empty() => println!("k={k}: by position equal to the oracle's"),
+                Some(m) => parity.extend(m.into_iter().map(|m| format!("k={k}: {m}"))),
+                None => {}
+            }
+        }
+        if !parity.is_empty() {
+            regressed = true;
+            println!("DIFFERS from the oracle:\n  {}\n", parity.join("\n  "));
+        }
         let Some(baseline) = baseline else {
             Baseline::new(Suite::name(&path), measured).save(&baseline_path)?;
             println!("wrote {}\n", baseline_path.display());
