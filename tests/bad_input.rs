@@ -425,6 +425,28 @@ fn generate_cases() -> Vec<Case> {
             &["mtp.* weights", "MTP head"],
             no_setup(),
         ),
+        case(
+            "serve/draft-mtp-without-head",
+            &["serve", "--port", "0", "--model", &q, "--draft-mtp"],
+            2,
+            &["mtp.* weights", "MTP head"],
+            no_setup(),
+        ),
+        case(
+            "serve/dflash-taps-past-the-target",
+            &[
+                "serve",
+                "--port",
+                "0",
+                "--model",
+                &q,
+                "--draft-dflash",
+                &model_arg(DFLASH),
+            ],
+            2,
+            &["target_layer_ids", "[1, 3]", "which has 2"],
+            no_setup(),
+        ),
         gen(
             "generate/draft-mtp-and-ngram",
             &["--draft-mtp", "--draft-ngram"],

@@ -294,6 +294,35 @@ fn speculative_serving_equals_plain() {
 }
 
 #[test]
+fn native_drafter_lanes_equal_plain() {
+    let dflash = model_dir("qwen3-target-dflash");
+    let lanes: [(&str, &[&str]); 2] = [
+        ("qwen3_5", &["--draft-mtp"]),
+        (TARGET, &["--draft-dflash", dflash.to_str().unwrap()]),
+    ];
+    for (target, args) in lanes {
+        let plain = Server::start(&model_dir(target), &[]);
+        let drafted = Server::start(&model_dir(target), args);
+        let mut body = chat("Write a function that reads a file.", 40);
+        body["logprobs"] = json!(true);
+        let want = plain.ok("/v1/chat/completions", &body);
+        // Twice: the MTP lane's second request starts from a cached prefix; the DFlash lane
+        // caches none (its drafter reads the hidden states of the whole prompt).
+        for round in 0..2 {
+            let got = drafted.ok("/v1/chat/completions", &body);
+            assert_eq!(answer(&got), answer(&want), "{args:?} request {round}");
+            let spec = &got["verity_stats"]["speculation"];
+            assert!(spec["rounds"].as_u64().unwrap() > 0, "{args:?}: {spec}");
+            let cached = cached_tokens(&got);
+            match (args[0], round) {
+                ("--draft-mtp", 1) => assert!(cached > 0, "{args:?}: nothing cached"),
+                _ => assert_eq!(cached, 0, "{args:?} request {round}"),
+            }
+        }
+    }
+}
+
+#[test]
 fn bad_requests_are_400_naming_the_field_and_the_server_goes_on() {
     let s = Server::start(&model_dir(TARGET), &[]);
     let good = chat("hi", 4);

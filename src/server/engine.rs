@@ -21,10 +21,11 @@ use super::stop::{Pushed, StopMatcher};
 use crate::bundle::ModelBundle;
 use crate::cache::{KvQuantization, LayerCache};
 use crate::generate::{FinishReason, GenerateParams, GeneratedToken, Generation, Resume};
+use crate::model::dflash::DflashModel;
 use crate::sample::{KeySchedule, ProcessorParams, SamplerParams};
 use crate::speculative::{
-    resume_speculative, Control, DraftModel, DraftSource, NgramLookup, Speculation,
-    SpeculationStats,
+    resume_speculative, Control, DflashDrafter, DraftModel, DraftSource, MtpDrafter, NgramLookup,
+    Speculation, SpeculationStats,
 };
 use crate::tokenizer::StreamingDetokenizer;
 use crate::{validate, Error};
@@ -36,6 +37,11 @@ pub enum Drafter {
     Model(PathBuf),
     /// Prompt lookup with n-grams of these lengths.
     Ngram { min: usize, max: usize },
+    /// The target's own multi-token-prediction head (Qwen3.5 `mtp.*` weights).
+    Mtp,
+    /// A DFlash block drafter folder. Its drafts read the target's hidden states over the
+    /// whole prompt, which a prefix cache entry does not hold: a DFlash lane caches no prefixes.
+    Dflash(PathBuf),
 }
 
 /// What the engine serves and how it processes prompts.
@@ -43,7 +49,9 @@ pub enum Drafter {
 pub struct EngineConfig {
     pub model: PathBuf,
     pub drafter: Option<Drafter>,
-    pub num_draft_tokens: usize,
+    /// Drafts per round unless a request names its own; None: 3, or a DFlash drafter's
+    /// block_size - 1.
+    pub num_draft_tokens: Option<usize>,
     pub device: mlx::Device,
     pub queue_size: usize,
     pub prefill_step_size: usize,
@@ -230,6 +238,9 @@ struct Engine {
     config: EngineConfig,
     target: ModelBundle,
     draft: Option<ModelBundle>,
+    dflash: Option<DflashModel>,
+    /// Drafts per round unless a request names its own.
+    num_draft_tokens: usize,
     model_id: String,
     /// The model's context length (max_position_embeddings), when its config names one.
     context: Option<usize>,
@@ -243,20 +254,31 @@ impl Engine {
     fn load(config: EngineConfig) -> anyhow::Result<Engine> {
         mlx::set_default_device(config.device)?;
         let target = ModelBundle::load(&config.model)?;
-        let draft = match &config.drafter {
-            Some(Drafter::Model(dir)) => Some(target.load_draft(dir)?),
-            Some(Drafter::Ngram { min, max }) => {
-                validate::ngram(*min, *max)?;
-                None
+        let (mut draft, mut dflash) = (None, None);
+        match &config.drafter {
+            Some(Drafter::Model(dir)) => draft = Some(target.load_draft(dir)?),
+            Some(Drafter::Ngram { min, max }) => validate::ngram(*min, *max)?,
+            // Pairing is checked once, at startup, by building a source.
+            Some(Drafter::Mtp) => drop(MtpDrafter::new(target.model())?),
+            Some(Drafter::Dflash(dir)) => {
+                let model = DflashModel::load(dir)?;
+                drop(DflashDrafter::new(target.model(), &model)?);
+                dflash = Some(model);
             }
-            None => None,
-        };
+            None => {}
+        }
+        let num_draft_tokens = config
+            .num_draft_tokens
+            .unwrap_or_else(|| dflash.as_ref().map_or(3, |m| m.block_size - 1));
         anyhow::ensure!(
-            (1..=validate::MAX_DRAFT_TOKENS).contains(&config.num_draft_tokens),
-            "--num-draft-tokens is {}, must be from 1 to {}",
-            config.num_draft_tokens,
+            (1..=validate::MAX_DRAFT_TOKENS).contains(&num_draft_tokens),
+            "--num-draft-tokens is {num_draft_tokens}, must be from 1 to {}",
             validate::MAX_DRAFT_TOKENS
         );
+        let prompt_cache_bytes = match config.drafter {
+            Some(Drafter::Dflash(_)) => 0,
+            _ => config.prompt_cache_bytes,
+        };
         let json = &target.config.json;
         let context = json
             .get("max_position_embeddings")
@@ -267,11 +289,13 @@ impl Engine {
         xtc_special_tokens.extend(&target.eos_token_ids);
         Ok(Engine {
             model_id: config.model.display().to_string(),
-            prefix: PrefixCache::new(config.prompt_cache_bytes),
+            prefix: PrefixCache::new(prompt_cache_bytes),
             namespace: config.namespace(),
             config,
             target,
             draft,
+            dflash,
+            num_draft_tokens,
             context,
             xtc_special_tokens,
         })
@@ -323,9 +347,7 @@ impl Engine {
                 ),
             ));
         }
-        let num_draft_tokens = request
-            .num_draft_tokens
-            .unwrap_or(self.config.num_draft_tokens);
+        let num_draft_tokens = request.num_draft_tokens.unwrap_or(self.num_draft_tokens);
         let constraint = request
             .grammar
             .as_ref()
@@ -402,6 +424,14 @@ impl Engine {
                     }
                     (Drafter::Ngram { min, max }, _) => {
                         Box::new(NgramLookup::new(*min, *max).map_err(refusal)?)
+                    }
+                    (Drafter::Mtp, _) => Box::new(MtpDrafter::new(target).map_err(refusal)?),
+                    (Drafter::Dflash(_), _) => {
+                        let model = self
+                            .dflash
+                            .as_ref()
+                            .expect("a DFlash drafter is loaded at start");
+                        Box::new(DflashDrafter::new(target, model).map_err(refusal)?)
                     }
                     (Drafter::Model(_), None) => unreachable!("a draft model is loaded at start"),
                 };
