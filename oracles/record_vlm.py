@@ -1,5 +1,6 @@
 """Records golden traces (verity-trace/1) with mlx-vlm: plain greedy generation, its native MTP
-speculative loop and its DFlash block-drafter loop on the qwen3_5 fixture.
+speculative loop and its DFlash block-drafter loop on the qwen3_5 fixture, and the plain and MTP
+cases on its trained sibling qwen3_5-trained (oracles/train_mtp.py).
 
 Reads the [[vlm_group]] tables of golden/MANIFEST.toml (models x block sizes x prompts; block
 size 0 is plain generation) and writes golden/traces/<model>/vlm-<plain|mtpN|dflashN>/<prompt>.json
