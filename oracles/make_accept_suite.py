@@ -64,12 +64,16 @@ DFLASH_KS = [3, 7]
 
 def vlm_from_draft_fraction(k, prompts, kind, drafter_name, target="qwen3_5", by_pos=None):
     """mlx-vlm's speculative loop of `kind` on the fixture `target` with the drafter folder
-    `drafter_name` at block size (ceiling) k + 1: accepted / emitted. With a dict `by_pos`, also
-    stores (drafted_by_pos, accepted_by_pos) of these runs under k."""
+    `drafter_name` at block size (ceiling) k + 1: emitted drafts / emitted. A draft mlx-vlm
+    accepts past a stopping EOS is counted in its accept_lens but never emitted, so the emitted
+    drafts are counted as the traces' from_draft flags are (record_vlm.from_draft_flags). With a
+    dict `by_pos`, also stores (drafted_by_pos, accepted_by_pos) of these runs under k (those
+    count every accepted draft, as verity's counters do)."""
     import mlx.core as mx
     from mlx_vlm import load as vlm_load
     from mlx_vlm.generate import stream_generate as vlm_stream
     from mlx_vlm.speculative.drafters import load_drafter
+    from record_vlm import from_draft_flags
 
     model, processor = vlm_load(str(model_dir(target)))
     drafter, kind = load_drafter(str(model_dir(drafter_name)), kind=kind)
@@ -80,7 +84,7 @@ def vlm_from_draft_fraction(k, prompts, kind, drafter_name, target="qwen3_5", by
                                 temperature=0.0, draft_model=drafter, draft_kind=kind,
                                 draft_block_size=k + 1))[-1]
         emitted += len(final.token_ids)
-        accepted += sum(drafter.accept_lens)
+        accepted += sum(from_draft_flags(drafter.accept_lens, len(final.token_ids)))
         if len(drafter.draft_lens) != len(drafter.accept_lens):
             common.die(f"{target} k={k}: {len(drafter.draft_lens)} draft_lens for {len(drafter.accept_lens)} rounds")
         for d, a in zip(drafter.draft_lens, drafter.accept_lens):

@@ -14,10 +14,13 @@ use proptest::test_runner::{Config, TestRunner};
 use support::{bundle, golden_input, model_dir};
 use verity::bundle::ModelBundle;
 use verity::generate::{forward_tapped, prefill, token_array, GenerateParams, Generation};
+use verity::parity::acceptance::{acceptance, run_suite};
+use verity::parity::Models;
 use verity::speculative::{
     generate_speculative, Control, DraftContext, DraftSource, MtpDrafter, PrefillMode,
     SpeculationStats, Verified,
 };
+use verity_harness::acceptance::Suite;
 
 fn bits(a: &Array) -> Vec<u8> {
     a.to_bytes().unwrap()
@@ -369,28 +372,68 @@ fn an_mtp_drafter_needs_a_target_with_an_mtp_head() {
 #[test]
 fn mtp_drafts_equal_mlx_vlm_round_by_round() {
     support::on_cpu();
-    let target = bundle("qwen3_5");
     let prompts = ["code", "chat", "chat-sort", "unicode", "long"];
-    // Greedy at every block size, then sampled with positioned keys (mlx-vlm drafts greedily
-    // and samples the target per position).
-    let mut cases: Vec<(usize, String)> = [2, 3, 4]
+    // The random head: greedy at every block size, then sampled with positioned keys (mlx-vlm
+    // drafts greedily and samples the target per position). The trained head (whose drafts
+    // are accepted, so rounds roll back and commit): greedy at block 3, and sampled.
+    let mut cases: Vec<(&str, usize, String)> = [2, 3, 4]
         .into_iter()
-        .flat_map(|block| prompts.map(|p| (block, format!("vlm-mtp{block}/{p}"))))
+        .flat_map(|block| prompts.map(|p| ("qwen3_5", block, format!("vlm-mtp{block}/{p}"))))
         .collect();
-    cases.extend(prompts.map(|p| (3, format!("vlm-mtp3-seed11/{p}"))));
+    cases.extend(prompts.map(|p| ("qwen3_5", 3, format!("vlm-mtp3-seed11/{p}"))));
     for block in [2, 4] {
-        cases.extend(["code", "chat"].map(|p| (block, format!("vlm-mtp{block}-seed5/{p}"))));
+        let seeded = ["code", "chat"].map(|p| format!("vlm-mtp{block}-seed5/{p}"));
+        cases.extend(seeded.map(|case| ("qwen3_5", block, case)));
     }
-    let (mut traces, mut rounds) = (0, 0);
-    for (block, case) in cases {
-        let id = format!("qwen3_5/{case}");
+    for variant in ["vlm-mtp3", "vlm-mtp3-seed11"] {
+        cases.extend(prompts.map(|p| ("qwen3_5-trained", 3, format!("{variant}/{p}"))));
+    }
+    let targets = BTreeMap::from(["qwen3_5", "qwen3_5-trained"].map(|t| (t, bundle(t))));
+    let (mut traces, mut rounds, mut accepted) = (0, 0, 0);
+    for (name, block, case) in cases {
+        let target = &targets[name];
+        let id = format!("{name}/{case}");
         let source = MtpDrafter::new(target.model()).unwrap();
-        let want = support::drafts_equal_mlx_vlm(&target, &id, "mtp_drafts", source, block);
+        let want = support::drafts_equal_mlx_vlm(target, &id, "mtp_drafts", source, block);
         traces += 1;
         rounds += want.len();
+        accepted += support::golden(&id)
+            .steps
+            .iter()
+            .filter(|s| s.from_draft)
+            .count();
     }
-    assert_eq!(traces, 24);
-    assert!(rounds > 500, "{rounds} rounds");
+    assert_eq!(traces, 34);
+    assert!(rounds > 600, "{rounds} rounds");
+    assert!(
+        accepted > 100,
+        "only {accepted} accepted drafts: nothing was rolled back"
+    );
+}
+
+#[test]
+fn mtp_acceptance_per_position_equals_mlx_vlms() {
+    support::on_cpu();
+    let root = support::root();
+    let path = root.join("golden/accept/mtp-trained.toml");
+    let suite = Suite::load(&path).unwrap();
+    let oracle = suite
+        .oracle
+        .clone()
+        .expect("the suite records mlx-vlm's acceptance");
+    let measured = run_suite(&suite, &mut Models::new(root)).unwrap();
+    assert_eq!(measured.len(), 3);
+    for (k, stats) in &measured {
+        let a = acceptance(stats);
+        let differs = oracle.by_position_mismatches(*k, &a);
+        assert_eq!(differs, Some(Vec::new()), "k={k}");
+        assert!(a.accepted_by_pos.iter().all(|&n| n > 0), "k={k}: {a:?}");
+        let from_draft = format!("{:.12}", a.from_draft_fraction());
+        assert_eq!(
+            from_draft,
+            format!("{:.12}", oracle.from_draft[&k.to_string()])
+        );
+    }
 }
 
 /// One round the property feeds the MTP drafter: drafts asked for, drafts accepted, and
