@@ -7,7 +7,8 @@ engines are measured in the same run, interleaved, on the same prompts.
 Requests: {"prompt": [ids], "max_tokens": N, "prefill_step_size": S, "num_draft_tokens": K or
 null}. A run is mlx-lm's own decode loop (generate_step, or speculative_generate_step with the
 draft), greedy, without EOS stopping, so both engines produce the same number of tokens. The
-answer: {"ttft_s", "decode_s", "generated", "peak_bytes", "split"}; an error is
+answer: {"ttft_s", "decode_s", "generated", "prefill_peak_bytes" (until the first token),
+"peak_bytes", "split"}; an error is
 {"error": message}. "split" (plain runs) tells where the host's decode time went, as verity's
 Generation measures it: building the next step's graph (generate_step's `_step`), handing it to
 MLX (`mx.async_eval`, timed by wrapping it), and waiting for the token (`y.item()`), summed over
@@ -63,6 +64,7 @@ def run(model, draft, request):
     mx.reset_peak_memory()
     start = time.perf_counter()
     first = last = None
+    prefill_peak = 0
     generated = 0
     split = {"build_s": 0.0, "enqueue_s": 0.0, "wait_s": 0.0, "steps": 0}
     seen = 0
@@ -72,14 +74,16 @@ def run(model, draft, request):
         token = step[0]
         int(token)  # the token id on the host, as a caller would use it
         now = time.perf_counter()
-        if first is not None:
+        if first is None:
+            prefill_peak = mx.get_peak_memory()
+        else:
+            split["steps"] += 1
             if ASYNC_EVAL.calls > seen:
                 split["build_s"] += ASYNC_EVAL.start - last
                 split["enqueue_s"] += ASYNC_EVAL.end - ASYNC_EVAL.start
                 split["wait_s"] += now - ASYNC_EVAL.end
             else:
                 split["wait_s"] += now - last
-            split["steps"] += 1
         seen = ASYNC_EVAL.calls
         last = now
         first = first or last
@@ -88,6 +92,7 @@ def run(model, draft, request):
         "ttft_s": first - start,
         "decode_s": last - first,
         "generated": generated,
+        "prefill_peak_bytes": prefill_peak,
         "peak_bytes": mx.get_peak_memory(),
         "split": split if k is None else None,
     }

@@ -22,6 +22,8 @@ pub struct Timing {
     /// Seconds from the first token to the last.
     pub decode_s: f64,
     pub generated: usize,
+    /// The peak memory until the first token (the prefill's), and over the whole run.
+    pub prefill_peak_bytes: usize,
     pub peak_bytes: usize,
     /// Where plain decoding's host time went (speculative runs have no single step).
     pub split: Option<StepSplit>,
@@ -51,6 +53,7 @@ struct Clock {
     first: Option<Instant>,
     last: Option<Instant>,
     generated: usize,
+    prefill_peak: usize,
 }
 
 impl Clock {
@@ -61,11 +64,15 @@ impl Clock {
             first: None,
             last: None,
             generated: 0,
+            prefill_peak: 0,
         }
     }
 
     fn token(&mut self) {
         let now = Instant::now();
+        if self.first.is_none() {
+            self.prefill_peak = mlx::memory::peak();
+        }
         self.first.get_or_insert(now);
         self.last = Some(now);
         self.generated += 1;
@@ -77,6 +84,7 @@ impl Clock {
             ttft_s: (first - self.start).as_secs_f64(),
             decode_s: (self.last.unwrap_or(first) - first).as_secs_f64(),
             generated: self.generated,
+            prefill_peak_bytes: self.prefill_peak,
             peak_bytes: mlx::memory::peak(),
             split: None,
         }

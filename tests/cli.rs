@@ -358,6 +358,7 @@ fn bench_speed_prints_every_row() {
             "  build per token after 16",
             "  enqueue per token after 16",
             "  wait per token after 16",
+            "peak memory 16, prefill",
             "peak memory 16",
             "text prompt, plain",
             "text prompt, draft model k=3",

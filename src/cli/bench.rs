@@ -161,6 +161,7 @@ impl MlxLm {
             ttft_s: num("ttft_s")?,
             decode_s: num("decode_s")?,
             generated: num("generated")? as usize,
+            prefill_peak_bytes: num("prefill_peak_bytes")? as usize,
             peak_bytes: num("peak_bytes")? as usize,
             split,
         })
@@ -508,6 +509,13 @@ fn workload_rows(
             floor: None,
         });
     }
+    rows.push(row(
+        format!("peak memory {n}, prefill"),
+        "MB",
+        false,
+        &|t| t.prefill_peak_bytes as f64 / 1e6,
+        None,
+    ));
     rows.push(row(
         format!("peak memory {n}"),
         "MB",
