@@ -53,6 +53,7 @@ void clear_cache();
 rust::String version();
 void use_cpu();
 void use_gpu();
+bool default_is_cpu();
 bool gpu_available();
 bool cuda_available();
 bool metal_available();

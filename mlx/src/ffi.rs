@@ -118,6 +118,7 @@ pub(crate) mod bridge {
         fn version() -> String;
         fn use_cpu() -> Result<()>;
         fn use_gpu() -> Result<()>;
+        fn default_is_cpu() -> bool;
         fn gpu_available() -> bool;
         fn cuda_available() -> bool;
         fn metal_available() -> bool;

@@ -77,6 +77,21 @@ pub fn set_default_device(device: Device) -> Result<()> {
     Ok(())
 }
 
+/// The device this process's MLX work runs on unless told otherwise.
+pub fn default_device() -> Device {
+    if bridge::default_is_cpu() {
+        Device::Cpu
+    } else {
+        Device::Gpu
+    }
+}
+
+/// Whether this libmlx's CPU matmul is the netlib reference BLAS that the Linux wheels (mlx-cpu
+/// and mlx-cuda) bundle, rather than Accelerate (macOS). Reference `sgemm` sums every output
+/// element over the inner dimension in order, from zero, without fused multiply-adds, whichever
+/// operand is transposed: the layout of an f32 operand changes its speed, never its bits.
+pub const CPU_MATMUL_IS_REFERENCE_BLAS: bool = cfg!(target_os = "linux");
+
 /// Memory accounting, as `mx.get_peak_memory()` and friends report it (bytes).
 pub mod memory {
     use super::bridge;

@@ -218,6 +218,7 @@ void clear_cache() { mx::clear_cache(); }
 rust::String version() { return mx::version(); }
 void use_cpu() { mx::set_default_device(mx::Device::cpu); }
 void use_gpu() { mx::set_default_device(mx::Device::gpu); }
+bool default_is_cpu() { return mx::default_device() == mx::Device::cpu; }
 bool gpu_available() { return mx::is_available(mx::Device::gpu); }
 bool cuda_available() { return mx::cu::is_available(); }
 bool metal_available() { return mx::metal::is_available(); }

@@ -114,7 +114,7 @@ pub struct DflashModel {
     rope: Rope,
     /// Every layer's k_proj then v_proj weights stacked: the context's keys and values for all
     /// layers come from one matmul.
-    context_kv: Array,
+    context_kv: Linear,
     n_heads: i32,
     n_kv_heads: i32,
     scale: f32,
@@ -205,7 +205,7 @@ impl DflashModel {
         caches: &mut [LayerCache],
     ) -> Result<Array> {
         let h_ctx = self.hidden_norm.forward(&self.fc.forward(context)?)?;
-        let projected = h_ctx.matmul(&self.context_kv.transpose(&[])?)?;
+        let projected = self.context_kv.forward(&h_ctx)?;
         let width = projected.dim(2) / (2 * self.layers.len() as i32);
         let chunk = |i: usize| projected.slice_axis(2, i as i32 * width, (i as i32 + 1) * width);
         let mut h = block.clone();
@@ -272,17 +272,17 @@ impl DflashModel {
 
 /// The fused context projection `_project_context_kv` builds on first use: k_proj, v_proj of
 /// every layer, stacked on the output axis.
-fn stacked_kv_weights(w: &Weights, layers: &[DflashLayer]) -> LoadResult<Array> {
-    let dense: Vec<&Array> = layers
+fn stacked_kv_weights(w: &Weights, layers: &[DflashLayer]) -> LoadResult<Linear> {
+    let projections: Vec<&Linear> = layers
         .iter()
         .flat_map(|l| [&l.attn.k_proj, &l.attn.v_proj])
-        .map(Linear::dense_weight)
-        .collect::<Option<_>>()
-        .ok_or_else(|| w.config_error("a quantized DFlash drafter is not supported".into()))?;
-    ops::concatenate(&dense, 0).map_err(|source| LoadError::Mlx {
-        folder: w.folder().into(),
-        source,
-    })
+        .collect();
+    Linear::stacked(&projections)
+        .ok_or_else(|| w.config_error("a quantized DFlash drafter is not supported".into()))?
+        .map_err(|source| LoadError::Mlx {
+            folder: w.folder().into(),
+            source,
+        })
 }
 
 /// The DFlashConfig options verity does not implement, refused at load.
