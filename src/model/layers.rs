@@ -213,17 +213,18 @@ pub struct Embedding {
 }
 
 impl Embedding {
-    /// Loads the (vocab x dims) table; `tied` when it is also the output head, which is when
-    /// the transposed form pays.
+    /// Loads the (vocab x dims) table as stored, even where it is also the output head: the
+    /// transposed form would speed that matmul up, but gathering rows from it costs a copy of
+    /// the table or of the gathered rows, which shows in the peak memory.
     pub fn load(
         w: &mut Weights,
         q: &QuantConfig,
         path: &str,
-        (vocab, dims): (i32, i32),
-        tied: bool,
+        vocab: i32,
+        dims: i32,
     ) -> LoadResult<Embedding> {
         Ok(Embedding {
-            table: Weight::load(w, q, path, (vocab, dims), tied)?,
+            table: Weight::load(w, q, path, (vocab, dims), false)?,
         })
     }
 
@@ -241,14 +242,7 @@ impl Embedding {
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         Ok(match &self.table {
             Weight::Dense(w) => w.take(ids, 0)?,
-            Weight::Transposed(t) => {
-                // Columns of the transposed table, moved back to the last axis and laid out
-                // as a row gather lays them out.
-                let cols = t.take(ids, 1)?;
-                let n = cols.ndim() as i32;
-                let axes: Vec<i32> = (1..n).chain([0]).collect();
-                cols.transpose(&axes)?.contiguous()?
-            }
+            Weight::Transposed(t) => t.transpose(&[])?.take(ids, 0)?,
             Weight::Packed(p) => {
                 let biases = p.biases.as_ref().map(|b| b.take(ids, 0)).transpose()?;
                 let q = &p.params;
@@ -686,7 +680,7 @@ impl OuterLayers {
         let (h, vocab) = (d.hidden_size, d.vocab_size);
         let path = |name: &str| format!("{prefix}{name}");
         Ok(OuterLayers {
-            embed_tokens: Embedding::load(w, q, &path("model.embed_tokens"), (vocab, h), tied)?,
+            embed_tokens: Embedding::load(w, q, &path("model.embed_tokens"), vocab, h)?,
             norm: RmsNorm::load(w, &path("model.norm"), h, d.rms_norm_eps)?,
             head: if tied {
                 Head::Tied
