@@ -124,23 +124,32 @@ impl Weight {
         (r as usize, c as usize)
     }
 
-    /// Dense weights stacked on the rows axis, in their common form (`None` when any is
-    /// packed or the forms differ): the fused projection some Python modules build.
+    /// Dense weights stacked on the rows axis (the fused projection some Python modules build):
+    /// transposed when all of them are, else as stored. `None` when any is packed.
     pub(crate) fn stack_rows(weights: &[&Weight]) -> Option<Result<Weight>> {
-        let all = |pick: fn(&Weight) -> Option<&Array>| -> Option<Vec<&Array>> {
-            weights.iter().map(|w| pick(w)).collect()
-        };
-        if let Some(dense) = all(|w| match w {
-            Weight::Dense(a) => Some(a),
-            _ => None,
-        }) {
-            return Some(ops::concatenate(&dense, 0).map(Weight::Dense));
+        let transposed: Option<Vec<&Array>> = weights
+            .iter()
+            .map(|w| match w {
+                Weight::Transposed(t) => Some(t),
+                _ => None,
+            })
+            .collect();
+        if let Some(t) = transposed {
+            return Some(ops::concatenate(&t, 1).map(Weight::Transposed));
         }
-        let transposed = all(|w| match w {
-            Weight::Transposed(a) => Some(a),
-            _ => None,
-        })?;
-        Some(ops::concatenate(&transposed, 1).map(Weight::Transposed))
+        let rows: Vec<Result<Array>> = weights
+            .iter()
+            .map(|w| match w {
+                Weight::Dense(a) => Some(Ok(a.clone())),
+                Weight::Transposed(t) => Some(t.transpose(&[])),
+                Weight::Packed(_) => None,
+            })
+            .collect::<Option<_>>()?;
+        let stack = || -> Result<Weight> {
+            let rows = rows.into_iter().collect::<Result<Vec<_>>>()?;
+            ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0).map(Weight::Dense)
+        };
+        Some(stack())
     }
 }
 
