@@ -145,11 +145,13 @@ impl Weight {
                 Weight::Packed(_) => None,
             })
             .collect::<Option<_>>()?;
-        let stack = || -> Result<Weight> {
-            let rows = rows.into_iter().collect::<Result<Vec<_>>>()?;
-            ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0).map(Weight::Dense)
-        };
-        Some(stack())
+        Some(
+            rows.into_iter()
+                .collect::<Result<Vec<_>>>()
+                .and_then(|rows| {
+                    ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0).map(Weight::Dense)
+                }),
+        )
     }
 }
 
@@ -211,7 +213,9 @@ impl Linear {
         Ok(match (&self.weight, &self.bias) {
             (Weight::Dense(w), Some(b)) => ops::addmm(b, x, &w.transpose(&[])?, 1.0, 1.0)?,
             (Weight::Packed(p), Some(b)) => p.matmul(x)?.add(b)?,
-            (weight, _) => weight.matmul_t(x)?,
+            // Never loaded (a bias keeps the stored form), but kept exact rather than dropped.
+            (Weight::Transposed(t), Some(b)) => ops::addmm(b, x, t, 1.0, 1.0)?,
+            (weight, None) => weight.matmul_t(x)?,
         })
     }
 }
