@@ -80,6 +80,7 @@ ArrayPtr moveaxis(const Array& a, int32_t source, int32_t destination);
 ArrayPtr slice(const Array& a, I32s start, I32s stop, I32s strides);
 ArrayPtr slice_update(const Array& src, const Array& update, I32s start, I32s stop, I32s strides);
 ArrayPtr concatenate(const ArrayList& list, int32_t axis);
+ArrayPtr depends(const Array& input, const Array& dependency);
 ArrayPtr stack(const ArrayList& list, int32_t axis);
 ListPtr split_sections(const Array& a, I32s indices, int32_t axis);
 ListPtr split_equal(const Array& a, int32_t parts, int32_t axis);

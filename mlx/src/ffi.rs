@@ -170,6 +170,7 @@ pub(crate) mod bridge {
             strides: &[i32],
         ) -> Result<UniquePtr<Array>>;
         fn concatenate(list: &ArrayList, axis: i32) -> Result<UniquePtr<Array>>;
+        fn depends(input: &Array, dependency: &Array) -> Result<UniquePtr<Array>>;
         fn stack(list: &ArrayList, axis: i32) -> Result<UniquePtr<Array>>;
         fn split_sections(a: &Array, indices: &[i32], axis: i32) -> Result<UniquePtr<ArrayList>>;
         fn split_equal(a: &Array, parts: i32, axis: i32) -> Result<UniquePtr<ArrayList>>;

@@ -174,6 +174,12 @@ pub fn concatenate(arrays: &[&Array], axis: i32) -> Result<Array> {
     ))
 }
 
+/// `mx.depends([input], [dependency])[0]`: `input` itself, scheduled only after `dependency`
+/// has been computed. It orders work inside one evaluation without a host round trip.
+pub fn depends(input: &Array, dependency: &Array) -> Result<Array> {
+    wrap(ffi::depends(input.ffi(), dependency.ffi()))
+}
+
 /// `mx.stack(arrays, axis)`.
 pub fn stack(arrays: &[&Array], axis: i32) -> Result<Array> {
     wrap(ffi::stack(&List::new(arrays.iter().copied()).raw, axis))

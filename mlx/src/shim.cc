@@ -349,6 +349,9 @@ ArrayPtr slice_update(const Array& src, const Array& update, I32s start, I32s st
 ArrayPtr concatenate(const ArrayList& list, int32_t axis) {
   return wrap(mx::concatenate(list.items, axis));
 }
+ArrayPtr depends(const Array& input, const Array& dependency) {
+  return wrap(mx::depends({input.inner}, {dependency.inner})[0]);
+}
 ArrayPtr stack(const ArrayList& list, int32_t axis) { return wrap(mx::stack(list.items, axis)); }
 ListPtr split_sections(const Array& a, I32s indices, int32_t axis) {
   return wrap_list(mx::split(a.inner, to_shape(indices), axis));

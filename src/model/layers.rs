@@ -6,7 +6,7 @@ use mlx::{compiled, ops, Array, Dtype, Result};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::Forward;
+use super::{row_blocks, Forward};
 use crate::cache::{KeysValues, LayerCache, Mask, Packed3};
 use crate::load::{LoadError, LoadResult, QuantConfig, QuantParams, Weights};
 
@@ -458,20 +458,19 @@ impl Attention {
     }
 }
 
-/// mlx-lm's scaled_dot_product_attention: the fused kernel for dense caches, the
+/// mlx-lm's scaled_dot_product_attention: the fused kernel for dense caches (a long chunk's
+/// rows in blocks on a reference-BLAS CPU, same bits: [`row_blocks`]), the
 /// quantized-matmul formulation for quantized ones. A backend without a quantized-matmul kernel
 /// for the cache's shape (mlx-cuda for the fixtures' group size 32) fails naming the cache's
 /// settings.
 pub fn attend(q: &Array, kv: &KeysValues, scale: f32, mask: &Mask) -> crate::Result<Array> {
     match kv {
-        KeysValues::Dense { keys, values } => Ok(fast::scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            scale,
-            mask.as_sdpa(),
-            None,
-        )?),
+        KeysValues::Dense { keys, values } => Ok(match row_blocks::rows_per_block(q, keys) {
+            Some(block) => row_blocks::attend_in_row_blocks(q, keys, values, scale, mask, block)?,
+            None => {
+                fast::scaled_dot_product_attention(q, keys, values, scale, mask.as_sdpa(), None)?
+            }
+        }),
         KeysValues::Quantized {
             keys,
             values,

@@ -7,6 +7,7 @@ pub mod llama;
 pub mod qwen3;
 pub mod qwen3_5;
 pub mod qwen3_next;
+pub mod row_blocks;
 
 use std::path::Path;
 
