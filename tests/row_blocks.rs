@@ -47,7 +47,7 @@ fn attention_in_row_blocks_has_the_one_call_bits() {
             }
             _ => Mask::None,
         };
-        let block = rows_per_block(&q, &k).expect("a chunk this long is split");
+        let block = rows_per_block(&q).expect("a chunk this long is split");
         assert!(block < rows, "{kind}: block {block} of {rows} rows");
         let one_call =
             fast::scaled_dot_product_attention(&q, &k, &v, 0.125, mask.as_sdpa(), None).unwrap();
@@ -65,9 +65,8 @@ fn attention_in_row_blocks_has_the_one_call_bits() {
 #[test]
 fn decode_and_verify_widths_attend_in_one_call() {
     support::on_cpu();
-    let k = normal(&[1, 2, 4096, 32], 1);
-    for rows in [1, 2, 8, 16] {
+    for rows in [1, 2, 8, 32] {
         let q = normal(&[1, 4, rows, 32], 0);
-        assert_eq!(rows_per_block(&q, &k), None, "{rows} rows");
+        assert_eq!(rows_per_block(&q), None, "{rows} rows");
     }
 }

@@ -465,7 +465,7 @@ impl Attention {
 /// settings.
 pub fn attend(q: &Array, kv: &KeysValues, scale: f32, mask: &Mask) -> crate::Result<Array> {
     match kv {
-        KeysValues::Dense { keys, values } => Ok(match row_blocks::rows_per_block(q, keys) {
+        KeysValues::Dense { keys, values } => Ok(match row_blocks::rows_per_block(q) {
             Some(block) => row_blocks::attend_in_row_blocks(q, keys, values, scale, mask, block)?,
             None => {
                 fast::scaled_dot_product_attention(q, keys, values, scale, mask.as_sdpa(), None)?
