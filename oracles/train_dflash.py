@@ -28,7 +28,6 @@ import common  # noqa: F401  (offline guard first)
 
 import argparse
 import hashlib
-import math
 import os
 import tomllib
 from pathlib import Path
@@ -40,7 +39,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from common import GOLDEN, MODELS, die, fresh_dir, log, model_dir, write_json
-from train_tiny import token_streams
+from train_tiny import clipped_step, token_streams
 
 BLOCK, TAPS, MASK_ID = 8, [1, 3], 1
 # model_type "qwen3" + dflash_config, as the published Qwen3 DFlash checkpoints: mlx_vlm's loader
@@ -320,13 +319,8 @@ def train(name: str, steps: int, out: Path):
         taps, seqs, prompt = data["train"][rng.choice(len(BUCKETS), p=shares / shares.sum())]
         idx = mx.array(rng.choice(seqs.shape[0], size=BATCH, replace=False))
         anchor = int(rng.integers(prompt, seqs.shape[1] - BLOCK + 1))
-        loss, grads = grad_fn(drafter, taps[idx], seqs[idx], anchor)
-        grads, _ = optim.clip_grad_norm(grads, CLIP)
-        opt.update(drafter, grads)
-        mx.eval(drafter.parameters(), opt.state, loss)
-        losses.append(round(float(loss), 5))
-        if not math.isfinite(losses[-1]):
-            die(f"{name}: loss diverged at step {i}")
+        batch = (taps[idx], seqs[idx], anchor)
+        losses.append(clipped_step(grad_fn, drafter, opt, CLIP, batch, f"{name}, step {i}"))
         if i % 500 == 0 or i == steps:
             acc, run = evaluate(drafter, data["val"])
             evals.append({"step": i, "val_accuracy_per_position": acc, "val_mean_accepted": run})

@@ -54,7 +54,6 @@ import common  # noqa: F401  (offline guard first)
 import argparse
 import copy
 import hashlib
-import math
 import os
 from pathlib import Path
 
@@ -67,7 +66,7 @@ from mlx.utils import tree_flatten
 from common import MODELS, copy_tokenizer, die, fresh_dir, log, model_dir, read_json, write_json
 from make_models import hf_zero_centred
 from train_dflash import ACCEPT_MAX_TOKENS, ACCEPT_PROMPTS, manifest_prompts
-from train_tiny import token_streams
+from train_tiny import clipped_step, token_streams
 
 SOURCE, FOLDER, SEED = "qwen3_5", "qwen3_5-trained", 0
 STEPS, BATCH, SEQ = 540, 16, 128
@@ -289,13 +288,7 @@ def train(steps: int, out: Path):
     for i in range(1, steps + 1):
         starts = rng.integers(0, len(train_ids) - SEQ - 1, size=BATCH)
         batch = mx.array(np.stack([train_ids[s:s + SEQ + 1] for s in starts]))
-        loss, grads = grad_fn(model, batch, masks)
-        grads, _ = optim.clip_grad_norm(grads, CLIP)
-        opt.update(model, grads)
-        mx.eval(model.parameters(), opt.state, loss)
-        losses.append(round(float(loss), 5))
-        if not math.isfinite(losses[-1]):
-            die(f"loss diverged at step {i}")
+        losses.append(clipped_step(grad_fn, model, opt, CLIP, (batch, masks), f"step {i}"))
         if i % EVAL_EVERY == 0 or i == steps:
             evals.append({"step": i, **evaluate(lm, mtp, val, masks)})
             e = evals[-1]

@@ -78,6 +78,21 @@ def token_streams():
     return stream(docs(train, CHAT_COPIES)), stream(docs(held, 1))
 
 
+def clipped_step(grad_fn, model, opt, clip: float, batch: tuple, where: str) -> float:
+    """One optimiser step of `model` on `batch` (grad_fn's arguments after the model), gradients
+    clipped to norm `clip`, evaluated at once: the loss as the logs keep it (5 decimals). A
+    non-finite loss stops the run, naming `where`. (The fine-tuning scripts' loop; train() above
+    compiles its own step.)"""
+    loss, grads = grad_fn(model, *batch)
+    grads, _ = optim.clip_grad_norm(grads, clip)
+    opt.update(model, grads)
+    mx.eval(model.parameters(), opt.state, loss)
+    loss = round(float(loss), 5)
+    if not math.isfinite(loss):
+        die(f"{where}: loss diverged")
+    return loss
+
+
 def build(cfg: dict, seed: int):
     from mlx_lm.utils import _get_classes
 
