@@ -44,6 +44,8 @@ pub fn attend_in_row_blocks(
 ) -> Result<Array> {
     let (rows, key_len) = (queries.dim(2), keys.dim(2));
     // The causal mask of MLX's own fallback: query i sits at position (key_len - rows) + i.
+    // Built per block rather than sliced from create_causal_mask's whole-chunk mask, which
+    // would stay alive until the last block (8 MB for a 2048-token chunk after 2048).
     let key_positions = Array::arange(0.0, key_len as f64, 1.0, Dtype::Int32)?.expand_dims(&[0])?;
     let offset = key_len - rows;
     let mut outputs: Vec<Array> = Vec::new();
