@@ -7,11 +7,12 @@ use std::time::Instant;
 
 use mlx::{Array, Dtype};
 
-use crate::generate::{GeneratedToken, Generation, StepSplit};
+use crate::decode::{decode, Hooks, Request, Start};
+use crate::generate::{GeneratedToken, StepSplit};
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
-use crate::request::GenerateParams;
-use crate::speculative::{generate_speculative, Control, DraftSource};
+use crate::request::{Control, GenerateParams};
+use crate::speculative::Drafter;
 use crate::Result;
 
 /// One timed generation.
@@ -91,41 +92,38 @@ impl Clock {
     }
 }
 
-/// Times plain decoding of `prompt` (fresh caches), optionally under a grammar.
-pub fn time_plain(
+/// Times the decoding of `prompt` from fresh caches, speculative when `drafter` is given,
+/// optionally under a grammar.
+pub fn time_decode(
     model: &dyn LanguageModel,
+    drafter: Option<&Drafter>,
     prompt: &[u32],
     params: &GenerateParams,
+    num_draft_tokens: Option<usize>,
     constraint: Option<Constraint>,
-) -> Result<Timing> {
-    let mut clock = Clock::start();
-    let caches = model.make_cache(params.max_kv_size);
-    let mut generation = Generation::start(model, caches, prompt, params, constraint)?;
-    for step in generation.by_ref() {
-        step?;
-        clock.token();
-    }
-    Ok(Timing {
-        split: Some(generation.step_split()),
-        ..clock.stop()
-    })
-}
-
-/// Times speculative decoding of `prompt` with `source` proposing `k` drafts a round.
-pub fn time_speculative(
-    model: &dyn LanguageModel,
-    source: &mut dyn DraftSource,
-    prompt: &[u32],
-    params: &GenerateParams,
-    k: usize,
 ) -> Result<Timing> {
     let mut clock = Clock::start();
     let mut on_token = |_: &GeneratedToken| {
         clock.token();
         Control::Continue
     };
-    generate_speculative(model, source, prompt, params, k, None, &mut on_token)?;
-    Ok(clock.stop())
+    let request = Request {
+        prompt,
+        params,
+        constraint,
+        num_draft_tokens,
+    };
+    let decoded = decode(
+        model,
+        drafter,
+        Start::Fresh,
+        request,
+        Hooks::tokens(&mut on_token),
+    )?;
+    Ok(Timing {
+        split: decoded.step_split,
+        ..clock.stop()
+    })
 }
 
 /// The memory bandwidth MLX reaches on the default device, in bytes per second: the best of a

@@ -62,6 +62,24 @@ impl ModelBundle {
         self.model.as_ref()
     }
 
+    /// The context the model was trained for (max_position_embeddings), when its config
+    /// names one.
+    pub fn context_length(&self) -> Option<usize> {
+        let json = &self.config.json;
+        json.get("max_position_embeddings")
+            .or_else(|| json.get("text_config")?.get("max_position_embeddings"))
+            .and_then(serde_json::Value::as_u64)
+            .map(|c| c as usize)
+    }
+
+    /// The tokens XTC never excludes: a newline and the EOS set (mlx_lm.generate and
+    /// mlx_lm.server, server.py:497).
+    pub fn xtc_special_tokens(&self) -> Result<Vec<u32>> {
+        let mut tokens = self.tokenizer.encode("\n", false)?;
+        tokens.extend(&self.eos_token_ids);
+        Ok(tokens)
+    }
+
     /// Token ids to text, for reports (an undecodable id is shown, not an error).
     pub fn decode(&self, ids: &[u32]) -> String {
         self.tokenizer

@@ -9,7 +9,7 @@ use mlx::{ops, Array, Dtype};
 use crate::cache::{eval_state, quantize_due, KvQuantization, LayerCache};
 use crate::grammar::Constraint;
 use crate::model::{Forward, LanguageModel};
-pub use crate::request::{FinishReason, GenerateParams};
+pub use crate::request::{Control, FinishReason, GenerateParams};
 use crate::sample::{LogitsProcessors, Masking, Sampler, StepSampler};
 use crate::{validate, Result};
 
@@ -233,8 +233,9 @@ pub struct Resume<'a> {
     /// Sees the target's caches, and the draft model's when speculating with one, once they
     /// hold the whole prompt but its last token: what a prefix cache keeps.
     pub on_prefilled: OnPrefilled<'a>,
-    /// Asked after every prefill chunk; true stops the prefill with [`crate::Error::Cancelled`].
-    pub cancelled: &'a dyn Fn() -> bool,
+    /// Told the prompt tokens the caches hold after every prefill chunk; `Stop` ends the
+    /// prefill with [`crate::Error::Cancelled`].
+    pub on_chunk: &'a mut dyn FnMut(usize) -> Control,
 }
 
 impl Resume<'_> {
@@ -331,26 +332,13 @@ impl<'m> Generation<'m> {
         params: &GenerateParams,
         constraint: Option<Constraint>,
     ) -> Result<Generation<'m>> {
-        Self::start_reporting(model, caches, prompt, params, constraint, &mut |_| {})
-    }
-
-    /// [`Generation::start`], telling `prefilled` how many prompt tokens are processed after
-    /// each prefill chunk (a long prompt takes minutes on a CPU).
-    pub fn start_reporting(
-        model: &'m dyn LanguageModel,
-        caches: Vec<LayerCache>,
-        prompt: &[u32],
-        params: &GenerateParams,
-        constraint: Option<Constraint>,
-        prefilled: &mut dyn FnMut(usize),
-    ) -> Result<Generation<'m>> {
         let resume = Resume {
             caches,
             cached: 0,
             on_prefilled: &mut |_, _| {},
-            cancelled: &|| false,
+            on_chunk: &mut |_| Control::Continue,
         };
-        Self::resume(model, resume, prompt, params, constraint, prefilled)
+        Self::resume(model, resume, prompt, params, constraint)
     }
 
     /// Starts from caches that already hold the first `resume.cached` tokens of `prompt` (a
@@ -364,7 +352,6 @@ impl<'m> Generation<'m> {
         prompt: &[u32],
         params: &GenerateParams,
         constraint: Option<Constraint>,
-        prefilled: &mut dyn FnMut(usize),
     ) -> Result<Generation<'m>> {
         let mut step_sampler = params.step_sampler(model, prompt, constraint)?;
         resume.seed_history(prompt, &mut step_sampler)?;
@@ -372,7 +359,7 @@ impl<'m> Generation<'m> {
             caches,
             cached,
             on_prefilled,
-            cancelled,
+            on_chunk,
         } = resume;
         let mut g = Generation {
             model,
@@ -392,8 +379,7 @@ impl<'m> Generation<'m> {
         let rest = token_array(&head[cached..])?;
         prefill(model, &mut g.caches, &rest, params, |chunk| {
             done += chunk.dim(0) as usize;
-            prefilled(done);
-            if cancelled() {
+            if on_chunk(done) == Control::Stop {
                 return Err(crate::Error::Cancelled);
             }
             step_sampler.extend_history(chunk)

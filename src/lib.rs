@@ -4,13 +4,15 @@
 //! `cache` holds per-layer state and the rollback contract; `model` runs the families;
 //! `grammar` compiles output constraints; `sample` turns logits into tokens; `request` holds
 //! what a caller asks for and `validate` checks it (and every other value from outside)
-//! against the model before it reaches MLX; `generate` is the plain decode loop and
-//! `speculative` the one verify/accept executor; `bundle` ties a loaded folder together;
-//! `parity` replays the harness's traces and suites on top of all of it.
+//! against the model before it reaches MLX; `bundle` ties a loaded folder together; `generate`
+//! is the plain decode loop and `speculative` the one verify/accept executor with the drafter
+//! registry that loads every kind of draft source; `decode` is the one entry point over both
+//! loops; `server` and `parity` (which replays the harness's traces and suites) sit on top.
 
 pub mod bench;
 pub mod bundle;
 pub mod cache;
+pub mod decode;
 pub mod error;
 pub mod generate;
 pub mod grammar;

@@ -1,5 +1,5 @@
 //! What a caller asks of a generation, besides the model and the prompt: the engine-owned
-//! request parameters and why a generation ends. The validation layer checks these against the
+//! request parameters, what a caller's callback answers, and why a generation ends. The validation layer checks these against the
 //! model; the decode loops read them.
 
 use std::fmt;
@@ -23,6 +23,14 @@ impl fmt::Display for FinishReason {
             FinishReason::Length => "length",
         })
     }
+}
+
+/// What a caller's token (or prefill chunk) callback tells a decode loop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Control {
+    Continue,
+    /// Stop now (a stop sequence matched, the client went away): nothing more is emitted.
+    Stop,
 }
 
 /// Everything a generation needs besides the model and the prompt.
@@ -67,4 +75,10 @@ impl GenerateParams {
             None
         }
     }
+}
+
+/// The seed a request samples with: sampling without one uses seed 0, so that every run of
+/// verity can be reproduced (greedy decoding draws nothing and needs none).
+pub fn reproducible_seed(seed: Option<u64>, temp: f64) -> Option<u64> {
+    seed.or((temp > 0.0).then_some(0))
 }

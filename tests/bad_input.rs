@@ -386,7 +386,7 @@ fn generate_cases() -> Vec<Case> {
         ngram(
             "generate/ngram-from-prompt-cache",
             &["--prompt-cache-file", "{S}/c.safetensors"],
-            &["prompt cache"],
+            &["--prompt-cache-file", "--draft-ngram"],
         ),
     ]);
     let gen = |name: &str, extra: &[&str], needles: &[&str], setup: Setup| {
@@ -1603,6 +1603,53 @@ fn other_cases() -> Vec<Case> {
             ],
             2,
             &["target_layer_ids", "[1, 3]", "which has 2"],
+            no_setup(),
+        ),
+        case(
+            "bench-speed/mtp-without-a-head",
+            &[
+                "bench",
+                "speed",
+                "--model",
+                &model_arg("qwen3"),
+                "--draft-mtp",
+                "--no-mlx-lm",
+            ],
+            2,
+            &["mtp.* weights", "MTP head"],
+            no_setup(),
+        ),
+        case(
+            "bench-speed/two-drafters",
+            &[
+                "bench",
+                "speed",
+                "--model",
+                &model_arg("qwen3"),
+                "--draft-mtp",
+                "--draft-dflash",
+                &model_arg(DFLASH),
+                "--no-mlx-lm",
+            ],
+            2,
+            &["--draft-mtp", "--draft-dflash"],
+            no_setup(),
+        ),
+        case(
+            "bench-speed/ngram-max-below-min",
+            &[
+                "bench",
+                "speed",
+                "--model",
+                &model_arg("qwen3"),
+                "--ngram-min",
+                "3",
+                "--ngram-max",
+                "2",
+                "--no-mlx-lm",
+            ],
+            2,
+            &["ngram_max", "2"],
             no_setup(),
         ),
         case(

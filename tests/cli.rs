@@ -319,59 +319,63 @@ fn bench_speed_prints_every_row() {
     let model = root().join("golden/models/qwen3-target");
     let draft = root().join("golden/models/qwen3-draft");
     let dflash = root().join("golden/models/qwen3-target-dflash");
-    let out = verity(&[
-        "bench",
-        "speed",
-        "--model",
-        &model.to_string_lossy(),
-        "--draft-model",
-        &draft.to_string_lossy(),
-        "--draft-dflash",
-        &dflash.to_string_lossy(),
-        "--no-mlx-lm",
-        "--runs",
-        "1",
-        "--prompt-lens",
-        "16",
-        "--decode-tokens",
-        "4",
-        "--json",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let rows: Vec<&str> = doc["rows"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["row"].as_str().unwrap())
-        .collect();
-    assert_eq!(
-        rows,
-        [
-            "prefill 16",
-            "ttft 16",
-            "decode after 16",
-            "  build per token after 16",
-            "  enqueue per token after 16",
-            "  wait per token after 16",
-            "peak memory 16, prefill",
-            "peak memory 16",
-            "text prompt, plain",
-            "text prompt, draft model k=3",
-            "text prompt, DFlash drafter",
-            "text prompt, n-gram k=3",
-            "text prompt, regex grammar",
-            "cold start (load + 1 token)",
-        ]
-    );
-    for r in doc["rows"].as_array().unwrap() {
-        let median = r["verity"]["median"].as_f64().unwrap();
-        assert!(median.is_finite() && median > 0.0, "{r}");
-        assert!(r["mlx_lm"].is_null());
+    // The drafter named adds its row between plain and n-gram (one drafter per run).
+    let drafters = [
+        ("--draft-model", &draft, "text prompt, draft model k=3"),
+        ("--draft-dflash", &dflash, "text prompt, DFlash drafter"),
+    ];
+    for (flag, dir, row) in drafters {
+        let out = verity(&[
+            "bench",
+            "speed",
+            "--model",
+            &model.to_string_lossy(),
+            flag,
+            &dir.to_string_lossy(),
+            "--no-mlx-lm",
+            "--runs",
+            "1",
+            "--prompt-lens",
+            "16",
+            "--decode-tokens",
+            "4",
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let rows: Vec<&str> = doc["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["row"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                "prefill 16",
+                "ttft 16",
+                "decode after 16",
+                "  build per token after 16",
+                "  enqueue per token after 16",
+                "  wait per token after 16",
+                "peak memory 16, prefill",
+                "peak memory 16",
+                "text prompt, plain",
+                row,
+                "text prompt, n-gram k=3",
+                "text prompt, regex grammar",
+                "cold start (load + 1 token)",
+            ]
+        );
+        for r in doc["rows"].as_array().unwrap() {
+            let median = r["verity"]["median"].as_f64().unwrap();
+            assert!(median.is_finite() && median > 0.0, "{r}");
+            assert!(r["mlx_lm"].is_null());
+        }
+        assert!(doc["floor_tok_s"].as_f64().unwrap() > 0.0);
     }
-    assert!(doc["floor_tok_s"].as_f64().unwrap() > 0.0);
 }

@@ -7,12 +7,12 @@ mod support;
 
 use mlx::Array;
 use support::{bundle, golden_input, model_dir};
-use verity::generate::{token_array, Generation};
+use verity::generate::{token_array, Control, Generation};
 use verity::model::dflash::DflashModel;
 use verity::parity::acceptance::acceptance;
 use verity::speculative::{
-    generate_speculative, Control, DflashDrafter, DraftContext, DraftSource, PrefillMode,
-    SpeculationStats, Verified,
+    generate_speculative, DflashDrafter, DraftContext, DraftSource, PrefillMode, SpeculationStats,
+    Verified,
 };
 use verity_harness::acceptance::{Baseline, Suite};
 

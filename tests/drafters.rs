@@ -13,12 +13,12 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use support::{bundle, golden_input, model_dir};
 use verity::bundle::ModelBundle;
-use verity::generate::{forward_tapped, prefill, token_array, GenerateParams, Generation};
+use verity::generate::{forward_tapped, prefill, token_array, Control, GenerateParams, Generation};
 use verity::parity::acceptance::{acceptance, run_suite};
 use verity::parity::Models;
 use verity::speculative::{
-    generate_speculative, Control, DraftContext, DraftSource, MtpDrafter, PrefillMode,
-    SpeculationStats, Verified,
+    generate_speculative, DraftContext, DraftSource, MtpDrafter, PrefillMode, SpeculationStats,
+    Verified,
 };
 use verity_harness::acceptance::Suite;
 

@@ -15,9 +15,9 @@ use libtest_mimic::{Failed, Trial};
 use serde_json::Value;
 use support::{model_dir, root};
 use verity::bundle::ModelBundle;
-use verity::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
+use verity::generate::{Control, FinishReason, GenerateParams, GeneratedToken, Generation};
 use verity::grammar::{Constraint, Grammar};
-use verity::speculative::{generate_speculative, Control, DraftModel, DraftSource, NgramLookup};
+use verity::speculative::{generate_speculative, DraftModel, DraftSource, NgramLookup};
 use verity::tokenizer::UserTurn;
 
 /// Target fixtures and the draft model each is paired with.

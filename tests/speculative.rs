@@ -6,10 +6,12 @@ mod support;
 
 use support::{bundle, golden_input};
 use verity::bundle::ModelBundle;
-use verity::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
+use verity::decode::{decode, Hooks, Request, Start};
+use verity::generate::{Control, FinishReason, GenerateParams, GeneratedToken, Generation};
 use verity::sample::KeySchedule;
 use verity::speculative::{
-    generate_speculative, Control, DraftModel, DraftSource, NgramLookup, SpeculationStats,
+    generate_speculative, DraftModel, DraftSource, Drafter, DrafterSpec, NgramLookup,
+    SpeculationStats,
 };
 
 /// The trained target and its draft, with this test's MLX JIT cache isolated first.
@@ -223,4 +225,60 @@ fn identical_reruns_give_identical_statistics() {
     assert!(a == b);
     assert_eq!(sa, sb);
     assert!(sa.rounds > 0);
+}
+
+/// Every kind of drafter the registry knows, named by its spec, loaded and paired once, and run
+/// through the one decode entry point with its default drafts per round, emits plain
+/// decoding's tokens and logprob bits. qwen3_5 carries an MTP head and has a DFlash drafter,
+/// and drafts for itself as a draft model.
+#[test]
+fn every_registered_drafter_decodes_as_plain_through_the_front_door() {
+    support::on_cpu();
+    let target = bundle("qwen3_5");
+    let (prompt, params) = golden_input("qwen3_5/greedy/code", 12);
+    let decoded = |drafter: Option<&Drafter>| {
+        let mut steps = Vec::new();
+        let mut on_token = |s: &GeneratedToken| {
+            steps.push((s.token, s.logprobs.to_bytes().unwrap(), s.finish));
+            Control::Continue
+        };
+        let request = Request {
+            prompt: &prompt,
+            params: &params,
+            constraint: None,
+            num_draft_tokens: None,
+        };
+        let hooks = Hooks::tokens(&mut on_token);
+        let out = decode(target.model(), drafter, Start::Fresh, request, hooks).unwrap();
+        (steps, out.speculation)
+    };
+    let (want, none) = decoded(None);
+    assert!(none.is_none(), "plain decoding reports no speculation");
+    assert_eq!(plain(&target, &prompt, &params), want);
+    let specs = [
+        (DrafterSpec::Model(support::model_dir("qwen3_5")), 3),
+        (DrafterSpec::Ngram { min: 1, max: 3 }, 3),
+        (DrafterSpec::Mtp, 3),
+        (
+            DrafterSpec::Dflash {
+                dir: support::model_dir("qwen3_5-dflash"),
+                chain: false,
+            },
+            7, // its block_size (config.json) less the verified token
+        ),
+    ];
+    for (spec, default_k) in specs {
+        let drafter = Drafter::load(&spec, &target).unwrap();
+        assert_eq!(drafter.default_num_draft_tokens(), default_k, "{spec:?}");
+        assert_eq!(
+            drafter.keeps_prefix_cache(),
+            !matches!(spec, DrafterSpec::Dflash { .. }),
+            "{spec:?}"
+        );
+        let (got, stats) = decoded(Some(&drafter));
+        assert_eq!(got, want, "{spec:?}");
+        let stats = stats.expect("a drafter reports its speculation");
+        assert_eq!(stats.generated, want.len(), "{spec:?}");
+        assert!(stats.rounds > 0, "{spec:?}");
+    }
 }

@@ -12,10 +12,10 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 use support::{bundle, proptest_cases};
 use verity::cache::KvQuantization;
-use verity::generate::{GenerateParams, Generation};
+use verity::generate::{Control, GenerateParams, Generation};
 use verity::model::LanguageModel;
 use verity::sample::{KeySchedule, ProcessorParams, SamplerParams};
-use verity::speculative::{generate_speculative, Control, NgramLookup};
+use verity::speculative::{generate_speculative, NgramLookup};
 use verity::Error;
 
 /// What a request asks for, before validation.

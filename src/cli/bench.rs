@@ -13,29 +13,25 @@ use anyhow::{bail, Context};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
-use verity::bench::{memory_bandwidth, time_plain, time_speculative, Timing};
+use verity::bench::{memory_bandwidth, time_decode, Timing};
 use verity::bundle::ModelBundle;
 use verity::generate::StepSplit;
 use verity::grammar::Grammar;
-use verity::model::dflash::DflashModel;
 use verity::request::GenerateParams;
-use verity::speculative::{DflashDrafter, DraftModel, NgramLookup};
-use verity::validate;
+use verity::speculative::drafter::DEFAULT_NUM_DRAFT_TOKENS;
+use verity::speculative::{Drafter, DrafterSpec};
+
+use super::draft_args::DraftArgs;
 
 #[derive(Args)]
 pub struct SpeedArgs {
     /// Model folder.
     #[arg(long)]
     model: PathBuf,
-    /// Draft model folder: adds speculative rows (both engines).
-    #[arg(long)]
-    draft_model: Option<PathBuf>,
-    #[arg(long, default_value_t = 3)]
-    num_draft_tokens: usize,
-    /// DFlash block drafter folder: adds a speculative row (verity only; its block ceiling is
-    /// the drafter's block_size).
-    #[arg(long)]
-    draft_dflash: Option<PathBuf>,
+    /// A drafter adds a speculative row (both engines for a draft model, verity alone for the
+    /// others); the n-gram row runs in any case.
+    #[command(flatten)]
+    draft: DraftArgs,
     /// Prompt lengths of the prefill rows.
     #[arg(long, value_delimiter = ',', default_value = "128,1024,4096")]
     prompt_lens: Vec<usize>,
@@ -83,7 +79,7 @@ impl MlxLm {
         }
         let mut cmd = Command::new(&a.python);
         cmd.arg(script).arg("--model").arg(&a.model);
-        if let Some(d) = &a.draft_model {
+        if let Some(d) = &a.draft.draft_model {
             cmd.arg("--draft-model").arg(d);
         }
         cmd.args([
@@ -179,8 +175,8 @@ impl Drop for MlxLm {
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
     Plain,
-    Draft,
-    Dflash,
+    /// With the drafter the flags name.
+    Drafter,
     Ngram,
     Grammar,
 }
@@ -194,14 +190,17 @@ struct Workload {
 }
 
 impl Workload {
-    /// The name of a text-prompt row.
-    fn text_row(&self, k: usize) -> String {
-        match self.kind {
-            Kind::Plain => "text prompt, plain".into(),
-            Kind::Draft => format!("text prompt, draft model k={k}"),
-            Kind::Dflash => "text prompt, DFlash drafter".into(),
-            Kind::Ngram => format!("text prompt, n-gram k={k}"),
-            Kind::Grammar => "text prompt, regex grammar".into(),
+    /// The name of a text-prompt row, `spec` being the drafter the flags name.
+    fn text_row(&self, k: usize, spec: Option<&DrafterSpec>) -> String {
+        match (self.kind, spec) {
+            (Kind::Plain, _) => "text prompt, plain".into(),
+            (Kind::Drafter, Some(DrafterSpec::Model(_))) => {
+                format!("text prompt, draft model k={k}")
+            }
+            (Kind::Drafter, Some(DrafterSpec::Mtp)) => format!("text prompt, MTP head k={k}"),
+            (Kind::Drafter, _) => "text prompt, DFlash drafter".into(),
+            (Kind::Ngram, _) => format!("text prompt, n-gram k={k}"),
+            (Kind::Grammar, _) => "text prompt, regex grammar".into(),
         }
     }
 }
@@ -281,11 +280,23 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         a.decode_tokens
     );
     let bundle = ModelBundle::load(&a.model)?;
-    let draft = a
-        .draft_model
-        .as_deref()
-        .map(|d| bundle.load_draft(d))
+    // The n-gram row runs whatever the flags name; the drafter row is another source's.
+    let spec = a.draft.spec();
+    let ngram = DrafterSpec::Ngram {
+        min: a.draft.ngram_min,
+        max: a.draft.ngram_max,
+    };
+    let ngram = Drafter::load(&ngram, &bundle)?;
+    let spec = spec.filter(|s| !matches!(s, DrafterSpec::Ngram { .. }));
+    let mut drafter = spec
+        .as_ref()
+        .map(|s| Drafter::load(s, &bundle))
         .transpose()?;
+    // Checked now; a drafter that mlx-lm's side does not hold is loaded again when its row
+    // runs, so its weights do not count in the other rows' peak memory.
+    if drafter.as_ref().is_some_and(|d| d.draft_model().is_none()) {
+        drafter = None;
+    }
     let mut mlx_lm = if a.no_mlx_lm {
         None
     } else {
@@ -310,24 +321,11 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             prefill_row: true,
         })
         .collect();
-    // Checked now, loaded when its row runs: resident drafter weights would count in the peak
-    // memory rows, and mlx-lm's side holds no such drafter.
-    if let Some(dir) = &a.draft_dflash {
-        validate::dflash(bundle.model(), &DflashModel::load(dir)?)?;
-    }
-    let mut dflash: Option<DflashModel> = None;
-    let text_kinds = [
-        Kind::Plain,
-        Kind::Draft,
-        Kind::Dflash,
-        Kind::Ngram,
-        Kind::Grammar,
-    ];
+    let text_kinds = [Kind::Plain, Kind::Drafter, Kind::Ngram, Kind::Grammar];
     workloads.extend(
         text_kinds
             .into_iter()
-            .filter(|&kind| kind != Kind::Draft || draft.is_some())
-            .filter(|&kind| kind != Kind::Dflash || a.draft_dflash.is_some())
+            .filter(|&kind| kind != Kind::Drafter || spec.is_some())
             .map(|kind| Workload {
                 kind,
                 prompt: text.clone(),
@@ -361,7 +359,7 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             .progress_chars("=> "),
     );
     let p = params(a.decode_tokens);
-    let k = a.num_draft_tokens;
+    let k = a.draft.num_draft_tokens.unwrap_or(DEFAULT_NUM_DRAFT_TOKENS);
     let grammar = Grammar::Regex("(?s:.*)".into());
     let mut rows = Vec::new();
     let mut plain_text = None;
@@ -371,28 +369,26 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             bar.set_message(format!("{} tokens, run {run}", w.prompt.len()));
             let (model, prompt) = (bundle.model(), &w.prompt);
             let t = match w.kind {
-                Kind::Plain => time_plain(model, prompt, &p, None)?,
-                Kind::Grammar => time_plain(model, prompt, &p, Some(bundle.constraint(&grammar)?))?,
-                Kind::Draft => {
-                    let d = draft.as_ref().context("draft model")?;
-                    time_speculative(model, &mut DraftModel::new(d.model()), prompt, &p, k)?
+                Kind::Plain => time_decode(model, None, prompt, &p, None, None)?,
+                Kind::Grammar => {
+                    let constraint = Some(bundle.constraint(&grammar)?);
+                    time_decode(model, None, prompt, &p, None, constraint)?
                 }
-                Kind::Dflash => {
-                    if dflash.is_none() {
-                        let dir = a.draft_dflash.as_deref().context("DFlash drafter")?;
-                        dflash = Some(DflashModel::load(dir)?);
+                Kind::Drafter => {
+                    if drafter.is_none() {
+                        let spec = spec.as_ref().context("a drafter")?;
+                        drafter = Some(Drafter::load(spec, &bundle)?);
                     }
-                    let m = dflash.as_ref().context("DFlash drafter")?;
-                    let source = &mut DflashDrafter::new(model, m)?;
-                    time_speculative(model, source, prompt, &p, m.block_size - 1)?
+                    let k = a.draft.num_draft_tokens;
+                    time_decode(model, drafter.as_ref(), prompt, &p, k, None)?
                 }
-                Kind::Ngram => {
-                    time_speculative(model, &mut NgramLookup::new(1, 3)?, prompt, &p, k)?
-                }
+                Kind::Ngram => time_decode(model, Some(&ngram), prompt, &p, Some(k), None)?,
             };
             let oracle = match (w.kind, mlx_lm.as_mut()) {
                 (Kind::Plain, Some(m)) => Some(m.run(prompt, &p, None)?),
-                (Kind::Draft, Some(m)) => Some(m.run(prompt, &p, Some(k))?),
+                (Kind::Drafter, Some(m)) if a.draft.draft_model.is_some() => {
+                    Some(m.run(prompt, &p, Some(k))?)
+                }
                 _ => None,
             };
             if run > 0 {
@@ -405,7 +401,7 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             plain_text = Spread::of(ours.iter().map(Timing::end_to_end_tps).collect());
         }
         // Rows are printed as their workload completes, so a run cut short keeps them.
-        let new = workload_rows(w, &ours, &theirs, floor, k);
+        let new = workload_rows(w, &ours, &theirs, floor, w.text_row(k, spec.as_ref()));
         if !a.json {
             bar.suspend(|| new.iter().for_each(|r| print!("{}", table_row(r))));
         }
@@ -447,14 +443,15 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The rows of one workload: end to end for a text-prompt run; prefill, time to first token,
-/// decode (with the floor `floor` and the step split) and peak memory for a prefill run.
+/// The rows of one workload: end to end for a text-prompt run (named `text_row`); prefill,
+/// time to first token, decode (with the floor `floor` and the step split) and peak memory for
+/// a prefill run.
 fn workload_rows(
     w: &Workload,
     ours: &[Timing],
     theirs: &[Timing],
     floor: f64,
-    k: usize,
+    text_row: String,
 ) -> Vec<Row> {
     let spread = |ts: &[Timing], f: &dyn Fn(&Timing) -> f64| Spread::of(ts.iter().map(f).collect());
     let row = |name: String, unit, higher, f: &dyn Fn(&Timing) -> f64, floor| Row {
@@ -466,13 +463,7 @@ fn workload_rows(
         floor,
     };
     if !w.prefill_row {
-        return vec![row(
-            w.text_row(k),
-            "tok/s",
-            true,
-            &Timing::end_to_end_tps,
-            None,
-        )];
+        return vec![row(text_row, "tok/s", true, &Timing::end_to_end_tps, None)];
     }
     let n = w.prompt.len();
     let mut rows = vec![

@@ -12,16 +12,16 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use verity::bundle::ModelBundle;
 use verity::cache::{load_prompt_cache, KvQuantization, LayerCache};
-use verity::generate::{FinishReason, GenerateParams, GeneratedToken, Generation};
-use verity::grammar::{Constraint, Grammar};
-use verity::model::dflash::DflashModel;
+use verity::decode::{decode, Hooks, Request, Start};
+use verity::generate::{Control, FinishReason, GenerateParams, GeneratedToken};
+use verity::grammar::Grammar;
+use verity::request::reproducible_seed;
 use verity::sample::{KeySchedule, ProcessorParams, SamplerParams};
-use verity::speculative::{
-    generate_speculative, Control, DflashDrafter, DraftModel, DraftSource, MtpDrafter, NgramLookup,
-    SpeculationStats,
-};
+use verity::speculative::{Drafter, SpeculationStats};
 use verity::tokenizer::{StreamingDetokenizer, UserTurn};
 use verity::validate;
+
+use super::draft_args::DraftArgs;
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -78,8 +78,8 @@ pub struct GenerateArgs {
     #[command(flatten)]
     cache: CacheArgs,
     /// Continue from a prompt cache file (mlx-lm's format, e.g. from `verity cache-prompt`):
-    /// the prompt then only adds the new user turn.
-    #[arg(long)]
+    /// the prompt then only adds the new user turn. Plain decoding only.
+    #[arg(long, conflicts_with_all = ["draft_model", "draft_ngram", "draft_mtp", "draft_dflash"])]
     prompt_cache_file: Option<PathBuf>,
     /// Constrain the output to this JSON schema (compact JSON).
     #[arg(long, group = "output_constraint")]
@@ -93,29 +93,8 @@ pub struct GenerateArgs {
     /// Constrain the output to one of these strings (repeatable).
     #[arg(long, group = "output_constraint")]
     choice: Vec<String>,
-    /// Speculate with this draft model folder (same tokenizer as the model).
-    #[arg(long, conflicts_with_all = ["draft_ngram", "draft_mtp", "draft_dflash"])]
-    draft_model: Option<PathBuf>,
-    /// Speculate with prompt lookup (n-gram) drafts.
-    #[arg(long, conflicts_with_all = ["draft_mtp", "draft_dflash"])]
-    draft_ngram: bool,
-    /// Speculate with the model's own multi-token-prediction head (Qwen3.5 `mtp.*` weights),
-    /// as mlx-vlm's MTP loop does (--num-draft-tokens is its block size minus one).
-    #[arg(long, conflicts_with = "draft_dflash")]
-    draft_mtp: bool,
-    /// Speculate with this DFlash block drafter folder (model_type qwen3_dflash), as mlx-vlm's
-    /// DFlash loop does: one drafter pass per round drafts a whole block, whose size adapts to
-    /// acceptance up to the drafter's block_size (or --num-draft-tokens + 1).
-    #[arg(long)]
-    draft_dflash: Option<PathBuf>,
-    /// Drafts per round (default 3; with --draft-dflash, the drafter's block_size - 1).
-    #[arg(long)]
-    num_draft_tokens: Option<usize>,
-    /// Shortest and longest n-gram prompt lookup matches.
-    #[arg(long, default_value_t = 1)]
-    ngram_min: usize,
-    #[arg(long, default_value_t = 3)]
-    ngram_max: usize,
+    #[command(flatten)]
+    draft: DraftArgs,
 }
 
 /// How the prompt is processed into the KV cache (shared by generate and cache-prompt).
@@ -173,35 +152,45 @@ fn parse_bias(s: &str) -> Result<(u32, f64), String> {
 
 pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
     let bundle = ModelBundle::load(&a.model)?;
+    let drafter = a
+        .draft
+        .spec()
+        .map(|spec| Drafter::load(&spec, &bundle))
+        .transpose()?;
     let prompt = prompt_tokens(&a, &bundle)?;
     warn_past_context(&bundle, prompt.len() + a.max_tokens);
     let params = generate_params(&a, &bundle)?;
     let constraint = a.grammar()?.map(|g| bundle.constraint(&g)).transpose()?;
+    let start = match prompt_cache(&a, &bundle, &params)? {
+        Some(caches) => Start::Context(caches),
+        None => Start::Fresh,
+    };
     let mut out = Printer::new(&bundle);
     mlx::memory::reset_peak();
-    let stats =
-        if a.draft_model.is_some() || a.draft_ngram || a.draft_mtp || a.draft_dflash.is_some() {
-            speculate(&a, &bundle, &prompt, &params, constraint, &mut out)?
-        } else {
-            let caches = starting_caches(&a, &bundle, &params)?;
-            let bar = prefill_bar(prompt.len(), params.prefill_step_size);
-            let generation = Generation::start_reporting(
-                bundle.model(),
-                caches,
-                &prompt,
-                &params,
-                constraint,
-                &mut |done| bar.set_position(done as u64),
-            )?;
+    let bar = prefill_bar(prompt.len(), params.prefill_step_size);
+    let mut on_chunk = |done: usize| {
+        bar.set_position(done as u64);
+        Control::Continue
+    };
+    let mut on_token = |step: &GeneratedToken| {
+        if !bar.is_finished() {
             bar.finish_and_clear();
-            for step in generation {
-                if out.emit(&step?) == Control::Stop {
-                    break;
-                }
-            }
-            None
-        };
-    out.finish(prompt.len(), stats.as_ref())?;
+        }
+        out.emit(step)
+    };
+    let hooks = Hooks {
+        on_chunk: Some(&mut on_chunk),
+        ..Hooks::tokens(&mut on_token)
+    };
+    let request = Request {
+        prompt: &prompt,
+        params: &params,
+        constraint,
+        num_draft_tokens: a.draft.num_draft_tokens,
+    };
+    let decoded = decode(bundle.model(), drafter.as_ref(), start, request, hooks)?;
+    bar.finish_and_clear();
+    out.finish(prompt.len(), decoded.speculation.as_ref())?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -223,12 +212,7 @@ fn prefill_bar(tokens: usize, step: usize) -> ProgressBar {
 /// Warns when a request runs past the context the model was trained for: it still runs (as in
 /// mlx-lm), but slowly and, past that length, into positions the model never saw.
 fn warn_past_context(bundle: &ModelBundle, tokens: usize) {
-    let json = &bundle.config.json;
-    let context = json
-        .get("max_position_embeddings")
-        .or_else(|| json.get("text_config")?.get("max_position_embeddings"))
-        .and_then(serde_json::Value::as_u64);
-    if let Some(context) = context.filter(|&c| tokens as u64 > c) {
+    if let Some(context) = bundle.context_length().filter(|&c| tokens > c) {
         eprintln!(
             "warning: prompt plus --max-tokens is {tokens} tokens, past the model's context of \
              {context} (max_position_embeddings)"
@@ -261,17 +245,9 @@ fn generate_params(a: &GenerateArgs, bundle: &ModelBundle) -> anyhow::Result<Gen
             "note: this model builds its own caches; --max-kv-size is ignored (as in mlx-lm)"
         );
     }
-    let seed = match (a.seed, a.temp > 0.0) {
-        (Some(s), _) => Some(s),
-        (None, true) => {
-            eprintln!("note: no --seed given; sampling with seed 0");
-            Some(0)
-        }
-        (None, false) => None,
-    };
-    // mlx_lm.generate never lets XTC exclude a newline or an EOS token.
-    let mut xtc_special_tokens = bundle.tokenizer.encode("\n", false)?;
-    xtc_special_tokens.extend(&bundle.eos_token_ids);
+    if a.seed.is_none() && a.temp > 0.0 {
+        eprintln!("note: no --seed given; sampling with seed 0");
+    }
     Ok(GenerateParams {
         max_tokens: a.max_tokens,
         sampler: SamplerParams {
@@ -282,7 +258,7 @@ fn generate_params(a: &GenerateArgs, bundle: &ModelBundle) -> anyhow::Result<Gen
             top_k: a.top_k,
             xtc_probability: a.xtc_probability,
             xtc_threshold: a.xtc_threshold,
-            xtc_special_tokens,
+            xtc_special_tokens: bundle.xtc_special_tokens()?,
         },
         processors: ProcessorParams {
             logit_bias: a.logit_bias.clone(),
@@ -293,7 +269,7 @@ fn generate_params(a: &GenerateArgs, bundle: &ModelBundle) -> anyhow::Result<Gen
             frequency_penalty: a.frequency_penalty,
             frequency_context_size: a.frequency_context_size,
         },
-        seed,
+        seed: reproducible_seed(a.seed, a.temp),
         keys: a.keys,
         prefill_step_size: a.cache.prefill_step_size,
         max_kv_size: a.cache.max_kv_size,
@@ -315,15 +291,14 @@ impl GenerateArgs {
     }
 }
 
-/// The caches generation starts from: a prompt cache file's, or fresh ones.
-fn starting_caches(
+/// The caches of the prompt cache file the flags name, if any.
+fn prompt_cache(
     a: &GenerateArgs,
     bundle: &ModelBundle,
     params: &GenerateParams,
-) -> anyhow::Result<Vec<LayerCache>> {
-    let model = bundle.model();
+) -> anyhow::Result<Option<Vec<LayerCache>>> {
     let Some(file) = &a.prompt_cache_file else {
-        return Ok(model.make_cache(params.max_kv_size));
+        return Ok(None);
     };
     let (caches, metadata) = load_prompt_cache(file)?;
     if let Some(written_for) = metadata.get("model") {
@@ -340,55 +315,8 @@ fn starting_caches(
             );
         }
     }
-    validate::prompt_cache(&file.display().to_string(), model, &caches, params)?;
-    Ok(caches)
-}
-
-/// Speculative decoding with the draft model or n-gram lookup the flags name.
-fn speculate(
-    a: &GenerateArgs,
-    bundle: &ModelBundle,
-    prompt: &[u32],
-    params: &GenerateParams,
-    constraint: Option<Constraint>,
-    out: &mut Printer,
-) -> anyhow::Result<Option<SpeculationStats>> {
-    anyhow::ensure!(
-        a.prompt_cache_file.is_none(),
-        "speculative decoding from a prompt cache file is not supported"
-    );
-    let draft = a
-        .draft_model
-        .as_deref()
-        .map(|d| bundle.load_draft(d))
-        .transpose()?;
-    let dflash = a
-        .draft_dflash
-        .as_deref()
-        .map(DflashModel::load)
-        .transpose()?;
-    let mut source: Box<dyn DraftSource> = match (&draft, &dflash) {
-        (Some(d), _) => Box::new(DraftModel::new(d.model())),
-        (None, Some(m)) => Box::new(DflashDrafter::new(bundle.model(), m)?),
-        (None, None) if a.draft_mtp => Box::new(MtpDrafter::new(bundle.model())?),
-        (None, None) => Box::new(NgramLookup::new(a.ngram_min, a.ngram_max)?),
-    };
-    let num_draft_tokens = match (a.num_draft_tokens, &dflash) {
-        (Some(k), _) => k,
-        (None, Some(m)) => m.block_size - 1,
-        (None, None) => 3,
-    };
-    let mut emit = |step: &GeneratedToken| out.emit(step);
-    let (stats, _) = generate_speculative(
-        bundle.model(),
-        source.as_mut(),
-        prompt,
-        params,
-        num_draft_tokens,
-        constraint,
-        &mut emit,
-    )?;
-    Ok(Some(stats))
+    validate::prompt_cache(&file.display().to_string(), bundle.model(), &caches, params)?;
+    Ok(Some(caches))
 }
 
 /// Streams text to stdout as mlx_lm.generate does and reports speed, acceptance and peak

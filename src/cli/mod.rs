@@ -6,6 +6,7 @@ mod bench;
 mod bisect;
 mod cache_prompt;
 mod check;
+mod draft_args;
 mod generate;
 mod grammar;
 mod serve;

@@ -4,6 +4,7 @@ pub mod dflash;
 pub mod gemma3_text;
 pub mod layers;
 pub mod llama;
+pub mod mtp;
 pub mod qwen3;
 pub mod qwen3_5;
 pub mod qwen3_next;
@@ -67,7 +68,7 @@ pub trait LanguageModel {
     }
 
     /// The multi-token-prediction head the checkpoint carries, if any (Qwen3.5's `mtp.*`).
-    fn mtp_head(&self) -> Option<&qwen3_5::MtpHead> {
+    fn mtp_head(&self) -> Option<&dyn mtp::MtpHead> {
         None
     }
 }

@@ -1,14 +1,16 @@
 //! mlx_lm/models/qwen3_5.py: the qwen3_next hybrid with split DeltaNet projections, read from
 //! a vision-language checkpoint (text part under `text_config`). Vision weights are dropped;
 //! HF-layout checkpoints get their conv weights transposed and norms shifted by +1. The `mtp.*`
-//! weights, which mlx-lm drops, become the model's multi-token-prediction head ([`MtpHead`]),
-//! loaded as mlx-vlm's MTP splitter loads them (mlx_vlm/speculative/drafters/mtp_split.py).
+//! weights, which mlx-lm drops, become the model's multi-token-prediction head
+//! ([`QwenMtpHead`], a [`MtpHead`]), loaded as mlx-vlm's MTP splitter loads them
+//! (mlx_vlm/speculative/drafters/mtp_split.py).
 
 use mlx::{ops, Array};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::layers::{Dims, Linear, OuterLayers, RmsNorm, Rope};
+use super::mtp::MtpHead;
 use super::qwen3_next::{self, AttentionLayer, LinearDims, Projections, Shape};
 use super::{Forward, LanguageModel};
 use crate::cache::{default_caches, LayerCache};
@@ -144,7 +146,7 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Mod
     let tied = a.dims.tie_word_embeddings.unwrap_or(false);
     sanitize(w, tied)?;
     let mtp = if w.keys().any(|k| k.starts_with("mtp.")) {
-        Some(MtpHead::load(
+        Some(QwenMtpHead::load(
             w,
             q,
             &a.dims,
@@ -176,7 +178,7 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Mod
 /// The Qwen3.5 text model with the MTP head its checkpoint may carry.
 pub struct Model {
     text: qwen3_next::Model,
-    mtp: Option<MtpHead>,
+    mtp: Option<QwenMtpHead>,
 }
 
 impl LanguageModel for Model {
@@ -200,8 +202,8 @@ impl LanguageModel for Model {
         self.text.attention_head_dim()
     }
 
-    fn mtp_head(&self) -> Option<&MtpHead> {
-        self.mtp.as_ref()
+    fn mtp_head(&self) -> Option<&dyn MtpHead> {
+        self.mtp.as_ref().map(|h| h as &dyn MtpHead)
     }
 }
 
@@ -212,7 +214,7 @@ impl LanguageModel for Model {
 /// output head are the target's; `h_i` is the target's final post-norm hidden state (mlx-vlm's
 /// `return_hidden` appends `self.norm(h)`, mlx_vlm/models/qwen3_5/language.py:1406, 1841-1844)
 /// or, later in a chain, this head's own output.
-pub struct MtpHead {
+struct QwenMtpHead {
     fc: Linear,
     pre_fc_norm_embedding: RmsNorm,
     pre_fc_norm_hidden: RmsNorm,
@@ -221,7 +223,7 @@ pub struct MtpHead {
     hidden_size: i32,
 }
 
-impl MtpHead {
+impl QwenMtpHead {
     fn load(
         w: &mut Weights,
         q: &QuantConfig,
@@ -229,7 +231,7 @@ impl MtpHead {
         depth: usize,
         rope: Rope,
         config: &Config,
-    ) -> LoadResult<MtpHead> {
+    ) -> LoadResult<QwenMtpHead> {
         if depth == 0 {
             return Err(config.error(
                 "the checkpoint has mtp.* weights but mtp_num_hidden_layers is 0 (must be >= 1)",
@@ -239,7 +241,7 @@ impl MtpHead {
         let layers = (0..depth)
             .map(|i| AttentionLayer::load(w, q, &format!("mtp.layers.{i}"), d, rope, false))
             .collect::<LoadResult<_>>()?;
-        Ok(MtpHead {
+        Ok(QwenMtpHead {
             fc: Linear::load(w, q, "mtp.fc", 2 * h, h, false)?,
             pre_fc_norm_embedding: RmsNorm::load(w, "mtp.pre_fc_norm_embedding", h, eps)?,
             pre_fc_norm_hidden: RmsNorm::load(w, "mtp.pre_fc_norm_hidden", h, eps)?,
@@ -248,22 +250,21 @@ impl MtpHead {
             hidden_size: h,
         })
     }
+}
 
-    /// The width of the hidden states the head consumes and yields.
-    pub fn hidden_size(&self) -> usize {
+impl MtpHead for QwenMtpHead {
+    fn hidden_size(&self) -> usize {
         self.hidden_size as usize
     }
 
-    /// Fresh caches, one plain KV cache per layer (qwen3_5_mtp.py:99-116).
-    pub fn make_cache(&self) -> Vec<LayerCache> {
+    /// One plain KV cache per layer (qwen3_5_mtp.py:99-116).
+    fn make_cache(&self) -> Vec<LayerCache> {
         default_caches(self.layers.len(), None)
     }
 
-    /// One pass over L entries: `embedded` (1, L, H) are the embedded tokens t_{i+1}, `hidden`
-    /// (1, L, H) the states h_i they follow. Returns the post-norm states (1, L, H) whose
-    /// output-head logits predict t_{i+2}. Positions continue from the caches' offset, which is
-    /// mlx-vlm's own `_next_position` counter (both start at 0 and move together on trim).
-    pub fn forward(
+    /// The head's positions are mlx-vlm's own `_next_position` counter, which starts at 0 and
+    /// moves with the caches' offset on trim; the output is post-norm.
+    fn forward(
         &self,
         embedded: &Array,
         hidden: &Array,

@@ -1,17 +1,22 @@
-//! Model folders named by traces and suites (repository-relative), each loaded once.
+//! Model folders named by traces and suites (repository-relative), each loaded once, and the
+//! one mapping of a trace's or a suite's draft source onto the drafter registry.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
+use verity_harness::acceptance::Source;
+use verity_harness::trace::Draft;
+
 use crate::bundle::ModelBundle;
-use crate::model::dflash::DflashModel;
-use crate::Result;
+use crate::speculative::{Drafter, DrafterSpec};
+use crate::{validate, Result};
 
 pub struct Models {
     root: PathBuf,
     loaded: HashMap<PathBuf, Rc<ModelBundle>>,
-    drafters: HashMap<PathBuf, Rc<DflashModel>>,
+    /// Drafters by the target folder they were paired with and their spec.
+    drafters: HashMap<(PathBuf, DrafterSpec), Rc<Drafter>>,
 }
 
 impl Models {
@@ -40,14 +45,49 @@ impl Models {
         Ok(m)
     }
 
-    /// A repository-relative DFlash drafter folder, loaded on first use.
-    pub fn dflash(&mut self, relative: &str) -> Result<Rc<DflashModel>> {
-        let dir = self.path(relative);
-        if let Some(m) = self.drafters.get(&dir) {
-            return Ok(Rc::clone(m));
+    /// The drafter `spec` names, paired with the repository-relative `target`, loaded on
+    /// first use.
+    pub fn drafter(&mut self, target: &str, spec: &DrafterSpec) -> Result<Rc<Drafter>> {
+        let key = (self.path(target), spec.clone());
+        if let Some(d) = self.drafters.get(&key) {
+            return Ok(Rc::clone(d));
         }
-        let m = Rc::new(DflashModel::load(&dir)?);
-        self.drafters.insert(dir, Rc::clone(&m));
-        Ok(m)
+        let target = self.get(target)?;
+        let d = Rc::new(Drafter::load(spec, &target)?);
+        self.drafters.insert(key, Rc::clone(&d));
+        Ok(d)
+    }
+
+    /// The drafter a trace was recorded with and its drafts per round (mlx-vlm's block is the
+    /// round's verify input: the last token and its drafts).
+    pub fn trace_drafter(&self, draft: &Draft) -> Result<(DrafterSpec, usize)> {
+        Ok(match draft {
+            Draft::Model {
+                model,
+                num_draft_tokens,
+            } => (DrafterSpec::Model(self.path(model)), *num_draft_tokens),
+            Draft::Mtp { block_size } => {
+                validate::draft_block_size(*block_size)?;
+                (DrafterSpec::Mtp, block_size - 1)
+            }
+            Draft::Dflash { model, block_size } => {
+                validate::draft_block_size(*block_size)?;
+                let dir = self.path(model);
+                (DrafterSpec::Dflash { dir, chain: false }, block_size - 1)
+            }
+        })
+    }
+
+    /// The drafter an acceptance suite runs.
+    pub fn suite_drafter(&self, source: &Source) -> DrafterSpec {
+        match source {
+            Source::Model { model } => DrafterSpec::Model(self.path(model)),
+            &Source::Ngram { min, max } => DrafterSpec::Ngram { min, max },
+            Source::Mtp => DrafterSpec::Mtp,
+            Source::Dflash { model, chain } => DrafterSpec::Dflash {
+                dir: self.path(model),
+                chain: *chain,
+            },
+        }
     }
 }

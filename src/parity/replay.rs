@@ -13,13 +13,10 @@ use verity_harness::Generation as Run;
 
 use super::Models;
 use crate::bundle::ModelBundle;
-use crate::cache::{load_prompt_cache, KvQuantization, LayerCache};
-use crate::generate::{score, FinishReason, GenerateParams, GeneratedToken, Generation};
-use crate::model::LanguageModel;
+use crate::cache::{load_prompt_cache, KvQuantization};
+use crate::decode::{decode, fresh_caches, Hooks, Request, Start};
+use crate::generate::{score, Control, FinishReason, GenerateParams, GeneratedToken};
 use crate::sample::KeySchedule;
-use crate::speculative::{
-    generate_speculative, Control, DflashDrafter, DraftModel, DraftSource, MtpDrafter,
-};
 use crate::{validate, Error, Result};
 
 /// How many of the best entries a trace records per step.
@@ -91,26 +88,20 @@ fn finish_reason(f: FinishReason) -> trace::FinishReason {
     }
 }
 
-/// The caches a trace's generation starts from: the prompt cache file's, or fresh ones (the
-/// speculative path builds its own, ignoring max_kv_size, as mlx-lm does).
-fn starting_caches(
+/// Where a trace's generation starts: the prompt cache file's caches, or fresh ones.
+fn start(
     trace: &Trace,
     models: &Models,
     bundle: &ModelBundle,
     params: &GenerateParams,
-) -> Result<Vec<LayerCache>> {
-    let model = bundle.model();
+) -> Result<Start> {
     let Some(cached) = &trace.prompt_cache else {
-        let max_kv_size = match trace.draft {
-            Some(_) => None,
-            None => trace.params.max_kv_size,
-        };
-        return Ok(model.make_cache(max_kv_size));
+        return Ok(Start::Fresh);
     };
     let (caches, _) = load_prompt_cache(&models.path(&cached.file))?;
-    validate::prompt_cache(&cached.file, model, &caches, params)
+    validate::prompt_cache(&cached.file, bundle.model(), &caches, params)
         .map_err(|e| e.context(&trace.id))?;
-    Ok(caches)
+    Ok(Start::Context(caches))
 }
 
 /// A teacher-forced replay: the engine's view of every step with the oracle's tokens fed
@@ -129,7 +120,10 @@ pub fn replay_forced(trace: &Trace, models: &mut Models) -> Result<(ForcedRun, R
     let params = params(trace, bundle.eos_token_ids.clone()).map_err(|e| e.context(&trace.id))?;
     let emitted = trace.tokens();
     let mut scored = Vec::with_capacity(emitted.len());
-    let caches = starting_caches(trace, models, &bundle, &params)?;
+    let caches = match start(trace, models, &bundle, &params)? {
+        Start::Context(caches) => caches,
+        _ => fresh_caches(bundle.model(), trace.draft.is_some(), &params),
+    };
     score(
         bundle.model(),
         caches,
@@ -185,115 +179,58 @@ pub fn replay_forced(trace: &Trace, models: &mut Models) -> Result<(ForcedRun, R
 pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle>)> {
     let bundle = models.get(&trace.model)?;
     let params = params(trace, bundle.eos_token_ids.clone()).map_err(|e| e.context(&trace.id))?;
-    let model = bundle.model();
-    let mut steps = Vec::new();
-    let mut finish = None;
-    let mut record = |token: &GeneratedToken| -> Result<()> {
-        steps.push(step_record(token.token, &token.logprobs, token.from_draft)?);
-        finish = token.finish;
-        Ok(())
-    };
-    let unsupported = |what: &str| Err(Error::Unsupported(format!("{}: {what}", trace.id)));
-    match (&trace.draft, &trace.prompt_cache) {
-        (
-            Some(Draft::Model {
-                model: draft,
-                num_draft_tokens,
-            }),
-            None,
-        ) => {
-            let draft = models.get(draft)?;
-            let source = &mut DraftModel::new(draft.model());
-            speculate(
-                model,
-                source,
-                trace,
-                &params,
-                *num_draft_tokens,
-                &mut record,
-            )?;
-        }
-        (None, _) => {
-            let caches = starting_caches(trace, models, &bundle, &params)?;
-            let generation = Generation::start(model, caches, &trace.prompt.tokens, &params, None)
+    let drafter = match &trace.draft {
+        Some(draft) => {
+            let (spec, k) = models
+                .trace_drafter(draft)
                 .map_err(|e| e.context(&trace.id))?;
-            for token in generation {
-                record(&token.map_err(|e| e.context(&trace.id))?)?;
+            Some((models.drafter(&trace.model, &spec)?, k))
+        }
+        None => None,
+    };
+    let start = start(trace, models, &bundle, &params)?;
+    let mut steps = Vec::new();
+    let (mut finish, mut failed) = (None, None);
+    let mut on_token = |token: &GeneratedToken| {
+        match step_record(token.token, &token.logprobs, token.from_draft) {
+            Ok(step) => steps.push(step),
+            Err(e) => {
+                failed = Some(e);
+                return Control::Stop;
             }
         }
-        (Some(Draft::Model { .. }), Some(_)) => {
-            return unsupported(
-                "draft-model speculation from a prompt cache is not implemented yet",
-            )
-        }
-        (Some(Draft::Mtp { block_size }), None) => {
-            // mlx-vlm's block is the round's verify input: the last token and its drafts.
-            validate::draft_block_size(*block_size).map_err(|e| e.context(&trace.id))?;
-            let source = &mut MtpDrafter::new(model).map_err(|e| e.context(&trace.id))?;
-            speculate(model, source, trace, &params, block_size - 1, &mut record)?;
-        }
-        (Some(Draft::Mtp { .. }), Some(_)) => {
-            return unsupported("MTP speculation from a prompt cache is not implemented yet")
-        }
-        (
-            Some(Draft::Dflash {
-                model: drafter,
-                block_size,
-            }),
-            None,
-        ) => {
-            validate::draft_block_size(*block_size).map_err(|e| e.context(&trace.id))?;
-            let drafter = models.dflash(drafter)?;
-            let source =
-                &mut DflashDrafter::new(model, &drafter).map_err(|e| e.context(&trace.id))?;
-            speculate(model, source, trace, &params, block_size - 1, &mut record)?;
-        }
-        (Some(Draft::Dflash { .. }), Some(_)) => {
-            return unsupported("DFlash speculation from a prompt cache is not supported")
-        }
+        finish = token.finish;
+        Control::Continue
+    };
+    let request = Request {
+        prompt: &trace.prompt.tokens,
+        params: &params,
+        constraint: None,
+        num_draft_tokens: drafter.as_ref().map(|d| d.1),
+    };
+    let drafter = drafter.as_ref().map(|d| d.0.as_ref());
+    decode(
+        bundle.model(),
+        drafter,
+        start,
+        request,
+        Hooks::tokens(&mut on_token),
+    )
+    .map_err(|e| e.context(&trace.id))?;
+    if let Some(e) = failed {
+        return Err(e.context(&trace.id));
     }
     let Some(finish) = finish else {
-        return unsupported("no token was generated");
+        return Err(Error::Unsupported(format!(
+            "{}: no token was generated",
+            trace.id
+        )));
     };
     let run = Run {
         steps,
         finish_reason: finish_reason(finish),
     };
     Ok((run, bundle))
-}
-
-/// Decodes `trace`'s prompt speculatively with `source`, handing each token to `record`; the
-/// first error (the engine's or `record`'s) names the trace.
-fn speculate(
-    model: &dyn LanguageModel,
-    source: &mut dyn DraftSource,
-    trace: &Trace,
-    params: &GenerateParams,
-    k: usize,
-    record: &mut dyn FnMut(&GeneratedToken) -> Result<()>,
-) -> Result<()> {
-    let mut failed = None;
-    let mut on_token = |t: &GeneratedToken| match record(t) {
-        Ok(()) => Control::Continue,
-        Err(e) => {
-            failed = Some(e);
-            Control::Stop
-        }
-    };
-    generate_speculative(
-        model,
-        source,
-        &trace.prompt.tokens,
-        params,
-        k,
-        None,
-        &mut on_token,
-    )
-    .map_err(|e| e.context(&trace.id))?;
-    match failed {
-        Some(e) => Err(e.context(&trace.id)),
-        None => Ok(()),
-    }
 }
 
 /// The trace's view of one step: the chosen token's logprob and the TOP_K best entries by

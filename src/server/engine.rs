@@ -20,35 +20,19 @@ use super::prefix_cache::PrefixCache;
 use super::stop::{Pushed, StopMatcher};
 use crate::bundle::ModelBundle;
 use crate::cache::{KvQuantization, LayerCache};
-use crate::generate::{FinishReason, GenerateParams, GeneratedToken, Generation, Resume};
-use crate::model::dflash::DflashModel;
+use crate::decode::{decode, Hooks, Request, Start};
+use crate::generate::{Control, FinishReason, GenerateParams, GeneratedToken};
+use crate::request::reproducible_seed;
 use crate::sample::{KeySchedule, ProcessorParams, SamplerParams};
-use crate::speculative::{
-    resume_speculative, Control, DflashDrafter, DraftModel, DraftSource, MtpDrafter, NgramLookup,
-    Speculation, SpeculationStats,
-};
+use crate::speculative::{Drafter, DrafterSpec, SpeculationStats};
 use crate::tokenizer::StreamingDetokenizer;
 use crate::{validate, Error};
-
-/// How drafts are made for speculative serving.
-#[derive(Clone, Debug)]
-pub enum Drafter {
-    /// A draft model folder (same vocabulary and tokenizer as the target).
-    Model(PathBuf),
-    /// Prompt lookup with n-grams of these lengths.
-    Ngram { min: usize, max: usize },
-    /// The target's own multi-token-prediction head (Qwen3.5 `mtp.*` weights).
-    Mtp,
-    /// A DFlash block drafter folder. Its drafts read the target's hidden states over the
-    /// whole prompt, which a prefix cache entry does not hold: a DFlash lane caches no prefixes.
-    Dflash(PathBuf),
-}
 
 /// What the engine serves and how it processes prompts.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     pub model: PathBuf,
-    pub drafter: Option<Drafter>,
+    pub drafter: Option<DrafterSpec>,
     /// Drafts per round unless a request names its own; None: 3, or a DFlash drafter's
     /// block_size - 1.
     pub num_draft_tokens: Option<usize>,
@@ -232,19 +216,18 @@ pub fn start(config: EngineConfig) -> anyhow::Result<EngineHandle> {
     })
 }
 
-/// The engine thread's state: the target, the draft model if any, and what every request
-/// needs from them.
+/// The engine thread's state: the target, its drafter if any, and what every request needs
+/// from them.
 struct Engine {
     config: EngineConfig,
     target: ModelBundle,
-    draft: Option<ModelBundle>,
-    dflash: Option<DflashModel>,
-    /// Drafts per round unless a request names its own.
-    num_draft_tokens: usize,
+    drafter: Option<Drafter>,
+    /// Drafts per round unless a request names its own (None: the drafter's default).
+    num_draft_tokens: Option<usize>,
     model_id: String,
     /// The model's context length (max_position_embeddings), when its config names one.
     context: Option<usize>,
-    /// mlx_lm.server never lets XTC exclude a newline or an EOS token (server.py:497).
+    /// What XTC never excludes (ModelBundle::xtc_special_tokens).
     xtc_special_tokens: Vec<u32>,
     prefix: PrefixCache,
     namespace: String,
@@ -254,50 +237,32 @@ impl Engine {
     fn load(config: EngineConfig) -> anyhow::Result<Engine> {
         mlx::set_default_device(config.device)?;
         let target = ModelBundle::load(&config.model)?;
-        let (mut draft, mut dflash) = (None, None);
-        match &config.drafter {
-            Some(Drafter::Model(dir)) => draft = Some(target.load_draft(dir)?),
-            Some(Drafter::Ngram { min, max }) => validate::ngram(*min, *max)?,
-            // Pairing is checked once, at startup, by building a source.
-            Some(Drafter::Mtp) => drop(MtpDrafter::new(target.model())?),
-            Some(Drafter::Dflash(dir)) => {
-                let model = DflashModel::load(dir)?;
-                drop(DflashDrafter::new(target.model(), &model)?);
-                dflash = Some(model);
-            }
-            None => {}
+        let drafter = config
+            .drafter
+            .as_ref()
+            .map(|spec| Drafter::load(spec, &target))
+            .transpose()?;
+        if let Some(k) = config.num_draft_tokens {
+            anyhow::ensure!(
+                (1..=validate::MAX_DRAFT_TOKENS).contains(&k),
+                "--num-draft-tokens is {k}, must be from 1 to {}",
+                validate::MAX_DRAFT_TOKENS
+            );
         }
-        let num_draft_tokens = config
-            .num_draft_tokens
-            .unwrap_or_else(|| dflash.as_ref().map_or(3, |m| m.block_size - 1));
-        anyhow::ensure!(
-            (1..=validate::MAX_DRAFT_TOKENS).contains(&num_draft_tokens),
-            "--num-draft-tokens is {num_draft_tokens}, must be from 1 to {}",
-            validate::MAX_DRAFT_TOKENS
-        );
-        let prompt_cache_bytes = match config.drafter {
-            Some(Drafter::Dflash(_)) => 0,
+        let prompt_cache_bytes = match &drafter {
+            Some(d) if !d.keeps_prefix_cache() => 0,
             _ => config.prompt_cache_bytes,
         };
-        let json = &target.config.json;
-        let context = json
-            .get("max_position_embeddings")
-            .or_else(|| json.get("text_config")?.get("max_position_embeddings"))
-            .and_then(serde_json::Value::as_u64)
-            .map(|c| c as usize);
-        let mut xtc_special_tokens = target.tokenizer.encode("\n", false)?;
-        xtc_special_tokens.extend(&target.eos_token_ids);
         Ok(Engine {
             model_id: config.model.display().to_string(),
             prefix: PrefixCache::new(prompt_cache_bytes),
             namespace: config.namespace(),
+            context: target.context_length(),
+            xtc_special_tokens: target.xtc_special_tokens()?,
+            num_draft_tokens: config.num_draft_tokens,
             config,
             target,
-            draft,
-            dflash,
-            num_draft_tokens,
-            context,
-            xtc_special_tokens,
+            drafter,
         })
     }
 
@@ -347,7 +312,6 @@ impl Engine {
                 ),
             ));
         }
-        let num_draft_tokens = request.num_draft_tokens.unwrap_or(self.num_draft_tokens);
         let constraint = request
             .grammar
             .as_ref()
@@ -378,83 +342,48 @@ impl Engine {
         let mut on_token = |step: &GeneratedToken| lane.on_token(step);
         let hit = self.prefix.lookup(&self.namespace, &prompt);
         let cached = hit.as_ref().map_or(0, |h| h.cached);
+        let start = match hit {
+            Some(h) => Start::Prefix {
+                caches: h.target,
+                draft_caches: h.draft,
+                cached,
+            },
+            None => Start::Fresh,
+        };
         let (prefix, namespace) = (&mut self.prefix, &self.namespace);
         let head = &prompt[..prompt.len() - 1];
         let mut keep = |target: &[LayerCache], draft: Option<&[LayerCache]>| {
             prefix.insert(namespace, head, target, draft)
         };
-        let target = self.target.model();
-        let gone = || events.is_closed();
-        let spec = match &self.config.drafter {
-            None => {
-                let resume = Resume {
-                    caches: match hit {
-                        Some(h) => h.target,
-                        None => target.make_cache(params.max_kv_size),
-                    },
-                    cached,
-                    on_prefilled: &mut keep,
-                    cancelled: &gone,
-                };
-                let generation =
-                    Generation::resume(target, resume, &prompt, &params, constraint, &mut |_| {});
-                let Some(generation) = checked(generation)? else {
-                    return Ok(Outcome::CancelledInPrefill);
-                };
-                for step in generation {
-                    let step = step.map_err(refusal)?;
-                    if on_token(&step) == Control::Stop {
-                        break;
-                    }
-                }
-                None
-            }
-            Some(drafter) => {
-                // mlx-lm's speculative path builds the target's own caches, ignoring
-                // max_kv_size (as generate_speculative does).
-                let (target_caches, draft_caches) = match hit {
-                    Some(h) => (h.target, h.draft),
-                    None => (target.make_cache(None), None),
-                };
-                let mut source: Box<dyn DraftSource> = match (drafter, &self.draft) {
-                    (Drafter::Model(_), Some(d)) => {
-                        let model = d.model();
-                        let caches = draft_caches.unwrap_or_else(|| model.make_cache(None));
-                        Box::new(DraftModel::resume(model, caches, cached))
-                    }
-                    (Drafter::Ngram { min, max }, _) => {
-                        Box::new(NgramLookup::new(*min, *max).map_err(refusal)?)
-                    }
-                    (Drafter::Mtp, _) => Box::new(MtpDrafter::new(target).map_err(refusal)?),
-                    (Drafter::Dflash(_), _) => {
-                        let model = self
-                            .dflash
-                            .as_ref()
-                            .expect("a DFlash drafter is loaded at start");
-                        Box::new(DflashDrafter::new(target, model).map_err(refusal)?)
-                    }
-                    (Drafter::Model(_), None) => unreachable!("a draft model is loaded at start"),
-                };
-                let resume = Resume {
-                    caches: target_caches,
-                    cached,
-                    on_prefilled: &mut keep,
-                    cancelled: &gone,
-                };
-                let request = Speculation {
-                    prompt: &prompt,
-                    params: &params,
-                    num_draft_tokens,
-                    constraint,
-                };
-                let run =
-                    resume_speculative(target, source.as_mut(), resume, request, &mut on_token);
-                let Some((stats, _)) = checked(run)? else {
-                    return Ok(Outcome::CancelledInPrefill);
-                };
-                Some(stats)
+        let mut gone = |_| {
+            if events.is_closed() {
+                Control::Stop
+            } else {
+                Control::Continue
             }
         };
+        let hooks = Hooks {
+            on_token: &mut on_token,
+            on_chunk: Some(&mut gone),
+            on_prefilled: Some(&mut keep),
+        };
+        let request = Request {
+            prompt: &prompt,
+            params: &params,
+            constraint,
+            num_draft_tokens: request.num_draft_tokens.or(self.num_draft_tokens),
+        };
+        let decoded = decode(
+            self.target.model(),
+            self.drafter.as_ref(),
+            start,
+            request,
+            hooks,
+        );
+        let Some(decoded) = checked(decoded)? else {
+            return Ok(Outcome::CancelledInPrefill);
+        };
+        let spec = decoded.speculation;
         if let Some(e) = lane.error.take() {
             return Err(e);
         }
@@ -522,7 +451,7 @@ impl Engine {
                 frequency_penalty: r.frequency_penalty,
                 frequency_context_size: r.frequency_context_size,
             },
-            seed: r.seed.or((r.temperature > 0.0).then_some(0)),
+            seed: reproducible_seed(r.seed, r.temperature),
             keys: KeySchedule::Sequence,
             prefill_step_size: self.config.prefill_step_size,
             max_kv_size: self.config.max_kv_size,

@@ -24,16 +24,9 @@ use crate::generate::{
 };
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
+use crate::request::Control;
 use crate::sample::{Masking, StepSampler};
 use crate::{validate, Result};
-
-/// What the token callback tells the executor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Control {
-    Continue,
-    /// Stop now (a stop sequence matched, the client went away): nothing more is emitted.
-    Stop,
-}
 
 struct Executor<'a> {
     model: &'a dyn LanguageModel,
@@ -123,7 +116,7 @@ pub fn generate_speculative(
         caches: model.make_cache(None),
         cached: 0,
         on_prefilled: &mut |_, _| {},
-        cancelled: &|| false,
+        on_chunk: &mut |_| Control::Continue,
     };
     let request = Speculation {
         prompt,
@@ -168,7 +161,7 @@ pub fn resume_speculative(
         caches,
         cached,
         on_prefilled,
-        cancelled,
+        on_chunk,
     } = resume;
     let (&last, head) = prompt
         .split_last()
@@ -208,6 +201,7 @@ pub fn resume_speculative(
     } else {
         &[]
     };
+    let mut done = cached;
     let context = prefill_tapped(
         model,
         &mut ex.caches,
@@ -215,7 +209,8 @@ pub fn resume_speculative(
         params,
         context_taps,
         |chunk| {
-            if cancelled() {
+            done += chunk.dim(0) as usize;
+            if on_chunk(done) == Control::Stop {
                 return Err(crate::Error::Cancelled);
             }
             sampler.extend_history(chunk)

@@ -26,13 +26,13 @@ use mlx::{Array, Dtype};
 use super::{DraftContext, DraftSource, PrefillMode, Verified};
 use crate::cache::{begin_round, end_round, rollback_plan, LayerCache, Rollback};
 use crate::generate::token_array;
-use crate::model::qwen3_5::MtpHead;
+use crate::model::mtp::MtpHead;
 use crate::model::LanguageModel;
 use crate::{validate, Error, Result};
 
 pub struct MtpDrafter<'m> {
     target: &'m dyn LanguageModel,
-    head: &'m MtpHead,
+    head: &'m dyn MtpHead,
     caches: Vec<LayerCache>,
     /// The head's last output (1, 1, H), from which the next round's first draft is picked.
     seed: Option<Array>,

@@ -144,7 +144,7 @@ pub fn draft_vocabulary(target: &dyn LanguageModel, draft: &dyn LanguageModel) -
 /// An MTP drafter pairs with the target that carries it: the target has an MTP head
 /// (`mtp.*` weights, Qwen3.5 only), whose states are as wide as the target's hidden states and
 /// whose logits come from the target's own output head (so the vocabularies are one).
-pub fn mtp(target: &dyn LanguageModel) -> Result<&crate::model::qwen3_5::MtpHead> {
+pub fn mtp(target: &dyn LanguageModel) -> Result<&dyn crate::model::mtp::MtpHead> {
     let head = target.mtp_head().ok_or_else(|| {
         invalid(
             "the MTP drafter's target",

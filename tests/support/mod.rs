@@ -142,7 +142,7 @@ pub fn drafts_equal_mlx_vlm<S: DraftSource>(
         &params,
         block - 1,
         None,
-        &mut |_| verity::speculative::Control::Continue,
+        &mut |_| verity::generate::Control::Continue,
     )
     .unwrap();
     assert_eq!(spy.drafts, want, "{id}: drafts differ from mlx-vlm's");

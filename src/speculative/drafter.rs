@@ -1,0 +1,125 @@
+//! The drafter registry: the one place that knows every kind of draft source. A user, a trace
+//! or a suite names a drafter ([`DrafterSpec`]); it is loaded and checked against its target
+//! once ([`Drafter::load`]); each request then gets a fresh [`DraftSource`] from it
+//! ([`Drafter::source`]). Callers never name a source type, so adding a kind of drafter touches
+//! its own file and this one.
+
+use std::path::PathBuf;
+
+use super::{DflashDrafter, DraftModel, DraftSource, MtpDrafter, NgramLookup};
+use crate::bundle::ModelBundle;
+use crate::cache::LayerCache;
+use crate::model::dflash::DflashModel;
+use crate::model::LanguageModel;
+use crate::{validate, Result};
+
+/// Drafts per round of a drafter that has no block size of its own (mlx-lm's
+/// `--num-draft-tokens` default).
+pub const DEFAULT_NUM_DRAFT_TOKENS: usize = 3;
+
+/// A drafter as it is named, before anything is loaded.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum DrafterSpec {
+    /// A draft model folder (same vocabulary and tokenizer as the target).
+    Model(PathBuf),
+    /// Prompt lookup with n-grams of `min..=max` tokens.
+    Ngram { min: usize, max: usize },
+    /// The target's own multi-token-prediction head.
+    Mtp,
+    /// A DFlash block drafter folder; `chain` runs it one pass per draft (the block-vs-chain
+    /// probe) instead of one pass per block.
+    Dflash { dir: PathBuf, chain: bool },
+}
+
+/// A drafter loaded and paired with its target: every pairing check has passed. (The weights
+/// are boxed: a drafter is loaded once and moved around whole.)
+pub enum Drafter {
+    Model(Box<ModelBundle>),
+    Ngram {
+        min: usize,
+        max: usize,
+    },
+    Mtp,
+    Dflash {
+        model: Box<DflashModel>,
+        chain: bool,
+    },
+}
+
+impl Drafter {
+    /// Loads what `spec` names and checks it against `target` (vocabulary and tokenizer for a
+    /// draft model, the n-gram lengths, the target's MTP head, a DFlash drafter's widths, taps
+    /// and mask token).
+    pub fn load(spec: &DrafterSpec, target: &ModelBundle) -> Result<Drafter> {
+        Ok(match spec {
+            DrafterSpec::Model(dir) => Drafter::Model(Box::new(target.load_draft(dir)?)),
+            &DrafterSpec::Ngram { min, max } => {
+                validate::ngram(min, max)?;
+                Drafter::Ngram { min, max }
+            }
+            DrafterSpec::Mtp => {
+                validate::mtp(target.model())?;
+                Drafter::Mtp
+            }
+            DrafterSpec::Dflash { dir, chain } => {
+                let model = Box::new(DflashModel::load(dir)?);
+                validate::dflash(target.model(), &model)?;
+                Drafter::Dflash {
+                    model,
+                    chain: *chain,
+                }
+            }
+        })
+    }
+
+    /// Drafts per round when the request names none: a block drafter fills its block (its
+    /// block size minus the verified token), the others draft [`DEFAULT_NUM_DRAFT_TOKENS`].
+    pub fn default_num_draft_tokens(&self) -> usize {
+        match self {
+            Drafter::Dflash { model, .. } => model.block_size - 1,
+            _ => DEFAULT_NUM_DRAFT_TOKENS,
+        }
+    }
+
+    /// Whether a prefix cache can resume this drafter: a DFlash drafter reads the target's
+    /// hidden states over the whole prompt, which a cached prefix does not hold.
+    pub fn keeps_prefix_cache(&self) -> bool {
+        !matches!(self, Drafter::Dflash { .. })
+    }
+
+    /// The draft model, for a drafter that is one.
+    pub fn draft_model(&self) -> Option<&ModelBundle> {
+        match self {
+            Drafter::Model(bundle) => Some(bundle),
+            _ => None,
+        }
+    }
+
+    /// A fresh source for one request on `target` (the model this drafter was loaded for).
+    /// `resume` is a prefix cache's copy of the draft model's caches and the prompt tokens
+    /// they hold; the other kinds keep no state across requests and ignore it.
+    pub fn source<'a>(
+        &'a self,
+        target: &'a dyn LanguageModel,
+        resume: Option<(Vec<LayerCache>, usize)>,
+    ) -> Result<Box<dyn DraftSource + 'a>> {
+        Ok(match self {
+            Drafter::Model(bundle) => {
+                let model = bundle.model();
+                Box::new(match resume {
+                    Some((caches, cached)) => DraftModel::resume(model, caches, cached),
+                    None => DraftModel::new(model),
+                })
+            }
+            &Drafter::Ngram { min, max } => Box::new(NgramLookup::new(min, max)?),
+            Drafter::Mtp => Box::new(MtpDrafter::new(target)?),
+            Drafter::Dflash {
+                model,
+                chain: false,
+            } => Box::new(DflashDrafter::new(target, model)?),
+            Drafter::Dflash { model, chain: true } => {
+                Box::new(DflashDrafter::chained(target, model)?)
+            }
+        })
+    }
+}
