@@ -1,0 +1,195 @@
+//! Attention: the q/k/v/o projections, the block that runs them with its norms and RoPE, and
+//! mlx-lm's scaled dot-product attention over dense or quantized KV caches.
+
+use mlx::{fast, ops, Array, Dtype, Result};
+
+use super::{Dims, Linear, QkNorm, Rope};
+use crate::cache::{KeysValues, LayerCache, Mask, Packed3};
+use crate::load::{LoadResult, QuantConfig, Weights};
+use crate::model::row_blocks;
+
+/// The q, k, v and o projections of an attention block.
+pub struct AttentionProjections {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+}
+
+impl AttentionProjections {
+    /// Loads `<path>.{q,k,v,o}_proj` for `d`'s heads; `q_factor` widens q_proj's output (2 when
+    /// it also yields a gate).
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        d: &Dims,
+        q_factor: i32,
+        bias: bool,
+    ) -> LoadResult<AttentionProjections> {
+        let (h, hd) = (d.hidden_size, d.head_dim());
+        let (qd, kvd) = (d.num_attention_heads * hd, d.kv_heads() * hd);
+        let proj = |w: &mut Weights, name: &str, i: i32, o: i32| {
+            Linear::load(w, q, &format!("{path}.{name}"), i, o, bias)
+        };
+        Ok(AttentionProjections {
+            q_proj: proj(w, "q_proj", h, q_factor * qd)?,
+            k_proj: proj(w, "k_proj", h, kvd)?,
+            v_proj: proj(w, "v_proj", h, kvd)?,
+            o_proj: proj(w, "o_proj", qd, h)?,
+        })
+    }
+}
+
+/// Multi-head attention with grouped KV heads, RoPE at the cache offset, and mlx-lm's choice of
+/// fused or quantized attention kernel (models/base.py scaled_dot_product_attention).
+pub struct Attention {
+    pub proj: AttentionProjections,
+    pub qk_norm: QkNorm,
+    pub rope: Rope,
+    pub n_heads: i32,
+    pub n_kv_heads: i32,
+    /// Python computes `head_dim ** -0.5` (or the model's formula) in double.
+    pub scale: f32,
+}
+
+impl Attention {
+    pub fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> crate::Result<Array> {
+        let (b, l) = (x.dim(0), x.dim(1));
+        let heads = |y: Array, n: i32| y.reshape(&[b, l, n, -1]);
+        let p = &self.proj;
+        let (mut q, mut k) = (
+            heads(p.q_proj.forward(x)?, self.n_heads)?,
+            heads(p.k_proj.forward(x)?, self.n_kv_heads)?,
+        );
+        let v = heads(p.v_proj.forward(x)?, self.n_kv_heads)?.transpose(&[0, 2, 1, 3])?;
+        if let QkNorm::BeforeTranspose { q: qn, k: kn } = &self.qk_norm {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        q = q.transpose(&[0, 2, 1, 3])?;
+        k = k.transpose(&[0, 2, 1, 3])?;
+        if let QkNorm::AfterTranspose { q: qn, k: kn } = &self.qk_norm {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let offset = cache.offset();
+        let q = self.rope.forward(&q, offset)?;
+        let k = self.rope.forward(&k, offset)?;
+        let kv = cache.update_and_fetch(&k, &v)?;
+        let out = attend(&q, &kv, self.scale, mask)?;
+        Ok(p.o_proj
+            .forward(&out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?)
+    }
+}
+
+/// mlx-lm's scaled_dot_product_attention: the fused kernel for dense caches (a long chunk's
+/// rows in blocks on a reference-BLAS CPU, same bits: [`row_blocks`]), the
+/// quantized-matmul formulation for quantized ones. A backend without a quantized-matmul kernel
+/// for the cache's shape (mlx-cuda for the fixtures' group size 32) fails naming the cache's
+/// settings.
+pub fn attend(q: &Array, kv: &KeysValues, scale: f32, mask: &Mask) -> crate::Result<Array> {
+    match kv {
+        KeysValues::Dense { keys, values } => Ok(match row_blocks::rows_per_block(q) {
+            Some(block) => row_blocks::attend_in_row_blocks(q, keys, values, scale, mask, block)?,
+            None => {
+                fast::scaled_dot_product_attention(q, keys, values, scale, mask.as_sdpa(), None)?
+            }
+        }),
+        KeysValues::Quantized {
+            keys,
+            values,
+            group_size,
+            bits,
+        } => quantized_attention(q, keys, values, scale, mask, *group_size, *bits).map_err(|e| {
+            crate::Error::Unsupported(format!(
+                "attention over a {bits}-bit quantized KV cache (group size {group_size}) failed \
+                 on this backend: {e}"
+            ))
+        }),
+    }
+}
+
+/// models/base.py quantized_scaled_dot_product_attention, op for op.
+fn quantized_attention(
+    queries: &Array,
+    keys: &Packed3,
+    values: &Packed3,
+    scale: f32,
+    mask: &Mask,
+    group_size: i32,
+    bits: i32,
+) -> Result<Array> {
+    let qs = queries.shape();
+    let (b, n_q_heads, l, d) = (qs[0], qs[1], qs[2], qs[3]);
+    let n_kv_heads = keys[0].dim(-3);
+    let n_repeats = n_q_heads / n_kv_heads;
+    let mut q = queries.multiply_scalar(scale)?;
+    let expand = |t: &Packed3| -> Result<Packed3> {
+        Ok([
+            t[0].expand_dims(&[-3])?,
+            t[1].expand_dims(&[-3])?,
+            t[2].expand_dims(&[-3])?,
+        ])
+    };
+    let (keys, values) = if n_repeats > 1 {
+        q = q.reshape(&[b, n_kv_heads, n_repeats, l, d])?;
+        (expand(keys)?, expand(values)?)
+    } else {
+        (keys.clone(), values.clone())
+    };
+    let qmm = |x: &Array, t: &Packed3, transpose: bool| {
+        ops::quantized_matmul(
+            x,
+            &t[0],
+            &t[1],
+            Some(&t[2]),
+            transpose,
+            group_size,
+            bits,
+            "affine",
+        )
+    };
+    let mut scores = qmm(&q, &keys, true)?;
+    let mask = match mask {
+        Mask::None => None,
+        Mask::Causal => {
+            let (ql, kl) = (scores.dim(-2), scores.dim(-1));
+            let q_idx = Array::arange((kl - ql) as f64, kl as f64, 1.0, Dtype::Int32)?;
+            let k_idx = Array::arange(0.0, kl as f64, 1.0, Dtype::Int32)?;
+            Some(
+                q_idx
+                    .expand_dims(&[1])?
+                    .greater_equal(&k_idx.expand_dims(&[0])?)?,
+            )
+        }
+        Mask::Array(m) => Some(m.clone()),
+    };
+    if let Some(mut m) = mask {
+        if n_repeats > 1 && m.ndim() > 3 {
+            m = m.expand_dims(&[-3])?;
+        }
+        scores = if m.dtype() == Dtype::Bool {
+            let lowest = Array::scalar(finfo_min(scores.dtype()), scores.dtype())?;
+            ops::r#where(&m, &scores, &lowest)?
+        } else {
+            scores.add(&m)?
+        };
+    }
+    let scores = ops::softmax(&scores, &[-1], true)?;
+    let out = qmm(&scores, &values, false)?;
+    if n_repeats > 1 {
+        out.reshape(&[b, n_q_heads, l, d])
+    } else {
+        Ok(out)
+    }
+}
+
+/// `mx.finfo(dtype).min` as an f32 (exact for every float dtype MLX models use).
+fn finfo_min(dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::Float16 => -65504.0,
+        Dtype::Bfloat16 => f32::from_bits(0xff7f_0000),
+        _ => f32::MIN,
+    }
+}

@@ -1,0 +1,58 @@
+//! The pre-norm residual block around a token mixer, shared by the families whose layers
+//! differ only in that mixer.
+
+use mlx::Array;
+
+use super::{Activation, Dims, GatedMlp, RmsNorm};
+use crate::load::{LoadResult, QuantConfig, Weights};
+
+/// The pre-norm residual block llama and the qwen3 hybrids share around their token mixer:
+/// `h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))`.
+pub struct PreNormBlock {
+    pub input_layernorm: RmsNorm,
+    pub post_attention_layernorm: RmsNorm,
+    pub mlp: GatedMlp,
+}
+
+impl PreNormBlock {
+    /// Loads the norms and the SwiGLU MLP of the layer at `path`.
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        d: &Dims,
+        mlp_bias: bool,
+    ) -> LoadResult<PreNormBlock> {
+        let (h, eps) = (d.hidden_size, d.rms_norm_eps);
+        Ok(PreNormBlock {
+            input_layernorm: RmsNorm::load(w, &format!("{path}.input_layernorm"), h, eps)?,
+            post_attention_layernorm: RmsNorm::load(
+                w,
+                &format!("{path}.post_attention_layernorm"),
+                h,
+                eps,
+            )?,
+            mlp: GatedMlp::load(
+                w,
+                q,
+                &format!("{path}.mlp"),
+                h,
+                d.intermediate_size,
+                mlp_bias,
+                Activation::Swiglu,
+            )?,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        x: &Array,
+        mixer: impl FnOnce(&Array) -> crate::Result<Array>,
+    ) -> crate::Result<Array> {
+        let h = x.add(&mixer(&self.input_layernorm.forward(x)?)?)?;
+        let r = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&h)?)?;
+        Ok(h.add(&r)?)
+    }
+}

@@ -1,0 +1,51 @@
+//! The gated MLP and the activations it gates with.
+
+use mlx::{compiled, Array, Result};
+
+use super::Linear;
+use crate::load::{LoadResult, QuantConfig, Weights};
+
+/// The gated MLPs: `down(act(gate(x)) * up(x))`.
+pub struct GatedMlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+    pub activation: Activation,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub enum Activation {
+    /// mlx-lm's compiled `swiglu(gate, x)`.
+    Swiglu,
+    /// `nn.gelu_approx(gate) * x` (gemma).
+    GeluApprox,
+}
+
+impl GatedMlp {
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        dims: i32,
+        hidden: i32,
+        bias: bool,
+        activation: Activation,
+    ) -> LoadResult<GatedMlp> {
+        Ok(GatedMlp {
+            gate_proj: Linear::load(w, q, &format!("{path}.gate_proj"), dims, hidden, bias)?,
+            up_proj: Linear::load(w, q, &format!("{path}.up_proj"), dims, hidden, bias)?,
+            down_proj: Linear::load(w, q, &format!("{path}.down_proj"), hidden, dims, bias)?,
+            activation,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let gate = self.gate_proj.forward(x)?;
+        let up = self.up_proj.forward(x)?;
+        let h = match self.activation {
+            Activation::Swiglu => compiled::swiglu(&gate, &up)?,
+            Activation::GeluApprox => compiled::gelu_approx(&gate)?.multiply(&up)?,
+        };
+        self.down_proj.forward(&h)
+    }
+}

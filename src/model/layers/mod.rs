@@ -1,0 +1,25 @@
+//! Layers shared by the model families, each computing exactly what its mlx.nn / mlx-lm
+//! counterpart computes (same ops, same order), since parity is decided at the bit level.
+//!
+//! One file per layer kind, as candle-nn has them; this module only re-exports them so that
+//! `crate::model::layers::X` names every layer.
+
+mod attention;
+mod block;
+mod dims;
+mod embedding;
+mod linear;
+mod mlp;
+mod norm;
+mod outer;
+mod rope;
+
+pub use attention::{attend, Attention, AttentionProjections};
+pub use block::PreNormBlock;
+pub use dims::Dims;
+pub use embedding::Embedding;
+pub use linear::Linear;
+pub use mlp::{Activation, GatedMlp};
+pub use norm::{QkNorm, RmsNorm};
+pub use outer::{Head, OuterLayers};
+pub use rope::Rope;

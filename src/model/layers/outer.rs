@@ -1,0 +1,96 @@
+//! What surrounds a decoder's layers: the embedding, the final norm and the output head, and
+//! the loop that runs the layers between them.
+
+use mlx::Array;
+
+use super::{Dims, Embedding, Linear, RmsNorm};
+use crate::cache::LayerCache;
+use crate::load::{LoadResult, QuantConfig, Weights};
+use crate::model::Forward;
+
+/// The output projection: a separate `lm_head`, or the embedding used as a linear layer.
+pub enum Head {
+    Tied,
+    Separate(Linear),
+}
+
+/// What every decoder here has around its layers: the token embedding, the final norm, and the
+/// output head.
+pub struct OuterLayers {
+    pub embed_tokens: Embedding,
+    pub norm: RmsNorm,
+    pub head: Head,
+}
+
+impl OuterLayers {
+    /// Loads `<prefix>model.embed_tokens`, `<prefix>model.norm` and, unless `tied`,
+    /// `<prefix>lm_head`.
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        prefix: &str,
+        d: &Dims,
+        tied: bool,
+    ) -> LoadResult<OuterLayers> {
+        let (h, vocab) = (d.hidden_size, d.vocab_size);
+        let path = |name: &str| format!("{prefix}{name}");
+        Ok(OuterLayers {
+            embed_tokens: Embedding::load(w, q, &path("model.embed_tokens"), vocab, h)?,
+            norm: RmsNorm::load(w, &path("model.norm"), h, d.rms_norm_eps)?,
+            head: if tied {
+                Head::Tied
+            } else {
+                Head::Separate(Linear::load(w, q, &path("lm_head"), h, vocab, false)?)
+            },
+        })
+    }
+
+    /// Rows of the embedding: the width of the logits.
+    pub fn vocab(&self) -> usize {
+        self.embed_tokens.vocab()
+    }
+
+    /// Runs the embedded input `h` through the model's `layers` layers — `layer(i, h, cache)`
+    /// is layer i with its cache — keeping the hidden states `taps` asks for (tap i < layers:
+    /// layer i's output; tap = layers: the final normed state), then the final norm and head.
+    pub fn run(
+        &self,
+        mut h: Array,
+        caches: &mut [LayerCache],
+        layers: usize,
+        taps: &[usize],
+        mut layer: impl FnMut(usize, &Array, &mut LayerCache) -> crate::Result<Array>,
+    ) -> crate::Result<Forward> {
+        if caches.len() != layers {
+            return Err(crate::error::contract(format!(
+                "{} caches for a model of {layers} layers",
+                caches.len()
+            )));
+        }
+        let mut hidden: Vec<Option<Array>> = vec![None; taps.len()];
+        let mut capture = |index: usize, h: &Array| {
+            for (slot, _) in hidden.iter_mut().zip(taps).filter(|(_, &t)| t == index) {
+                *slot = Some(h.clone());
+            }
+        };
+        for (i, cache) in caches.iter_mut().enumerate() {
+            h = layer(i, &h, cache)?;
+            capture(i, &h);
+        }
+        let h = self.norm.forward(&h)?;
+        capture(layers, &h);
+        Ok(Forward {
+            logits: self.logits(&h)?,
+            hidden: hidden.into_iter().flatten().collect(),
+        })
+    }
+
+    /// The output head over final-normed hidden states (what a drafter borrowing the target's
+    /// head, such as an MTP head, projects its own states with).
+    pub fn logits(&self, h: &Array) -> mlx::Result<Array> {
+        match &self.head {
+            Head::Tied => self.embed_tokens.as_linear(h),
+            Head::Separate(lm_head) => lm_head.forward(h),
+        }
+    }
+}
