@@ -38,6 +38,34 @@ pub enum Start {
     },
 }
 
+impl Start {
+    /// The target's caches, a draft model's, and how many prompt tokens they hold.
+    pub(crate) fn into_caches(
+        self,
+        target: &dyn LanguageModel,
+        speculative: bool,
+        params: &GenerateParams,
+    ) -> Result<StartingCaches> {
+        Ok(match self {
+            Start::Fresh => (fresh_caches(target, speculative, params), None, 0),
+            Start::Context(_) if speculative => {
+                return Err(Error::Unsupported(
+                    "speculative decoding from a prompt cache file is not supported".into(),
+                ))
+            }
+            Start::Context(caches) => (caches, None, 0),
+            Start::Prefix {
+                caches,
+                draft_caches,
+                cached,
+            } => (caches, draft_caches, cached),
+        })
+    }
+}
+
+/// The target's caches, a draft model's, and the prompt tokens they hold.
+pub(crate) type StartingCaches = (Vec<LayerCache>, Option<Vec<LayerCache>>, usize);
+
 /// What the caller sees while a request decodes.
 pub struct Hooks<'a> {
     /// Every emitted token in order; the last one carries the finish reason.
@@ -93,21 +121,8 @@ pub fn decode(
         on_chunk,
         on_prefilled,
     } = hooks;
-    let speculative = drafter.is_some();
-    let (caches, draft_caches, cached) = match start {
-        Start::Fresh => (fresh_caches(target, speculative, request.params), None, 0),
-        Start::Context(_) if speculative => {
-            return Err(Error::Unsupported(
-                "speculative decoding from a prompt cache file is not supported".into(),
-            ))
-        }
-        Start::Context(caches) => (caches, None, 0),
-        Start::Prefix {
-            caches,
-            draft_caches,
-            cached,
-        } => (caches, draft_caches, cached),
-    };
+    let (caches, draft_caches, cached) =
+        start.into_caches(target, drafter.is_some(), request.params)?;
     let (mut keep_nothing, mut go_on) = (
         |_: &[LayerCache], _: Option<&[LayerCache]>| {},
         |_| Control::Continue,

@@ -183,9 +183,18 @@ fn step_logprobs(
     params: &GenerateParams,
 ) -> Result<Array> {
     let logits = forward_tokens(model, caches, input, params.kv_quantization.as_ref())?;
-    let logits = last_logits(&logits)?;
+    logprobs_after(sampler, input, &last_logits(&logits)?)
+}
+
+/// A decode step after the model call: the processors over the history (which then includes
+/// `input`), the grammar mask, and the logprobs of the last position's (1, V) `logits`.
+pub(crate) fn logprobs_after(
+    sampler: &mut StepSampler,
+    input: &Array,
+    logits: &Array,
+) -> Result<Array> {
     sampler.extend_history(input)?;
-    let logits = sampler.process(&logits, &[], Masking::Grammar)?;
+    let logits = sampler.process(logits, &[], Masking::Grammar)?;
     StepSampler::logprobs(&logits)
 }
 
@@ -254,6 +263,53 @@ impl Resume<'_> {
         }
         Ok(())
     }
+}
+
+/// A plain request with all of its prompt but the last token in its caches: where the lone
+/// loop and a batch row ([`crate::batch`]) take their first step from.
+pub(crate) struct Prefilled {
+    pub caches: Vec<LayerCache>,
+    pub sampler: StepSampler,
+    /// The prompt's last token, the first step's input.
+    pub last: u32,
+}
+
+/// Validates a plain request, builds its step sampler, and prefills the prompt but its last
+/// token after the `resume.cached` tokens the caches already hold (the processors see the whole
+/// prompt); `resume.on_prefilled` then sees the caches.
+pub(crate) fn prefill_request(
+    model: &dyn LanguageModel,
+    resume: Resume<'_>,
+    prompt: &[u32],
+    params: &GenerateParams,
+    constraint: Option<Constraint>,
+) -> Result<Prefilled> {
+    let mut sampler = params.step_sampler(model, prompt, constraint)?;
+    resume.seed_history(prompt, &mut sampler)?;
+    let Resume {
+        mut caches,
+        cached,
+        on_prefilled,
+        on_chunk,
+    } = resume;
+    let (&last, head) = prompt
+        .split_last()
+        .expect("validate refuses an empty prompt");
+    let mut done = cached;
+    let rest = token_array(&head[cached..])?;
+    prefill(model, &mut caches, &rest, params, |chunk| {
+        done += chunk.dim(0) as usize;
+        if on_chunk(done) == Control::Stop {
+            return Err(crate::Error::Cancelled);
+        }
+        sampler.extend_history(chunk)
+    })?;
+    on_prefilled(&caches, None);
+    Ok(Prefilled {
+        caches,
+        sampler,
+        last,
+    })
 }
 
 /// A callback given the target's caches and the draft model's, if any.
@@ -353,38 +409,21 @@ impl<'m> Generation<'m> {
         params: &GenerateParams,
         constraint: Option<Constraint>,
     ) -> Result<Generation<'m>> {
-        let mut step_sampler = params.step_sampler(model, prompt, constraint)?;
-        resume.seed_history(prompt, &mut step_sampler)?;
-        let Resume {
+        let Prefilled {
             caches,
-            cached,
-            on_prefilled,
-            on_chunk,
-        } = resume;
+            sampler,
+            last,
+        } = prefill_request(model, resume, prompt, params, constraint)?;
         let mut g = Generation {
             model,
             caches,
-            step_sampler,
+            step_sampler: sampler,
             params: params.clone(),
             pending: None,
             n: 0,
             done: false,
             split: StepSplit::default(),
         };
-        let (&last, head) = prompt
-            .split_last()
-            .expect("validate refuses an empty prompt");
-        let step_sampler = &mut g.step_sampler;
-        let mut done = cached;
-        let rest = token_array(&head[cached..])?;
-        prefill(model, &mut g.caches, &rest, params, |chunk| {
-            done += chunk.dim(0) as usize;
-            if on_chunk(done) == Control::Stop {
-                return Err(crate::Error::Cancelled);
-            }
-            step_sampler.extend_history(chunk)
-        })?;
-        on_prefilled(&g.caches, None);
         let first = g.step(&token_array(&[last])?)?;
         mlx::async_eval([&first.0, &first.1])?;
         g.pending = Some(first);

@@ -9,6 +9,7 @@
 //! registry that loads every kind of draft source; `decode` is the one entry point over both
 //! loops; `server` and `parity` (which replays the harness's traces and suites) sit on top.
 
+pub mod batch;
 pub mod bench;
 pub mod bundle;
 pub mod cache;

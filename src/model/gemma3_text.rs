@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use super::layers::{
     Activation, Attention, AttentionProjections, Dims, GatedMlp, OuterLayers, QkNorm, RmsNorm, Rope,
 };
+use super::rows::{self, LayerRows};
 use super::{Forward, LanguageModel};
 use crate::cache::{KvCache, LayerCache, Mask, RotatingKvCache};
 use crate::load::{Config, LoadResult, QuantConfig, Weights};
@@ -47,10 +48,10 @@ fn clip_residual(x: &Array, y: &Array) -> mlx::Result<Array> {
 }
 
 impl Block {
-    fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
+    fn forward(&self, x: &Array, masks: &[Mask], rows: &mut LayerRows) -> Result<Array> {
         let r = self
             .attn
-            .forward(&self.input_layernorm.forward(x)?, mask, cache)?;
+            .forward(&self.input_layernorm.forward(x)?, masks, rows)?;
         let h = clip_residual(x, &self.post_attention_layernorm.forward(&r)?)?;
         let r = self
             .mlp
@@ -153,26 +154,31 @@ impl Model {
 }
 
 impl LanguageModel for Model {
-    fn forward(&self, ids: &Array, caches: &mut [LayerCache], taps: &[usize]) -> Result<Forward> {
+    fn forward_rows(
+        &self,
+        ids: &Array,
+        rows: &mut [&mut [LayerCache]],
+        lens: &[usize],
+        taps: &[usize],
+    ) -> Result<Forward> {
         let h = self.outer.embed_tokens.forward(ids)?;
         let scale = Array::scalar(self.embed_scale, Dtype::Bfloat16)?.astype(h.dtype())?;
         let h = h.multiply(&scale)?;
-        let n = h.dim(1) as usize;
-        let global_mask = caches[self.pattern - 1].make_mask(n, None)?;
-        let sliding_mask = if self.pattern > 1 {
-            caches[0].make_mask(n, Some(self.window))?
+        let global_masks = rows::masks(rows, lens, self.pattern - 1, None)?;
+        let sliding_masks = if self.pattern > 1 {
+            rows::masks(rows, lens, 0, Some(self.window))?
         } else {
-            Mask::None
+            Vec::new()
         };
-        self.outer
-            .run(h, caches, self.layers.len(), taps, |i, h, cache| {
-                let mask = if self.is_global(i) {
-                    &global_mask
-                } else {
-                    &sliding_mask
-                };
-                self.layers[i].forward(h, mask, cache)
-            })
+        let layers = self.layers.len();
+        self.outer.run(h, rows, lens, layers, taps, |i, h, rows| {
+            let masks = if self.is_global(i) {
+                &global_masks
+            } else {
+                &sliding_masks
+            };
+            self.layers[i].forward(h, masks, rows)
+        })
     }
 
     fn num_layers(&self) -> usize {

@@ -8,8 +8,9 @@ use serde_json::{json, Value};
 use super::layers::{
     Attention, AttentionProjections, Dims, OuterLayers, PreNormBlock, QkNorm, RmsNorm, Rope,
 };
+use super::rows;
 use super::{Forward, LanguageModel};
-use crate::cache::{KvCache, LayerCache, Mask, RotatingKvCache};
+use crate::cache::{KvCache, LayerCache, RotatingKvCache};
 use crate::load::{Config, LoadResult, QuantConfig, Weights};
 use crate::Result;
 
@@ -172,22 +173,27 @@ impl Model {
 }
 
 impl LanguageModel for Model {
-    fn forward(&self, ids: &Array, caches: &mut [LayerCache], taps: &[usize]) -> Result<Forward> {
+    fn forward_rows(
+        &self,
+        ids: &Array,
+        rows: &mut [&mut [LayerCache]],
+        lens: &[usize],
+        taps: &[usize],
+    ) -> Result<Forward> {
         let h = self.outer.embed_tokens.forward(ids)?;
-        let n = h.dim(1) as usize;
-        let fa_mask = caches[self.fa_idx].make_mask(n, None)?;
-        let swa_mask = match self.swa_idx {
-            Some(i) => caches[i].make_mask(n, self.sliding_window)?,
-            None => Mask::None,
+        let fa_masks = rows::masks(rows, lens, self.fa_idx, None)?;
+        let swa_masks = match self.swa_idx {
+            Some(i) => rows::masks(rows, lens, i, self.sliding_window)?,
+            None => Vec::new(),
         };
-        self.outer
-            .run(h, caches, self.layers.len(), taps, |i, h, cache| {
-                let layer = &self.layers[i];
-                let mask = if layer.sliding { &swa_mask } else { &fa_mask };
-                layer
-                    .block
-                    .forward(h, |x| layer.attn.forward(x, mask, cache))
-            })
+        let layers = self.layers.len();
+        self.outer.run(h, rows, lens, layers, taps, |i, h, rows| {
+            let layer = &self.layers[i];
+            let masks = if layer.sliding { &swa_masks } else { &fa_masks };
+            layer
+                .block
+                .forward(h, |x| layer.attn.forward(x, masks, rows))
+        })
     }
 
     fn num_layers(&self) -> usize {

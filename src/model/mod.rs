@@ -9,6 +9,7 @@ pub mod qwen3;
 pub mod qwen3_5;
 pub mod qwen3_next;
 pub mod row_blocks;
+pub mod rows;
 
 use std::path::Path;
 
@@ -31,9 +32,23 @@ pub struct Forward {
 
 /// A decoder-only language model.
 pub trait LanguageModel {
-    /// Runs `ids` (B, L token ids) through the model, updating `caches` (one per layer).
+    /// Runs the packed token ids `ids` (1, T) of several sequences through the model
+    /// ([`rows`]): row r's `lens[r]` tokens follow row r - 1's, and `rows[r]` are row r's
+    /// caches (one per layer), which it updates. Logits and taps cover all T tokens in order.
     /// `taps` lists the hidden states a caller (a drafter) wants back.
-    fn forward(&self, ids: &Array, caches: &mut [LayerCache], taps: &[usize]) -> Result<Forward>;
+    fn forward_rows(
+        &self,
+        ids: &Array,
+        rows: &mut [&mut [LayerCache]],
+        lens: &[usize],
+        taps: &[usize],
+    ) -> Result<Forward>;
+
+    /// Runs one sequence's `ids` (1, L token ids) through the model, updating `caches`.
+    fn forward(&self, ids: &Array, caches: &mut [LayerCache], taps: &[usize]) -> Result<Forward> {
+        let len = ids.dim(1) as usize;
+        self.forward_rows(ids, &mut [caches], &[len], taps)
+    }
 
     /// Layers in the model (`len(model.layers)`), one cache each.
     fn num_layers(&self) -> usize;

@@ -182,8 +182,14 @@ pub struct Model {
 }
 
 impl LanguageModel for Model {
-    fn forward(&self, ids: &Array, caches: &mut [LayerCache], taps: &[usize]) -> Result<Forward> {
-        self.text.forward(ids, caches, taps)
+    fn forward_rows(
+        &self,
+        ids: &Array,
+        rows: &mut [&mut [LayerCache]],
+        lens: &[usize],
+        taps: &[usize],
+    ) -> Result<Forward> {
+        self.text.forward_rows(ids, rows, lens, taps)
     }
 
     fn num_layers(&self) -> usize {

@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use super::layers::{
     attend, AttentionProjections, Dims, Linear, OuterLayers, PreNormBlock, RmsNorm, Rope,
 };
+use super::rows;
 use super::{Forward, LanguageModel};
 use crate::cache::{KvCache, LayerCache, Mask, Recurrence, RecurrentCache};
 use crate::error::contract;
@@ -366,20 +367,30 @@ impl Model {
 }
 
 impl LanguageModel for Model {
-    fn forward(&self, ids: &Array, caches: &mut [LayerCache], taps: &[usize]) -> Result<Forward> {
+    /// The mixers run row by row, projections included (the token-wise MLPs, norms and head
+    /// run once over all rows).
+    fn forward_rows(
+        &self,
+        ids: &Array,
+        rows: &mut [&mut [LayerCache]],
+        lens: &[usize],
+        taps: &[usize],
+    ) -> Result<Forward> {
         let h = self.outer.embed_tokens.forward(ids)?;
-        let fa_mask = caches[self.fa_idx].make_mask(h.dim(1) as usize, None)?;
-        self.outer
-            .run(h, caches, self.layers.len(), taps, |i, h, cache| {
-                let layer = &self.layers[i];
-                layer.block.forward(h, |x| match (&layer.mixer, cache) {
+        let fa_masks = rows::masks(rows, lens, self.fa_idx, None)?;
+        let layers = self.layers.len();
+        self.outer.run(h, rows, lens, layers, taps, |i, h, rows| {
+            let layer = &self.layers[i];
+            layer.block.forward(h, |x| {
+                rows.each(x, |r, x, cache| match (&layer.mixer, cache) {
                     (Mixer::Linear(m), LayerCache::Recurrent(c)) => m.forward(x, c),
-                    (Mixer::Attention(m), c) => m.forward(x, &fa_mask, c),
+                    (Mixer::Attention(m), c) => m.forward(x, &fa_masks[r], c),
                     (Mixer::Linear(_), _) => {
                         Err(contract(format!("layer {i} needs a recurrent cache")))
                     }
                 })
             })
+        })
     }
 
     fn num_layers(&self) -> usize {

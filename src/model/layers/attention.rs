@@ -7,6 +7,7 @@ use super::{Dims, Linear, QkNorm, Rope};
 use crate::cache::{KeysValues, LayerCache, Mask, Packed3};
 use crate::load::{LoadResult, QuantConfig, Weights};
 use crate::model::row_blocks;
+use crate::model::rows::LayerRows;
 
 /// The q, k, v and o projections of an attention block.
 pub struct AttentionProjections {
@@ -54,15 +55,36 @@ pub struct Attention {
 }
 
 impl Attention {
-    pub fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> crate::Result<Array> {
-        let (b, l) = (x.dim(0), x.dim(1));
-        let heads = |y: Array, n: i32| y.reshape(&[b, l, n, -1]);
+    /// The attention of every row over `x` (1, T, H), each row's queries over its own cache
+    /// with its own mask (`masks[r]`); the projections run once over all rows.
+    pub fn forward(&self, x: &Array, masks: &[Mask], rows: &mut LayerRows) -> crate::Result<Array> {
         let p = &self.proj;
-        let (mut q, mut k) = (
-            heads(p.q_proj.forward(x)?, self.n_heads)?,
-            heads(p.k_proj.forward(x)?, self.n_kv_heads)?,
+        let (q, k, v) = (
+            rows.split(&p.q_proj.forward(x)?)?,
+            rows.split(&p.k_proj.forward(x)?)?,
+            rows.split(&p.v_proj.forward(x)?)?,
         );
-        let v = heads(p.v_proj.forward(x)?, self.n_kv_heads)?.transpose(&[0, 2, 1, 3])?;
+        let mut outs = Vec::with_capacity(q.len());
+        for (r, cache) in rows.caches.iter_mut().enumerate() {
+            outs.push(self.attend_row(&q[r], &k[r], &v[r], &masks[r], cache)?);
+        }
+        Ok(p.o_proj.forward(&rows.join(outs)?)?)
+    }
+
+    /// One row's projected queries, keys and values (1, L, heads x head_dim): q/k norms, RoPE
+    /// at the cache offset, the cache update and the attention; (1, L, heads x head_dim).
+    fn attend_row(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        mask: &Mask,
+        cache: &mut LayerCache,
+    ) -> crate::Result<Array> {
+        let (b, l) = (q.dim(0), q.dim(1));
+        let heads = |y: &Array, n: i32| y.reshape(&[b, l, n, -1]);
+        let (mut q, mut k) = (heads(q, self.n_heads)?, heads(k, self.n_kv_heads)?);
+        let v = heads(v, self.n_kv_heads)?.transpose(&[0, 2, 1, 3])?;
         if let QkNorm::BeforeTranspose { q: qn, k: kn } = &self.qk_norm {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
@@ -78,8 +100,7 @@ impl Attention {
         let k = self.rope.forward(&k, offset)?;
         let kv = cache.update_and_fetch(&k, &v)?;
         let out = attend(&q, &kv, self.scale, mask)?;
-        Ok(p.o_proj
-            .forward(&out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?)
+        Ok(out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)
     }
 }
 

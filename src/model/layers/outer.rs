@@ -6,6 +6,7 @@ use mlx::Array;
 use super::{Dims, Embedding, Linear, RmsNorm};
 use crate::cache::LayerCache;
 use crate::load::{LoadResult, QuantConfig, Weights};
+use crate::model::rows::{self, LayerRows};
 use crate::model::Forward;
 
 /// The output projection: a separate `lm_head`, or the embedding used as a linear layer.
@@ -50,31 +51,28 @@ impl OuterLayers {
         self.embed_tokens.vocab()
     }
 
-    /// Runs the embedded input `h` through the model's `layers` layers — `layer(i, h, cache)`
-    /// is layer i with its cache — keeping the hidden states `taps` asks for (tap i < layers:
-    /// layer i's output; tap = layers: the final normed state), then the final norm and head.
+    /// Runs the embedded packed input `h` (1, T, H) of `rows` (model::rows) through the
+    /// model's `layers` layers — `layer(i, h, rows)` is layer i with every row's cache of it —
+    /// keeping the hidden states `taps` asks for (tap i < layers: layer i's output; tap =
+    /// layers: the final normed state), then the final norm and head.
     pub fn run(
         &self,
         mut h: Array,
-        caches: &mut [LayerCache],
+        rows: &mut [&mut [LayerCache]],
+        lens: &[usize],
         layers: usize,
         taps: &[usize],
-        mut layer: impl FnMut(usize, &Array, &mut LayerCache) -> crate::Result<Array>,
+        mut layer: impl FnMut(usize, &Array, &mut LayerRows) -> crate::Result<Array>,
     ) -> crate::Result<Forward> {
-        if caches.len() != layers {
-            return Err(crate::error::contract(format!(
-                "{} caches for a model of {layers} layers",
-                caches.len()
-            )));
-        }
+        rows::check(rows, lens, layers, h.dim(1) as usize)?;
         let mut hidden: Vec<Option<Array>> = vec![None; taps.len()];
         let mut capture = |index: usize, h: &Array| {
             for (slot, _) in hidden.iter_mut().zip(taps).filter(|(_, &t)| t == index) {
                 *slot = Some(h.clone());
             }
         };
-        for (i, cache) in caches.iter_mut().enumerate() {
-            h = layer(i, &h, cache)?;
+        for i in 0..layers {
+            h = layer(i, &h, &mut LayerRows::at(rows, lens, i))?;
             capture(i, &h);
         }
         let h = self.norm.forward(&h)?;

@@ -1,0 +1,117 @@
+//! The rows of a packed batch forward. B sequences' new tokens are laid end to end on one token
+//! axis, (1, T) with T the sum of the rows' lengths, and every sequence keeps its own caches:
+//! no padding, no shared offset. Everything that treats tokens one by one (embedding, norms,
+//! projections, MLPs, the output head) runs once over all T tokens; what mixes tokens of one
+//! sequence (attention over its cache, a recurrence) runs row by row on that row's segment,
+//! exactly as the sequence alone would run it.
+//!
+//! So a row's bits are its lone request's wherever the token-wise kernels give each token the
+//! same bits whatever tokens surround it, which MLX's CPU kernels over the reference BLAS do
+//! (tests/batch.rs). A single row takes the lone request's graph itself: nothing is sliced or
+//! joined.
+
+use mlx::{ops, Array};
+
+use crate::cache::{LayerCache, Mask};
+use crate::error::contract;
+use crate::Result;
+
+/// One layer's view of the rows: each row's cache for the layer and its token count.
+pub struct LayerRows<'a> {
+    pub caches: Vec<&'a mut LayerCache>,
+    lens: &'a [usize],
+}
+
+impl<'a> LayerRows<'a> {
+    /// Layer `layer`'s caches of every row.
+    pub(crate) fn at(rows: &'a mut [&mut [LayerCache]], lens: &'a [usize], layer: usize) -> Self {
+        LayerRows {
+            caches: rows.iter_mut().map(|r| &mut r[layer]).collect(),
+            lens,
+        }
+    }
+
+    /// The rows' segments of `x` (1, T, ...) along the token axis; `x` itself for one row.
+    pub fn split(&self, x: &Array) -> Result<Vec<Array>> {
+        if self.lens.len() == 1 {
+            return Ok(vec![x.clone()]);
+        }
+        let mut start = 0;
+        let mut parts = Vec::with_capacity(self.lens.len());
+        for &len in self.lens {
+            let end = start + len as i32;
+            parts.push(x.slice_axis(1, start, end)?);
+            start = end;
+        }
+        Ok(parts)
+    }
+
+    /// The rows' outputs joined along the token axis; the one output itself for one row.
+    pub fn join(&self, mut parts: Vec<Array>) -> Result<Array> {
+        if parts.len() == 1 {
+            return Ok(parts.pop().expect("one part"));
+        }
+        Ok(ops::concatenate(&parts.iter().collect::<Vec<_>>(), 1)?)
+    }
+
+    /// Runs `f(row, segment, cache)` on every row's segment of `x` with its cache and joins
+    /// the outputs: a token mixer run row by row.
+    pub fn each(
+        &mut self,
+        x: &Array,
+        mut f: impl FnMut(usize, &Array, &mut LayerCache) -> Result<Array>,
+    ) -> Result<Array> {
+        let segments = self.split(x)?;
+        let outs = segments
+            .iter()
+            .zip(self.caches.iter_mut())
+            .enumerate()
+            .map(|(r, (segment, cache))| f(r, segment, cache))
+            .collect::<Result<Vec<_>>>()?;
+        self.join(outs)
+    }
+}
+
+/// Checks that `rows` and `lens` describe the same rows, each with `layers` caches, and that
+/// `tokens` (the packed axis) is their total length.
+pub(crate) fn check(
+    rows: &[&mut [LayerCache]],
+    lens: &[usize],
+    layers: usize,
+    tokens: usize,
+) -> Result<()> {
+    if rows.is_empty() || rows.len() != lens.len() {
+        return Err(contract(format!(
+            "{} rows of caches for {} row lengths",
+            rows.len(),
+            lens.len()
+        )));
+    }
+    if let Some(r) = rows.iter().position(|r| r.len() != layers) {
+        return Err(contract(format!(
+            "row {r} has {} caches for a model of {layers} layers",
+            rows[r].len()
+        )));
+    }
+    let total: usize = lens.iter().sum();
+    if total != tokens || lens.contains(&0) {
+        return Err(contract(format!(
+            "row lengths {lens:?} do not pack {tokens} tokens (each row needs at least one)"
+        )));
+    }
+    Ok(())
+}
+
+/// Every row's mask for its new tokens, from its cache of layer `layer` (mlx-lm builds one mask
+/// per kind of layer from the first layer of that kind).
+pub fn masks(
+    rows: &[&mut [LayerCache]],
+    lens: &[usize],
+    layer: usize,
+    window: Option<usize>,
+) -> Result<Vec<Mask>> {
+    rows.iter()
+        .zip(lens)
+        .map(|(r, &n)| r[layer].make_mask(n, window))
+        .collect()
+}
