@@ -613,7 +613,10 @@ fn a_disconnected_stream_is_cancelled_and_the_next_request_equals_a_cold_run() {
 
 #[test]
 fn a_full_queue_answers_503_with_retry_after() {
-    let s = Arc::new(Server::start(&model_dir(TARGET), &["--queue-size", "1"]));
+    let s = Arc::new(Server::start(
+        &model_dir(TARGET),
+        &["--queue-size", "1", "--max-num-seqs", "1"],
+    ));
     let mut long = chat("Write a long story.", 4000);
     long["stream"] = json!(true);
     long["logit_bias"] = json!({"2": -100, "0": -100});
@@ -828,5 +831,40 @@ fn a_draft_that_does_not_fit_is_refused_at_startup() {
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     for needle in ["draft model's vocabulary size", "1000", "1024"] {
         assert!(stderr.contains(needle), "{stderr}");
+    }
+}
+
+/// Continuous batching: concurrent plain requests (different prompts, lengths and max_tokens,
+/// streamed or not) decode in one batch, and each answer (text, logprob bits, usage) equals the
+/// same request served alone.
+#[test]
+fn concurrent_requests_batch_and_each_equals_its_answer_alone() {
+    let s = Arc::new(Server::start(&model_dir(TARGET), &[]));
+    let requests: Vec<Value> = (0..6)
+        .map(|i| {
+            let mut r = chat(&"Tell me about the sea. ".repeat(i + 1), 32 + 4 * i);
+            // No EOS, so that the rows overlap for most of their steps.
+            r["logit_bias"] = json!({"2": -100, "0": -100});
+            r["logprobs"] = json!(true);
+            r["top_logprobs"] = json!(2);
+            r
+        })
+        .collect();
+    let together: Vec<_> = requests
+        .iter()
+        .map(|r| {
+            let (s, r) = (s.clone(), r.clone());
+            thread::spawn(move || s.ok("/v1/chat/completions", &r))
+        })
+        .collect();
+    let together: Vec<Value> = together.into_iter().map(|t| t.join().unwrap()).collect();
+    let log = s.log_when(|l| l.contains("batch of up to"));
+    assert!(
+        log.contains("batch of up to"),
+        "no request was batched: {log}"
+    );
+    let alone = Server::start(&model_dir(TARGET), &["--max-num-seqs", "1"]);
+    for (r, got) in requests.iter().zip(&together) {
+        assert_eq!(answer(got), answer(&alone.ok("/v1/chat/completions", r)));
     }
 }

@@ -27,6 +27,10 @@ pub struct ServeArgs {
     /// Requests that may wait while one runs; more are answered 503 with Retry-After.
     #[arg(long, default_value_t = 16)]
     queue_size: usize,
+    /// Plain requests decoded together at most (continuous batching; mlx_lm.server's
+    /// --decode-concurrency); more wait in the queue. A speculative lane decodes one at a time.
+    #[arg(long, default_value_t = 32)]
+    max_num_seqs: usize,
     /// max_tokens of a request that names none (mlx_lm.server's default).
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
@@ -41,6 +45,10 @@ pub struct ServeArgs {
 pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(a.queue_size >= 1, "--queue-size is 0, must be at least 1");
     anyhow::ensure!(a.max_tokens >= 1, "--max-tokens is 0, must be at least 1");
+    anyhow::ensure!(
+        a.max_num_seqs >= 1,
+        "--max-num-seqs is 0, must be at least 1"
+    );
     let prompt = a.cache.prompt_params();
     let handle = engine::start(engine::EngineConfig {
         model: a.model.clone(),
@@ -48,6 +56,7 @@ pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         num_draft_tokens: a.draft.num_draft_tokens,
         device,
         queue_size: a.queue_size,
+        max_num_seqs: a.max_num_seqs,
         prefill_step_size: prompt.prefill_step_size,
         max_kv_size: prompt.max_kv_size,
         kv_quantization: prompt.kv_quantization,

@@ -1,10 +1,13 @@
 //! The engine thread: the one thread that owns the models and every MLX array (MLX arrays are
 //! not shared across threads as verity uses them). The HTTP side hands it jobs through a bounded
-//! queue and reads each job's events from its own channel. Requests run one at a time, in
-//! arrival order. A client that goes away closes its event channel; the engine notices at the
-//! next prefill chunk or the next token (within a speculative round too) and stops there, so
-//! the next request starts promptly.
+//! queue and reads each job's events from its own channel. Plain requests decode together
+//! (continuous batching, crate::batch): up to `--max-num-seqs` of them, each joining between
+//! steps and leaving when it ends; a speculative lane runs one request at a time, in arrival
+//! order. A client that goes away closes its event channel; the engine notices at the next
+//! prefill chunk or the next token (within a speculative round too) and stops it there.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::mpsc as std_mpsc;
@@ -18,10 +21,12 @@ use tokio::sync::mpsc;
 use super::api::{ApiError, GenRequest, Prompt};
 use super::prefix_cache::PrefixCache;
 use super::stop::{Pushed, StopMatcher};
+use crate::batch::Batch;
 use crate::bundle::ModelBundle;
 use crate::cache::{KvQuantization, LayerCache};
 use crate::decode::{decode, Hooks, Request, Start};
 use crate::generate::{Control, FinishReason, GenerateParams, GeneratedToken};
+use crate::grammar::Constraint;
 use crate::request::reproducible_seed;
 use crate::sample::{KeySchedule, ProcessorParams, SamplerParams};
 use crate::speculative::{Drafter, DrafterSpec, SpeculationStats};
@@ -38,6 +43,8 @@ pub struct EngineConfig {
     pub num_draft_tokens: Option<usize>,
     pub device: mlx::Device,
     pub queue_size: usize,
+    /// Plain requests decoded together at most (1: one request at a time).
+    pub max_num_seqs: usize,
     pub prefill_step_size: usize,
     pub max_kv_size: Option<usize>,
     pub kv_quantization: Option<KvQuantization>,
@@ -127,6 +134,8 @@ pub struct Summary {
     pub completion_tokens: usize,
     pub cached_tokens: usize,
     pub stats: RequestStats,
+    /// The most rows the request decoded beside in one batch step (1: alone).
+    pub batch_rows: usize,
 }
 
 /// What the engine tells the HTTP side about one request, in this order: `Started` or
@@ -229,7 +238,8 @@ struct Engine {
     context: Option<usize>,
     /// What XTC never excludes (ModelBundle::xtc_special_tokens).
     xtc_special_tokens: Vec<u32>,
-    prefix: PrefixCache,
+    /// Shared by the lanes (the engine thread's alone).
+    prefix: RefCell<PrefixCache>,
     namespace: String,
 }
 
@@ -255,7 +265,7 @@ impl Engine {
         };
         Ok(Engine {
             model_id: config.model.display().to_string(),
-            prefix: PrefixCache::new(prompt_cache_bytes),
+            prefix: RefCell::new(PrefixCache::new(prompt_cache_bytes)),
             namespace: config.namespace(),
             context: target.context_length(),
             xtc_special_tokens: target.xtc_special_tokens()?,
@@ -266,34 +276,122 @@ impl Engine {
         })
     }
 
-    fn serve(mut self, mut queue: mpsc::Receiver<Job>) {
+    fn serve(self, queue: mpsc::Receiver<Job>) {
+        if self.drafter.is_some() || self.config.max_num_seqs == 1 {
+            self.serve_one_at_a_time(queue)
+        } else {
+            self.serve_batched(queue)
+        }
+    }
+
+    /// A speculative lane (and `--max-num-seqs 1`): one request at a time, in arrival order.
+    fn serve_one_at_a_time(&self, mut queue: mpsc::Receiver<Job>) {
         while let Some(job) = queue.blocking_recv() {
             let events = job.events.clone();
             // A panicking request fails alone: the engine thread goes on serving the queue.
             let outcome = panic::catch_unwind(AssertUnwindSafe(|| self.run(job)))
                 .unwrap_or_else(|_| Err(ApiError::internal("the request panicked in the engine")));
-            match outcome {
-                Ok(Outcome::Done(s)) => {
-                    log_request(&s, &self.prefix);
-                    let _ = events.send(Event::Done(s));
-                }
-                Ok(Outcome::Cancelled { tokens }) => {
-                    eprintln!("verity serve: request cancelled by the client after {tokens} tokens")
-                }
-                Ok(Outcome::CancelledInPrefill) => {
-                    eprintln!("verity serve: request cancelled by the client during the prefill")
-                }
-                Err(e) => {
-                    eprintln!("verity serve: request failed: {}", e.message);
-                    let _ = events.send(Event::Failed(e));
-                }
-            }
+            self.report(outcome, &events);
             mlx::memory::clear_cache();
         }
     }
 
-    /// Runs one request to its end or until the client goes away.
-    fn run(&mut self, job: Job) -> Result<Outcome, ApiError> {
+    /// Continuous batching of plain lanes: requests join the batch between steps (each
+    /// prefilled alone), up to `max_num_seqs` at a time, and leave it when they finish or
+    /// their client goes away; every step decodes one token of each row in one forward.
+    fn serve_batched(&self, mut queue: mpsc::Receiver<Job>) {
+        let mut batch = Batch::new(self.target.model());
+        let mut lanes: HashMap<usize, Lane> = HashMap::new();
+        let mut next_id = 0;
+        loop {
+            while lanes.len() < self.config.max_num_seqs {
+                let job = if lanes.is_empty() {
+                    match queue.blocking_recv() {
+                        Some(job) => job,
+                        None => return,
+                    }
+                } else {
+                    match queue.try_recv() {
+                        Ok(job) => job,
+                        Err(_) => break,
+                    }
+                };
+                let events = job.events.clone();
+                let joined =
+                    panic::catch_unwind(AssertUnwindSafe(|| self.join(&mut batch, next_id, job)))
+                        .unwrap_or_else(|_| {
+                            Err(ApiError::internal("the request panicked in the engine"))
+                        });
+                match joined {
+                    Ok(Ok(lane)) => {
+                        lanes.insert(next_id, lane);
+                        next_id += 1;
+                    }
+                    Ok(Err(ended)) => self.report(Ok(ended), &events),
+                    Err(e) => self.report(Err(e), &events),
+                }
+            }
+            if lanes.is_empty() {
+                mlx::memory::clear_cache();
+                continue;
+            }
+            let width = lanes.len();
+            for lane in lanes.values_mut() {
+                lane.batch_rows = lane.batch_rows.max(width);
+            }
+            let target = &self.target;
+            let mut on_token = |id: usize, step: &GeneratedToken| match lanes.get_mut(&id) {
+                Some(lane) => lane.on_token(target, step),
+                None => Control::Stop,
+            };
+            let stepped = panic::catch_unwind(AssertUnwindSafe(|| batch.step(&mut on_token)))
+                .unwrap_or_else(|_| Err(crate::Error::Contract("a batch step panicked".into())));
+            if let Err(e) = stepped {
+                // MLX state of the rows is unknown after a failed step: every row fails.
+                let e = refusal(e);
+                for (_, lane) in lanes.drain() {
+                    self.report(Err(e.clone()), &lane.events);
+                }
+                batch = Batch::new(self.target.model());
+                continue;
+            }
+            let running = batch.ids();
+            let ended: Vec<usize> = lanes
+                .keys()
+                .filter(|id| !running.contains(id))
+                .copied()
+                .collect();
+            for id in ended {
+                let lane = lanes.remove(&id).expect("an ended lane is a lane");
+                let events = lane.events.clone();
+                self.report(lane.outcome(None), &events);
+            }
+        }
+    }
+
+    /// Logs how a request ended and tells its client.
+    fn report(&self, outcome: Result<Outcome, ApiError>, events: &mpsc::UnboundedSender<Event>) {
+        match outcome {
+            Ok(Outcome::Done(s)) => {
+                log_request(&s, &self.prefix.borrow());
+                let _ = events.send(Event::Done(s));
+            }
+            Ok(Outcome::Cancelled { tokens }) => {
+                eprintln!("verity serve: request cancelled by the client after {tokens} tokens")
+            }
+            Ok(Outcome::CancelledInPrefill) => {
+                eprintln!("verity serve: request cancelled by the client during the prefill")
+            }
+            Err(e) => {
+                eprintln!("verity serve: request failed: {}", e.message);
+                let _ = events.send(Event::Failed(e));
+            }
+        }
+    }
+
+    /// Validates a request, tells its client it started, and finds where its prefill starts
+    /// (a prefix cache hit, or fresh caches); `Err(Outcome)` when the client is gone already.
+    fn admit(&self, job: Job) -> Result<Result<Admitted, Outcome>, ApiError> {
         let Job { request, events } = job;
         let started = Instant::now();
         let prompt = self.prompt_tokens(&request).map_err(refusal)?;
@@ -324,23 +422,9 @@ impl Engine {
             })
             .is_err()
         {
-            return Ok(Outcome::Cancelled { tokens: 0 });
+            return Ok(Err(Outcome::Cancelled { tokens: 0 }));
         }
-
-        let mut lane = Lane {
-            bundle: &self.target,
-            request: &request,
-            events: &events,
-            detok: self.target.tokenizer.detokenizer(),
-            stop: StopMatcher::new(request.stop.clone()),
-            count: 0,
-            first_token_at: None,
-            finish: None,
-            cancelled: false,
-            error: None,
-        };
-        let mut on_token = |step: &GeneratedToken| lane.on_token(step);
-        let hit = self.prefix.lookup(&self.namespace, &prompt);
+        let hit = self.prefix.borrow_mut().lookup(&self.namespace, &prompt);
         let cached = hit.as_ref().map_or(0, |h| h.cached);
         let start = match hit {
             Some(h) => Start::Prefix {
@@ -350,11 +434,88 @@ impl Engine {
             },
             None => Start::Fresh,
         };
-        let (prefix, namespace) = (&mut self.prefix, &self.namespace);
-        let head = &prompt[..prompt.len() - 1];
-        let mut keep = |target: &[LayerCache], draft: Option<&[LayerCache]>| {
-            prefix.insert(namespace, head, target, draft)
+        let lane = Lane {
+            detok: self.target.tokenizer.detokenizer(),
+            stop: StopMatcher::new(request.stop.clone()),
+            request,
+            events,
+            count: 0,
+            started,
+            first_token_at: None,
+            prompt_tokens: prompt.len(),
+            cached,
+            batch_rows: 1,
+            finish: None,
+            cancelled: false,
+            error: None,
         };
+        Ok(Ok(Admitted {
+            lane,
+            prompt,
+            params,
+            constraint,
+            start,
+        }))
+    }
+
+    /// Stores the caches of `prompt` but its last token in the prefix cache.
+    fn keep_prefix(&self, prompt: &[u32], target: &[LayerCache], draft: Option<&[LayerCache]>) {
+        let head = &prompt[..prompt.len() - 1];
+        self.prefix
+            .borrow_mut()
+            .insert(&self.namespace, head, target, draft)
+    }
+
+    /// Admits `job` and prefills it into `batch` as row `id`.
+    fn join(
+        &self,
+        batch: &mut Batch<'_>,
+        id: usize,
+        job: Job,
+    ) -> Result<Result<Lane, Outcome>, ApiError> {
+        let admitted = match self.admit(job)? {
+            Ok(admitted) => admitted,
+            Err(ended) => return Ok(Err(ended)),
+        };
+        let Admitted {
+            lane,
+            prompt,
+            params,
+            constraint,
+            start,
+        } = admitted;
+        let mut gone = |_| lane.gone();
+        let mut keep = |target: &[LayerCache], draft: Option<&[LayerCache]>| {
+            self.keep_prefix(&prompt, target, draft)
+        };
+        let request = Request {
+            prompt: &prompt,
+            params: &params,
+            constraint,
+            num_draft_tokens: None,
+        };
+        let added = batch.add(id, start, request, Some(&mut gone), Some(&mut keep));
+        Ok(match checked(added)? {
+            Some(()) => Ok(lane),
+            None => Err(Outcome::CancelledInPrefill),
+        })
+    }
+
+    /// Runs one request to its end or until the client goes away.
+    fn run(&self, job: Job) -> Result<Outcome, ApiError> {
+        let admitted = match self.admit(job)? {
+            Ok(admitted) => admitted,
+            Err(ended) => return Ok(ended),
+        };
+        let Admitted {
+            mut lane,
+            prompt,
+            params,
+            constraint,
+            start,
+        } = admitted;
+        let num_draft_tokens = lane.request.num_draft_tokens.or(self.num_draft_tokens);
+        let events = lane.events.clone();
         let mut gone = |_| {
             if events.is_closed() {
                 Control::Stop
@@ -362,6 +523,11 @@ impl Engine {
                 Control::Continue
             }
         };
+        let mut keep = |target: &[LayerCache], draft: Option<&[LayerCache]>| {
+            self.keep_prefix(&prompt, target, draft)
+        };
+        let target = &self.target;
+        let mut on_token = |step: &GeneratedToken| lane.on_token(target, step);
         let hooks = Hooks {
             on_token: &mut on_token,
             on_chunk: Some(&mut gone),
@@ -371,7 +537,7 @@ impl Engine {
             prompt: &prompt,
             params: &params,
             constraint,
-            num_draft_tokens: request.num_draft_tokens.or(self.num_draft_tokens),
+            num_draft_tokens,
         };
         let decoded = decode(
             self.target.model(),
@@ -383,35 +549,7 @@ impl Engine {
         let Some(decoded) = checked(decoded)? else {
             return Ok(Outcome::CancelledInPrefill);
         };
-        let spec = decoded.speculation;
-        if let Some(e) = lane.error.take() {
-            return Err(e);
-        }
-        if lane.cancelled {
-            return Ok(Outcome::Cancelled { tokens: lane.count });
-        }
-        let finished = Instant::now();
-        let first = lane.first_token_at.unwrap_or(finished);
-        let prompt_seconds = (first - started).as_secs_f64();
-        let decode_seconds = (finished - first).as_secs_f64();
-        let stats = RequestStats {
-            prompt_tokens: prompt.len(),
-            cached_tokens: cached,
-            prompt_seconds,
-            prompt_tokens_per_second: (prompt.len() - cached) as f64 / prompt_seconds.max(1e-9),
-            completion_tokens: lane.count,
-            decode_seconds,
-            decode_tokens_per_second: lane.count.saturating_sub(1) as f64
-                / decode_seconds.max(1e-9),
-            speculation: spec.as_ref().map(SpeculationReport::from),
-        };
-        Ok(Outcome::Done(Summary {
-            finish_reason: lane.finish.unwrap_or(FinishReason::Length),
-            prompt_tokens: prompt.len(),
-            completion_tokens: lane.count,
-            cached_tokens: cached,
-            stats,
-        }))
+        lane.outcome(decoded.speculation.as_ref())
     }
 
     /// The prompt as mlx_lm.server builds it (server.py:618): chat messages through the chat
@@ -497,6 +635,9 @@ fn log_request(s: &Summary, prefix: &PrefixCache) {
         prefix.len(),
         prefix.bytes()
     ));
+    if s.batch_rows > 1 {
+        line.push_str(&format!(", batch of up to {} rows", s.batch_rows));
+    }
     if let Some(sp) = &st.speculation {
         line.push_str(&format!(
             ", speculation {} rounds {}/{} accepted by position {:?}/{:?}, {} target calls",
@@ -513,31 +654,88 @@ fn log_request(s: &Summary, prefix: &PrefixCache) {
 
 /// One request's decode lane: turns generated tokens into released text through the
 /// detokenizer and the stop matcher, sends them, and decides when to stop.
-struct Lane<'a> {
-    bundle: &'a ModelBundle,
-    request: &'a GenRequest,
-    events: &'a mpsc::UnboundedSender<Event>,
+struct Lane {
+    request: GenRequest,
+    events: mpsc::UnboundedSender<Event>,
     detok: StreamingDetokenizer,
     stop: StopMatcher,
     count: usize,
+    started: Instant,
     first_token_at: Option<Instant>,
+    prompt_tokens: usize,
+    /// Prompt tokens restored from the prefix cache.
+    cached: usize,
+    /// The widest batch step this lane took part in.
+    batch_rows: usize,
     finish: Option<FinishReason>,
     cancelled: bool,
     error: Option<ApiError>,
 }
 
-impl Lane<'_> {
+/// A validated request whose client was told it started, and what its decode needs.
+struct Admitted {
+    lane: Lane,
+    prompt: Vec<u32>,
+    params: GenerateParams,
+    constraint: Option<Constraint>,
+    start: Start,
+}
+
+impl Lane {
+    /// `Stop` once the client went away (asked after each prefill chunk).
+    fn gone(&self) -> Control {
+        if self.events.is_closed() {
+            Control::Stop
+        } else {
+            Control::Continue
+        }
+    }
+
+    /// How the request ended, once its decode is over.
+    fn outcome(mut self, speculation: Option<&SpeculationStats>) -> Result<Outcome, ApiError> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        if self.cancelled {
+            return Ok(Outcome::Cancelled { tokens: self.count });
+        }
+        let finished = Instant::now();
+        let first = self.first_token_at.unwrap_or(finished);
+        let prompt_seconds = (first - self.started).as_secs_f64();
+        let decode_seconds = (finished - first).as_secs_f64();
+        let (prompt_tokens, cached) = (self.prompt_tokens, self.cached);
+        let stats = RequestStats {
+            prompt_tokens,
+            cached_tokens: cached,
+            prompt_seconds,
+            prompt_tokens_per_second: (prompt_tokens - cached) as f64 / prompt_seconds.max(1e-9),
+            completion_tokens: self.count,
+            decode_seconds,
+            decode_tokens_per_second: self.count.saturating_sub(1) as f64
+                / decode_seconds.max(1e-9),
+            speculation: speculation.map(SpeculationReport::from),
+        };
+        Ok(Outcome::Done(Summary {
+            finish_reason: self.finish.unwrap_or(FinishReason::Length),
+            prompt_tokens,
+            completion_tokens: self.count,
+            cached_tokens: cached,
+            stats,
+            batch_rows: self.batch_rows,
+        }))
+    }
+
     /// One generated token. Counts it (a stopping EOS counts, as in mlx-lm, server.py:1640,
     /// but adds no text, server.py:976), releases its text through the stop matcher, and
     /// stops on a stop sequence, at the end, or when the client is gone.
-    fn on_token(&mut self, step: &GeneratedToken) -> Control {
+    fn on_token(&mut self, bundle: &ModelBundle, step: &GeneratedToken) -> Control {
         self.first_token_at.get_or_insert_with(Instant::now);
         if self.events.is_closed() {
             self.cancelled = true;
             return Control::Stop;
         }
         self.count += 1;
-        let info = match self.token_info(step) {
+        let info = match self.token_info(bundle, step) {
             Ok(info) => info,
             Err(e) => {
                 self.error = Some(refusal(e));
@@ -579,7 +777,11 @@ impl Lane<'_> {
     }
 
     /// The token's logprob and its top alternatives (sorted by logprob, then id), when asked.
-    fn token_info(&self, step: &GeneratedToken) -> crate::Result<Option<TokenInfo>> {
+    fn token_info(
+        &self,
+        bundle: &ModelBundle,
+        step: &GeneratedToken,
+    ) -> crate::Result<Option<TokenInfo>> {
         if !self.request.logprobs {
             return Ok(None);
         }
@@ -596,7 +798,7 @@ impl Lane<'_> {
         }
         order.truncate(n);
         order.sort_by(by_rank);
-        let text = |id: u32| self.bundle.decode(&[id]);
+        let text = |id: u32| bundle.decode(&[id]);
         Ok(Some(TokenInfo {
             id: step.token,
             token: text(step.token),
