@@ -379,3 +379,46 @@ fn bench_speed_prints_every_row() {
         assert!(doc["floor_tok_s"].as_f64().unwrap() > 0.0);
     }
 }
+
+/// `verity bench serve` against verity alone: a server child on loopback, the client driver
+/// (stdlib Python) at each level, one report per level with every request answered.
+#[test]
+fn bench_serve_reports_every_level() {
+    let model = root().join("golden/models/qwen3-target");
+    let out = verity(&[
+        "bench",
+        "serve",
+        "--model",
+        &model.to_string_lossy(),
+        "--clients",
+        "1,3",
+        "--requests",
+        "3",
+        "--max-tokens",
+        "4",
+        "--no-mlx-lm",
+        "--python",
+        "python3",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let levels = doc["levels"].as_array().unwrap();
+    let clients: Vec<u64> = levels
+        .iter()
+        .map(|l| l["clients"].as_u64().unwrap())
+        .collect();
+    assert_eq!(clients, [1, 3]);
+    for l in levels {
+        let v = &l["verity"];
+        assert_eq!(v["requests"], 3, "{l}");
+        assert_eq!(v["completion_tokens"], 12, "{l}");
+        assert!(v["errors"].as_array().unwrap().is_empty(), "{l}");
+        assert!(v["tok_s"].as_f64().unwrap() > 0.0, "{l}");
+        assert!(l["mlx_lm"].is_null() && l["ratio"].is_null(), "{l}");
+    }
+}

@@ -3,6 +3,7 @@
 
 mod accept;
 mod bench;
+mod bench_serve;
 mod bisect;
 mod cache_prompt;
 mod check;
@@ -37,6 +38,9 @@ enum Bench {
     Speed(bench::SpeedArgs),
     /// Grammar compile time and mask time per token (p50, p99).
     Grammar(grammar::BenchGrammarArgs),
+    /// Server throughput and p50/p99 latency at several levels of concurrent clients, against
+    /// mlx_lm.server in the same run.
+    Serve(bench_serve::ServeBenchArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -86,6 +90,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Serve(a) => serve::serve(*a, device),
         Command::Bench(Bench::Speed(a)) => bench::speed(a, device),
         Command::Bench(Bench::Grammar(a)) => grammar::bench(a),
+        Command::Bench(Bench::Serve(a)) => bench_serve::serve(a, device),
     }
 }
 

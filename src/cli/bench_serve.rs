@@ -1,0 +1,265 @@
+//! `verity bench serve`: `verity serve` against `mlx_lm.server` on one model, in one run. Both
+//! servers run as child processes on loopback ports; at each level of concurrent clients the
+//! client driver (oracles/bench_serve.py, the oracle venv's Python) sends the same requests to
+//! one server, then to the other, each after a warm-up round, and reports throughput (completion
+//! tokens per second of wall time) and p50/p99 request latency.
+
+use std::io::{BufRead, BufReader};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
+use verity::bundle::ModelBundle;
+
+#[derive(Args)]
+pub struct ServeBenchArgs {
+    /// Model folder.
+    #[arg(long)]
+    model: PathBuf,
+    /// Concurrent clients of each level.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,32")]
+    clients: Vec<usize>,
+    /// Requests per level and server (after a warm-up round of one request per client).
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    /// Completion tokens per request (EOS is biased away, so every request generates them all).
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Python of the oracle venv (mlx_lm.server and the client driver).
+    #[arg(long, default_value = "oracles/.venv/bin/python")]
+    python: PathBuf,
+    /// Measure verity alone.
+    #[arg(long)]
+    no_mlx_lm: bool,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+const DRIVER: &str = "oracles/bench_serve.py";
+
+/// A server child process, killed when dropped.
+struct Server {
+    name: &'static str,
+    child: Child,
+    url: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `verity serve` (this binary) on a free loopback port and waits for its
+/// "listening" line.
+fn start_verity(a: &ServeBenchArgs, device: mlx::Device, queue: usize) -> anyhow::Result<Server> {
+    let exe = std::env::current_exe().context("the path of this verity binary")?;
+    let mut child = Command::new(exe)
+        .args(["--device", device_arg(device), "serve", "--model"])
+        .arg(&a.model)
+        .args(["--port", "0", "--queue-size", &queue.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting verity serve")?;
+    let stdout = child.stdout.take().context("verity serve's stdout")?;
+    let mut server = Server {
+        name: "verity serve",
+        child,
+        url: String::new(),
+    };
+    for line in BufReader::new(stdout).lines() {
+        if let Some(url) = line?.strip_prefix("verity serve: listening on ") {
+            server.url = url.to_string();
+            return Ok(server);
+        }
+    }
+    bail!("verity serve exited before listening (run it alone to see why)")
+}
+
+/// Starts mlx_lm.server from the oracle venv on a free loopback port and waits until it
+/// accepts connections.
+fn start_mlx_lm(a: &ServeBenchArgs) -> anyhow::Result<Server> {
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let child = Command::new(&a.python)
+        .args(["-m", "mlx_lm.server", "--model"])
+        .arg(&a.model)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .env("HF_HUB_OFFLINE", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting mlx_lm.server with {}", a.python.display()))?;
+    let mut server = Server {
+        name: "mlx_lm.server",
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+    };
+    let since = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if let Some(status) = server.child.try_wait()? {
+            bail!("mlx_lm.server exited ({status}) before listening");
+        }
+        if since.elapsed() > Duration::from_secs(120) {
+            bail!("mlx_lm.server did not listen within 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(server)
+}
+
+fn device_arg(device: mlx::Device) -> &'static str {
+    if device == mlx::Device::Cpu {
+        "cpu"
+    } else {
+        "gpu"
+    }
+}
+
+/// One level on one server: the driver's report. Failed requests (mlx_lm.server resets
+/// connections past its listen backlog) are counted in it and warned about, not fatal.
+fn drive(
+    a: &ServeBenchArgs,
+    server: &Server,
+    clients: usize,
+    requests: usize,
+    eos: &[u32],
+) -> anyhow::Result<Value> {
+    let mut cmd = Command::new(&a.python);
+    cmd.arg(DRIVER)
+        .args(["--url", &server.url])
+        .args(["--clients", &clients.to_string()])
+        .args(["--requests", &requests.to_string()])
+        .args(["--max-tokens", &a.max_tokens.to_string()]);
+    for id in eos {
+        cmd.args(["--eos", &id.to_string()]);
+    }
+    let out = cmd.stderr(Stdio::inherit()).output()?;
+    if !out.status.success() {
+        bail!(
+            "the client driver failed against {} ({})",
+            server.name,
+            out.status
+        );
+    }
+    let report: Value = serde_json::from_slice(&out.stdout).context("the driver's report")?;
+    if let Some(e) = report["errors"].as_array().and_then(|e| e.first()) {
+        eprintln!(
+            "warning: {} failed {} of {requests} requests at {clients} clients (first: {e})",
+            server.name,
+            report["errors"].as_array().map_or(0, Vec::len)
+        );
+    }
+    Ok(report)
+}
+
+pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        !a.clients.is_empty() && !a.clients.contains(&0),
+        "--clients is {:?}, each level must be at least 1",
+        a.clients
+    );
+    anyhow::ensure!(a.requests >= 1, "--requests is 0, must be at least 1");
+    anyhow::ensure!(a.max_tokens >= 1, "--max-tokens is 0, must be at least 1");
+    // The model is loaded here only to check the folder and read its EOS set.
+    let eos = ModelBundle::load(&a.model)?.eos_token_ids;
+    // A bare name (python3) is looked up on PATH by the spawn; a path must exist.
+    let python_missing = a.python.components().count() > 1 && !a.python.is_file();
+    if !Path::new(DRIVER).is_file() || python_missing {
+        bail!(
+            "bench serve needs {DRIVER} and the oracle venv's {} (run from the repository root \
+             after `bash oracles/venv.sh`)",
+            a.python.display()
+        );
+    }
+    let queue = a.clients.iter().copied().max().unwrap_or(1);
+    let mut servers = vec![start_verity(&a, device, queue)?];
+    if !a.no_mlx_lm {
+        servers.push(start_mlx_lm(&a)?);
+    }
+    let bar = ProgressBar::new((a.clients.len() * servers.len()) as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} bench serve [{bar:30}] {pos}/{len} {wide_msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let mut levels = Vec::new();
+    for &clients in &a.clients {
+        let mut reports = Vec::new();
+        for server in &servers {
+            bar.set_message(format!("{} at {clients} clients", server.name));
+            drive(&a, server, clients, clients, &eos)?;
+            reports.push(drive(&a, server, clients, a.requests, &eos)?);
+            bar.inc(1);
+        }
+        levels.push((clients, reports));
+    }
+    bar.finish_and_clear();
+    let ratio = |r: &[Value]| {
+        let tps = |v: &Value| v["tok_s"].as_f64();
+        Some(tps(&r[0])? / tps(r.get(1)?)?)
+    };
+    if a.json {
+        let rows: Vec<Value> = levels
+            .iter()
+            .map(|(clients, r)| {
+                json!({"clients": clients, "verity": r[0], "mlx_lm": r.get(1), "ratio": ratio(r)})
+            })
+            .collect();
+        let doc = json!({
+            "model": a.model.display().to_string(),
+            "device": device.name(),
+            "requests": a.requests,
+            "max_tokens": a.max_tokens,
+            "levels": rows,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "verity bench serve: {} on {}, {} requests x {} tokens per level and server",
+        a.model.display(),
+        device.name(),
+        a.requests,
+        a.max_tokens
+    );
+    println!(
+        "\n{:>7}  {:>11}  {:>13}  {:>6}  {:>17}  {:>17}  {:>13}",
+        "clients",
+        "verity tok/s",
+        "mlx_lm tok/s",
+        "ratio",
+        "verity p50/p99 s",
+        "mlx_lm p50/p99 s",
+        "failed v / m"
+    );
+    let num = |v: Option<&Value>, k: &str| v.and_then(|v| v[k].as_f64());
+    let cell = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.1}"));
+    let pair = |v: Option<&Value>| match (num(v, "p50_s"), num(v, "p99_s")) {
+        (Some(p50), Some(p99)) => format!("{p50:.2} / {p99:.2}"),
+        _ => "-".into(),
+    };
+    let failed = |v: Option<&Value>| {
+        v.and_then(|v| v["errors"].as_array())
+            .map_or("-".into(), |e| e.len().to_string())
+    };
+    for (clients, r) in &levels {
+        println!(
+            "{clients:>7}  {:>11}  {:>13}  {:>6}  {:>17}  {:>17}  {:>13}",
+            cell(num(r.first(), "tok_s")),
+            cell(num(r.get(1), "tok_s")),
+            ratio(r).map_or("-".into(), |x| format!("{x:.2}x")),
+            pair(r.first()),
+            pair(r.get(1)),
+            format!("{} / {}", failed(r.first()), failed(r.get(1))),
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
