@@ -108,6 +108,8 @@ ArrayPtr rms_norm(const Array& x, const Array* weight, float eps);
 ArrayPtr layer_norm(const Array& x, const Array* weight, const Array* bias, float eps);
 ArrayPtr rope(const Array& x, int32_t dims, bool traditional, float base, float scale,
               int32_t offset, const Array* freqs);
+ArrayPtr rope_at(const Array& x, int32_t dims, bool traditional, float base, float scale,
+                 const Array& offsets, const Array* freqs);
 ArrayPtr scaled_dot_product_attention(const Array& queries, const Array& keys,
                                       const Array& values, float scale, rust::Str mask_mode,
                                       const Array* mask, const Array* sinks);

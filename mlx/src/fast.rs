@@ -49,6 +49,34 @@ pub fn rope(
     wrap(unsafe { ffi::rope(x.ffi(), dims, traditional, base, scale, offset, ptr(freqs)) })
 }
 
+/// [`rope`] with one offset per batch element: `offset=offsets`, an int32 array of shape
+/// (B,) for `x` of shape (B, ..., L, D) (mlx-lm's batch caches pass their per-row offsets so).
+pub fn rope_at(
+    x: &Array,
+    dims: i32,
+    traditional: bool,
+    freqs: RopeFreqs<'_>,
+    scale: f32,
+    offsets: &Array,
+) -> Result<Array> {
+    let (base, freqs) = match freqs {
+        RopeFreqs::Base(b) => (b, None),
+        RopeFreqs::Freqs(f) => (0.0, Some(f)),
+    };
+    // SAFETY: as above.
+    wrap(unsafe {
+        ffi::rope_at(
+            x.ffi(),
+            dims,
+            traditional,
+            base,
+            scale,
+            offsets.ffi(),
+            ptr(freqs),
+        )
+    })
+}
+
 /// The `mask` argument of [`scaled_dot_product_attention`].
 #[derive(Clone, Copy, Debug)]
 pub enum SdpaMask<'a> {

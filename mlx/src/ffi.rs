@@ -254,6 +254,15 @@ pub(crate) mod bridge {
             offset: i32,
             freqs: *const Array,
         ) -> Result<UniquePtr<Array>>;
+        unsafe fn rope_at(
+            x: &Array,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            scale: f32,
+            offsets: &Array,
+            freqs: *const Array,
+        ) -> Result<UniquePtr<Array>>;
         unsafe fn scaled_dot_product_attention(
             queries: &Array,
             keys: &Array,

@@ -416,6 +416,11 @@ ArrayPtr rope(const Array& x, int32_t dims, bool traditional, float base, float 
   std::optional<float> b = freqs == nullptr ? std::optional<float>(base) : std::nullopt;
   return wrap(mx::fast::rope(x.inner, dims, traditional, b, scale, offset, opt(freqs)));
 }
+ArrayPtr rope_at(const Array& x, int32_t dims, bool traditional, float base, float scale,
+                 const Array& offsets, const Array* freqs) {
+  std::optional<float> b = freqs == nullptr ? std::optional<float>(base) : std::nullopt;
+  return wrap(mx::fast::rope(x.inner, dims, traditional, b, scale, offsets.inner, opt(freqs)));
+}
 ArrayPtr scaled_dot_product_attention(const Array& queries, const Array& keys,
                                       const Array& values, float scale, rust::Str mask_mode,
                                       const Array* mask, const Array* sinks) {

@@ -31,8 +31,14 @@ impl<'a> LayerRows<'a> {
         }
     }
 
-    /// The rows' segments of `x` (1, T, ...) along the token axis; `x` itself for one row.
-    pub fn split(&self, x: &Array) -> Result<Vec<Array>> {
+    /// Whether there are several rows, each of one token (a batch decode step).
+    pub fn one_token_each(&self) -> bool {
+        self.lens.len() > 1 && self.lens.iter().all(|&l| l == 1)
+    }
+
+    /// The rows' segments of `x` along its token axis `axis` (1 for (1, T, ...)); `x` itself
+    /// for one row.
+    pub fn split(&self, x: &Array, axis: i32) -> Result<Vec<Array>> {
         if self.lens.len() == 1 {
             return Ok(vec![x.clone()]);
         }
@@ -40,18 +46,19 @@ impl<'a> LayerRows<'a> {
         let mut parts = Vec::with_capacity(self.lens.len());
         for &len in self.lens {
             let end = start + len as i32;
-            parts.push(x.slice_axis(1, start, end)?);
+            parts.push(x.slice_axis(axis, start, end)?);
             start = end;
         }
         Ok(parts)
     }
 
-    /// The rows' outputs joined along the token axis; the one output itself for one row.
-    pub fn join(&self, mut parts: Vec<Array>) -> Result<Array> {
+    /// The rows' outputs joined along the token axis `axis`; the one output itself for one
+    /// row.
+    pub fn join(&self, mut parts: Vec<Array>, axis: i32) -> Result<Array> {
         if parts.len() == 1 {
             return Ok(parts.pop().expect("one part"));
         }
-        Ok(ops::concatenate(&parts.iter().collect::<Vec<_>>(), 1)?)
+        Ok(ops::concatenate(&parts.iter().collect::<Vec<_>>(), axis)?)
     }
 
     /// Runs `f(row, segment, cache)` on every row's segment of `x` with its cache and joins
@@ -61,14 +68,14 @@ impl<'a> LayerRows<'a> {
         x: &Array,
         mut f: impl FnMut(usize, &Array, &mut LayerCache) -> Result<Array>,
     ) -> Result<Array> {
-        let segments = self.split(x)?;
+        let segments = self.split(x, 1)?;
         let outs = segments
             .iter()
             .zip(self.caches.iter_mut())
             .enumerate()
             .map(|(r, (segment, cache))| f(r, segment, cache))
             .collect::<Result<Vec<_>>>()?;
-        self.join(outs)
+        self.join(outs, 1)
     }
 }
 

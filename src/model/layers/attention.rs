@@ -4,7 +4,7 @@
 use mlx::{fast, ops, Array, Dtype, Result};
 
 use super::{Dims, Linear, QkNorm, Rope};
-use crate::cache::{KeysValues, LayerCache, Mask, Packed3};
+use crate::cache::{KeysValues, Mask, Packed3};
 use crate::load::{LoadResult, QuantConfig, Weights};
 use crate::model::row_blocks;
 use crate::model::rows::LayerRows;
@@ -55,52 +55,83 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// The attention of every row over `x` (1, T, H), each row's queries over its own cache
-    /// with its own mask (`masks[r]`); the projections run once over all rows.
+    /// The attention of every row over `x` (1, T, H): projections and q/k norms once over all
+    /// rows; RoPE at each row's cache offset, its cache update and its queries over its own
+    /// keys (with its mask, `masks[r]`) row by row, except that a step of one token per row
+    /// rotates all rows in one call ([`Rope::forward_at`]).
     pub fn forward(&self, x: &Array, masks: &[Mask], rows: &mut LayerRows) -> crate::Result<Array> {
+        let (b, l) = (x.dim(0), x.dim(1));
+        let heads = |y: Array, n: i32| y.reshape(&[b, l, n, -1]);
         let p = &self.proj;
-        let (q, k, v) = (
-            rows.split(&p.q_proj.forward(x)?)?,
-            rows.split(&p.k_proj.forward(x)?)?,
-            rows.split(&p.v_proj.forward(x)?)?,
+        let (mut q, mut k) = (
+            heads(p.q_proj.forward(x)?, self.n_heads)?,
+            heads(p.k_proj.forward(x)?, self.n_kv_heads)?,
         );
-        let mut outs = Vec::with_capacity(q.len());
-        for (r, cache) in rows.caches.iter_mut().enumerate() {
-            outs.push(self.attend_row(&q[r], &k[r], &v[r], &masks[r], cache)?);
-        }
-        Ok(p.o_proj.forward(&rows.join(outs)?)?)
-    }
-
-    /// One row's projected queries, keys and values (1, L, heads x head_dim): q/k norms, RoPE
-    /// at the cache offset, the cache update and the attention; (1, L, heads x head_dim).
-    fn attend_row(
-        &self,
-        q: &Array,
-        k: &Array,
-        v: &Array,
-        mask: &Mask,
-        cache: &mut LayerCache,
-    ) -> crate::Result<Array> {
-        let (b, l) = (q.dim(0), q.dim(1));
-        let heads = |y: &Array, n: i32| y.reshape(&[b, l, n, -1]);
-        let (mut q, mut k) = (heads(q, self.n_heads)?, heads(k, self.n_kv_heads)?);
-        let v = heads(v, self.n_kv_heads)?.transpose(&[0, 2, 1, 3])?;
+        let v = heads(p.v_proj.forward(x)?, self.n_kv_heads)?;
         if let QkNorm::BeforeTranspose { q: qn, k: kn } = &self.qk_norm {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        q = q.transpose(&[0, 2, 1, 3])?;
-        k = k.transpose(&[0, 2, 1, 3])?;
+        if rows.one_token_each() {
+            return self.decode_rows(q, k, v, masks, rows);
+        }
+        let (mut q, mut k) = (q.transpose(&[0, 2, 1, 3])?, k.transpose(&[0, 2, 1, 3])?);
+        let v = v.transpose(&[0, 2, 1, 3])?;
         if let QkNorm::AfterTranspose { q: qn, k: kn } = &self.qk_norm {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        let offset = cache.offset();
-        let q = self.rope.forward(&q, offset)?;
-        let k = self.rope.forward(&k, offset)?;
-        let kv = cache.update_and_fetch(&k, &v)?;
-        let out = attend(&q, &kv, self.scale, mask)?;
-        Ok(out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)
+        // (1, heads, T, head_dim): the rows' tokens lie along axis 2.
+        let (q, k, v) = (rows.split(&q, 2)?, rows.split(&k, 2)?, rows.split(&v, 2)?);
+        let mut outs = Vec::with_capacity(q.len());
+        for (r, cache) in rows.caches.iter_mut().enumerate() {
+            let offset = cache.offset();
+            let q = self.rope.forward(&q[r], offset)?;
+            let k = self.rope.forward(&k[r], offset)?;
+            let kv = cache.update_and_fetch(&k, &v[r])?;
+            outs.push(attend(&q, &kv, self.scale, &masks[r])?);
+        }
+        let out = rows.join(outs, 2)?;
+        Ok(p.o_proj
+            .forward(&out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?)
+    }
+
+    /// [`Attention::forward`] after the q/k norms for B rows of one token each, `q`, `k`, `v`
+    /// (1, B, heads, head_dim): the rows become the batch axis, (B, heads, 1, head_dim), so
+    /// one RoPE call rotates them all, each at its own offset.
+    fn decode_rows(
+        &self,
+        q: Array,
+        k: Array,
+        v: Array,
+        masks: &[Mask],
+        rows: &mut LayerRows,
+    ) -> crate::Result<Array> {
+        let t = q.dim(1);
+        let per_row = |y: Array| y.transpose(&[1, 2, 0, 3]);
+        let (mut q, mut k, v) = (per_row(q)?, per_row(k)?, per_row(v)?);
+        if let QkNorm::AfterTranspose { q: qn, k: kn } = &self.qk_norm {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let offsets: Vec<i32> = rows.caches.iter().map(|c| c.offset() as i32).collect();
+        let offsets = Array::from_slice(&offsets, &[t])?;
+        let (q, k) = (
+            self.rope.forward_at(&q, &offsets)?,
+            self.rope.forward_at(&k, &offsets)?,
+        );
+        let mut outs = Vec::with_capacity(t as usize);
+        for (r, cache) in rows.caches.iter_mut().enumerate() {
+            let row = |y: &Array| y.slice_axis(0, r as i32, r as i32 + 1);
+            let kv = cache.update_and_fetch(&row(&k)?, &row(&v)?)?;
+            outs.push(attend(&row(&q)?, &kv, self.scale, &masks[r])?);
+        }
+        // (B, heads, 1, head_dim) back to (1, B, heads x head_dim).
+        let out = ops::concatenate(&outs.iter().collect::<Vec<_>>(), 0)?;
+        Ok(self
+            .proj
+            .o_proj
+            .forward(&out.transpose(&[2, 0, 1, 3])?.reshape(&[1, t, -1])?)?)
     }
 }
 

@@ -45,6 +45,19 @@ impl Rope {
         })
     }
 
+    /// [`Rope::forward`] for a batch of rows `x` (B, heads, L, D), row b at `offsets[b]`
+    /// (int32, (B,)): each row gets the bits it gets alone.
+    pub fn forward_at(&self, x: &Array, offsets: &Array) -> Result<Array> {
+        fast::rope_at(
+            x,
+            self.dims,
+            self.traditional,
+            RopeFreqs::Base(self.base),
+            self.scale,
+            offsets,
+        )
+    }
+
     /// `mx.fast.rope(x, dims, traditional, base, scale, offset)`.
     pub fn forward(&self, x: &Array, offset: usize) -> Result<Array> {
         fast::rope(
