@@ -7,9 +7,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::layers::{
-    attend, AttentionProjections, Dims, Linear, OuterLayers, PreNormBlock, RmsNorm, Rope,
+    attend_rows, AttentionProjections, Dims, Linear, OuterLayers, PreNormBlock, RmsNorm, Rope,
 };
-use super::rows;
+use super::rows::{self, LayerRows};
 use super::{Forward, LanguageModel};
 use crate::cache::{KvCache, LayerCache, Mask, Recurrence, RecurrentCache};
 use crate::error::contract;
@@ -100,7 +100,9 @@ impl GatedAttention {
         })
     }
 
-    fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
+    /// Every row's gated attention over `x` (1, T, H): projections, gate and norms once over
+    /// all rows, then [`attend_rows`].
+    fn forward(&self, x: &Array, masks: &[Mask], rows: &mut LayerRows) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
         let p = &self.proj;
         let q_out = p.q_proj.forward(x)?.reshape(&[b, l, self.n_heads, -1])?;
@@ -117,13 +119,11 @@ impl GatedAttention {
         let values = values
             .reshape(&[b, l, self.n_kv_heads, -1])?
             .transpose(&[0, 2, 1, 3])?;
-        let offset = cache.offset();
-        let queries = self.rope.forward(&queries, offset)?;
-        let keys = self.rope.forward(&keys, offset)?;
-        let kv = cache.update_and_fetch(&keys, &values)?;
-        let out = attend(&queries, &kv, self.scale, mask)?
-            .transpose(&[0, 2, 1, 3])?
-            .reshape(&[b, l, -1])?;
+        let out = attend_rows(
+            &self.rope, self.scale, &queries, &keys, &values, masks, rows,
+        )?
+        .transpose(&[0, 2, 1, 3])?
+        .reshape(&[b, l, -1])?;
         Ok(p.o_proj.forward(&out.multiply(&gate.sigmoid()?)?)?)
     }
 }
@@ -181,10 +181,25 @@ impl GatedDeltaNet {
         }
     }
 
-    fn forward(&self, x: &Array, cache: &mut RecurrentCache) -> Result<Array> {
+    /// Every row's mixer over `x` (1, T, H): the projections, the gated norm and the output
+    /// projection once over all rows, the conv and the delta rule row by row over the row's
+    /// own recurrent state.
+    fn forward(&self, x: &Array, rows: &mut LayerRows, layer: usize) -> Result<Array> {
         let (bsz, s) = (x.dim(0), x.dim(1));
         let (mixed_qkv, z, b, a) = self.project(x)?;
-        let out = cache.advance(&self.recurrence, &mixed_qkv, &a, &b)?;
+        let (qkv, b, a) = (
+            rows.split(&mixed_qkv, 1)?,
+            rows.split(&b, 1)?,
+            rows.split(&a, 1)?,
+        );
+        let mut outs = Vec::with_capacity(qkv.len());
+        for (r, cache) in rows.caches.iter_mut().enumerate() {
+            let LayerCache::Recurrent(cache) = cache else {
+                return Err(contract(format!("layer {layer} needs a recurrent cache")));
+            };
+            outs.push(cache.advance(&self.recurrence, &qkv[r], &a[r], &b[r])?);
+        }
+        let out = rows.join(outs, 1)?;
         // Qwen3NextRMSNormGated: precise_swiglu(out, z, rms_norm(out)).
         let normed = self.norm.forward(&out)?;
         let out = compiled::precise_swiglu(&out, &z, &normed)?;
@@ -219,9 +234,12 @@ impl AttentionLayer {
     /// The layer over `x` (B, L, H) with its KV cache; positions continue from the cache's
     /// offset.
     pub fn forward(&self, x: &Array, cache: &mut LayerCache) -> Result<Array> {
-        let mask = cache.make_mask(x.dim(1) as usize, None)?;
-        self.block
-            .forward(x, |x| self.attention.forward(x, &mask, cache))
+        let len = [x.dim(1) as usize];
+        let masks = [cache.make_mask(len[0], None)?];
+        self.block.forward(x, |x| {
+            self.attention
+                .forward(x, &masks, &mut LayerRows::one(cache, &len))
+        })
     }
 }
 
@@ -367,8 +385,9 @@ impl Model {
 }
 
 impl LanguageModel for Model {
-    /// The mixers run row by row, projections included (the token-wise MLPs, norms and head
-    /// run once over all rows).
+    /// The gated-DeltaNet layers advance each row's own recurrent state, the attention layers
+    /// attend as every family's do (crate::model::layers::attend_rows); the rest runs once
+    /// over all rows.
     fn forward_rows(
         &self,
         ids: &Array,
@@ -381,14 +400,9 @@ impl LanguageModel for Model {
         let layers = self.layers.len();
         self.outer.run(h, rows, lens, layers, taps, |i, h, rows| {
             let layer = &self.layers[i];
-            layer.block.forward(h, |x| {
-                rows.each(x, |r, x, cache| match (&layer.mixer, cache) {
-                    (Mixer::Linear(m), LayerCache::Recurrent(c)) => m.forward(x, c),
-                    (Mixer::Attention(m), c) => m.forward(x, &fa_masks[r], c),
-                    (Mixer::Linear(_), _) => {
-                        Err(contract(format!("layer {i} needs a recurrent cache")))
-                    }
-                })
+            layer.block.forward(h, |x| match &layer.mixer {
+                Mixer::Attention(m) => m.forward(x, &fa_masks, rows),
+                Mixer::Linear(m) => m.forward(x, rows, i),
             })
         })
     }

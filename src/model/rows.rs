@@ -31,6 +31,14 @@ impl<'a> LayerRows<'a> {
         }
     }
 
+    /// One sequence's view: its cache of the layer, `lens` its one length.
+    pub fn one(cache: &'a mut LayerCache, lens: &'a [usize]) -> Self {
+        LayerRows {
+            caches: vec![cache],
+            lens,
+        }
+    }
+
     /// Whether there are several rows, each of one token (a batch decode step).
     pub fn one_token_each(&self) -> bool {
         self.lens.len() > 1 && self.lens.iter().all(|&l| l == 1)
@@ -59,23 +67,6 @@ impl<'a> LayerRows<'a> {
             return Ok(parts.pop().expect("one part"));
         }
         Ok(ops::concatenate(&parts.iter().collect::<Vec<_>>(), axis)?)
-    }
-
-    /// Runs `f(row, segment, cache)` on every row's segment of `x` with its cache and joins
-    /// the outputs: a token mixer run row by row.
-    pub fn each(
-        &mut self,
-        x: &Array,
-        mut f: impl FnMut(usize, &Array, &mut LayerCache) -> Result<Array>,
-    ) -> Result<Array> {
-        let segments = self.split(x, 1)?;
-        let outs = segments
-            .iter()
-            .zip(self.caches.iter_mut())
-            .enumerate()
-            .map(|(r, (segment, cache))| f(r, segment, cache))
-            .collect::<Result<Vec<_>>>()?;
-        self.join(outs, 1)
     }
 }
 

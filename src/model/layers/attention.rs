@@ -56,9 +56,7 @@ pub struct Attention {
 
 impl Attention {
     /// The attention of every row over `x` (1, T, H): projections and q/k norms once over all
-    /// rows; RoPE at each row's cache offset, its cache update and its queries over its own
-    /// keys (with its mask, `masks[r]`) row by row, except that a step of one token per row
-    /// rotates all rows in one call ([`Rope::forward_at`]).
+    /// rows, then [`attend_rows`].
     pub fn forward(&self, x: &Array, masks: &[Mask], rows: &mut LayerRows) -> crate::Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
         let heads = |y: Array, n: i32| y.reshape(&[b, l, n, -1]);
@@ -67,72 +65,62 @@ impl Attention {
             heads(p.q_proj.forward(x)?, self.n_heads)?,
             heads(p.k_proj.forward(x)?, self.n_kv_heads)?,
         );
-        let v = heads(p.v_proj.forward(x)?, self.n_kv_heads)?;
+        let v = heads(p.v_proj.forward(x)?, self.n_kv_heads)?.transpose(&[0, 2, 1, 3])?;
         if let QkNorm::BeforeTranspose { q: qn, k: kn } = &self.qk_norm {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        if rows.one_token_each() {
-            return self.decode_rows(q, k, v, masks, rows);
-        }
-        let (mut q, mut k) = (q.transpose(&[0, 2, 1, 3])?, k.transpose(&[0, 2, 1, 3])?);
-        let v = v.transpose(&[0, 2, 1, 3])?;
+        q = q.transpose(&[0, 2, 1, 3])?;
+        k = k.transpose(&[0, 2, 1, 3])?;
         if let QkNorm::AfterTranspose { q: qn, k: kn } = &self.qk_norm {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        // (1, heads, T, head_dim): the rows' tokens lie along axis 2.
-        let (q, k, v) = (rows.split(&q, 2)?, rows.split(&k, 2)?, rows.split(&v, 2)?);
-        let mut outs = Vec::with_capacity(q.len());
-        for (r, cache) in rows.caches.iter_mut().enumerate() {
-            let offset = cache.offset();
-            let q = self.rope.forward(&q[r], offset)?;
-            let k = self.rope.forward(&k[r], offset)?;
-            let kv = cache.update_and_fetch(&k, &v[r])?;
-            outs.push(attend(&q, &kv, self.scale, &masks[r])?);
-        }
-        let out = rows.join(outs, 2)?;
+        let out = attend_rows(&self.rope, self.scale, &q, &k, &v, masks, rows)?;
         Ok(p.o_proj
             .forward(&out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)?)
     }
+}
 
-    /// [`Attention::forward`] after the q/k norms for B rows of one token each, `q`, `k`, `v`
-    /// (1, B, heads, head_dim): the rows become the batch axis, (B, heads, 1, head_dim), so
-    /// one RoPE call rotates them all, each at its own offset.
-    fn decode_rows(
-        &self,
-        q: Array,
-        k: Array,
-        v: Array,
-        masks: &[Mask],
-        rows: &mut LayerRows,
-    ) -> crate::Result<Array> {
-        let t = q.dim(1);
-        let per_row = |y: Array| y.transpose(&[1, 2, 0, 3]);
-        let (mut q, mut k, v) = (per_row(q)?, per_row(k)?, per_row(v)?);
-        if let QkNorm::AfterTranspose { q: qn, k: kn } = &self.qk_norm {
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
-        }
+/// Every row's queries over its own cache: `q`, `k`, `v` (1, heads, T, head_dim) after any
+/// norms, the rows' tokens along axis 2. RoPE at each row's cache offset, the row's cache
+/// update and its attention with its mask (`masks[r]`), row by row; a step of one token per row
+/// makes the rows the batch axis, (B, heads, 1, head_dim), so that one RoPE call rotates them
+/// all ([`Rope::forward_at`], each row's own bits). Returns (1, heads, T, head_dim).
+pub fn attend_rows(
+    rope: &Rope,
+    scale: f32,
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    masks: &[Mask],
+    rows: &mut LayerRows,
+) -> crate::Result<Array> {
+    let mut outs = Vec::with_capacity(masks.len());
+    if rows.one_token_each() {
+        let per_row = |y: &Array| y.transpose(&[2, 1, 0, 3]);
         let offsets: Vec<i32> = rows.caches.iter().map(|c| c.offset() as i32).collect();
-        let offsets = Array::from_slice(&offsets, &[t])?;
-        let (q, k) = (
-            self.rope.forward_at(&q, &offsets)?,
-            self.rope.forward_at(&k, &offsets)?,
-        );
-        let mut outs = Vec::with_capacity(t as usize);
+        let offsets = Array::from_slice(&offsets, &[offsets.len() as i32])?;
+        let q = rope.forward_at(&per_row(q)?, &offsets)?;
+        let k = rope.forward_at(&per_row(k)?, &offsets)?;
+        let v = per_row(v)?;
         for (r, cache) in rows.caches.iter_mut().enumerate() {
             let row = |y: &Array| y.slice_axis(0, r as i32, r as i32 + 1);
             let kv = cache.update_and_fetch(&row(&k)?, &row(&v)?)?;
-            outs.push(attend(&row(&q)?, &kv, self.scale, &masks[r])?);
+            outs.push(attend(&row(&q)?, &kv, scale, &masks[r])?);
         }
-        // (B, heads, 1, head_dim) back to (1, B, heads x head_dim).
         let out = ops::concatenate(&outs.iter().collect::<Vec<_>>(), 0)?;
-        Ok(self
-            .proj
-            .o_proj
-            .forward(&out.transpose(&[2, 0, 1, 3])?.reshape(&[1, t, -1])?)?)
+        return Ok(per_row(&out)?);
     }
+    let (q, k, v) = (rows.split(q, 2)?, rows.split(k, 2)?, rows.split(v, 2)?);
+    for (r, cache) in rows.caches.iter_mut().enumerate() {
+        let offset = cache.offset();
+        let q = rope.forward(&q[r], offset)?;
+        let k = rope.forward(&k[r], offset)?;
+        let kv = cache.update_and_fetch(&k, &v[r])?;
+        outs.push(attend(&q, &kv, scale, &masks[r])?);
+    }
+    rows.join(outs, 2)
 }
 
 /// mlx-lm's scaled_dot_product_attention: the fused kernel for dense caches (a long chunk's

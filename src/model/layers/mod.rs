@@ -14,7 +14,7 @@ mod norm;
 mod outer;
 mod rope;
 
-pub use attention::{attend, Attention, AttentionProjections};
+pub use attention::{attend, attend_rows, Attention, AttentionProjections};
 pub use block::PreNormBlock;
 pub use dims::Dims;
 pub use embedding::Embedding;
