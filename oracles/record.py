@@ -2,8 +2,11 @@
 
 Reads golden/MANIFEST.toml, expands its groups (models x variants x prompts) into cases, runs each
 through mlx_lm.stream_generate exactly as `mlx_lm.generate` would (chat template, encoding,
-sampler and processor construction, seeding), and writes golden/traces/<id>.json. Traces it did
-not write this run are deleted, so the folder always equals the manifest.
+sampler and processor construction, seeding), and writes golden/traces/<id>.json. A group with
+`batch_max_tokens` is one batch per model and variant instead: its prompts decode together
+through mlx-lm's BatchGenerator (as batch_generate drives it), row i with the i-th max_tokens,
+and each row's trace records the whole batch. Traces it did not write this run are deleted, so
+the folder always equals the manifest.
 
     oracles/.venv/bin/python oracles/record.py [--only SUBSTRING]... [--device gpu] [--out DIR]
 
@@ -30,7 +33,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 from mlx_lm import load, stream_generate
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from tqdm import tqdm
@@ -89,15 +92,38 @@ def expand(manifest):
                     raise ManifestError(f"variant '{vname}': unknown keys {sorted(unknown)}")
                 if params["temp"] > 0 and params["seed"] is None:
                     raise ManifestError(f"variant '{vname}': sampling without a seed cannot be replayed")
-                for pname in group["prompts"]:
+                batch = batch_of(g, group, vname, params)
+                for row, pname in enumerate(group["prompts"]):
                     if pname not in prompts:
                         raise ManifestError(f"group #{g + 1}: unknown prompt '{pname}'")
                     case_id = f"{model}/{vname}/{pname}"
                     if case_id in seen:
                         raise ManifestError(f"case {case_id} appears twice")
                     seen.add(case_id)
-                    yield {"id": case_id, "suite": group["suite"], "model": model,
-                           "prompt": prompts[pname], "params": params}
+                    case = {"id": case_id, "suite": group["suite"], "model": model,
+                            "prompt": prompts[pname], "params": params}
+                    if batch:
+                        case["params"] = dict(params, max_tokens=batch["max_tokens"][row])
+                        case["batch"] = dict(batch, row=row,
+                                             prompts=[prompts[p] for p in group["prompts"]])
+                    yield case
+
+
+def batch_of(g, group, vname, params):
+    """A batch group's shared settings (its key, the rows' max_tokens), or None. BatchGenerator
+    takes per-row samplers and processors, but batch_generate's path is greedy with neither, and
+    it has no quantized KV cache or draft model: those are refused here."""
+    if "batch_max_tokens" not in group:
+        return None
+    max_tokens = group["batch_max_tokens"]
+    if len(max_tokens) != len(group["prompts"]) or min(max_tokens) < 1:
+        raise ManifestError(f"group #{g + 1}: batch_max_tokens needs one count >= 1 per prompt")
+    plain = {k: DEFAULTS[k] for k in SAMPLER_KEYS | PROCESSOR_KEYS | {"seed", "kv_bits", "draft",
+                                                                     "prompt_cache_prefix"}}
+    if any(params[k] != v for k, v in plain.items()):
+        raise ManifestError(f"variant '{vname}': a batch group decodes greedy, without processors, "
+                            "quantized KV, a draft or a prompt cache")
+    return {"key": (g, vname), "max_tokens": max_tokens}
 
 
 class Models:
@@ -174,6 +200,33 @@ def top_entries(logprobs):
     return [[int(i), float(lp[i])] for i in order]
 
 
+BATCHES = {}
+
+
+def batch_rows(case, models):
+    """Every row of the case's batch, decoded together once per model and variant: the rows'
+    prompt tokens and, per row, its steps and finish reason."""
+    b, p = case["batch"], case["params"]
+    key = (b["key"], case["model"])
+    if key not in BATCHES:
+        model, tokenizer = models.get(case["model"])
+        prompts = [prompt_tokens(tokenizer, prompt)[1] for prompt in b["prompts"]]
+        gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+                             prefill_step_size=p["prefill_step_size"], max_kv_size=p["max_kv_size"])
+        uids = gen.insert(prompts, b["max_tokens"])
+        steps, finish = {u: [] for u in uids}, {}
+        while responses := gen.next_generated():
+            for r in responses:
+                steps[r.uid].append({"token": int(r.token),
+                                     "logprob": float(r.logprobs[r.token].astype(mx.float32).item()),
+                                     "top": top_entries(r.logprobs), "from_draft": False})
+                if r.finish_reason is not None:
+                    finish[r.uid] = r.finish_reason
+        gen.close()
+        BATCHES[key] = (prompts, [(steps[u], finish[u]) for u in uids])
+    return BATCHES[key]
+
+
 def record_case(case, models, backend, cache_dir):
     p = case["params"]
     model, tokenizer = models.get(case["model"])
@@ -205,12 +258,21 @@ def record_case(case, models, backend, cache_dir):
         kwargs["prompt_cache"] = load_prompt_cache(str(ROOT / prompt_cache["file"]))
     if p["seed"] is not None:
         mx.random.seed(p["seed"])
-    steps, finish, count, generated = [], None, 0, []
-    for r in stream_generate(model, tokenizer, tokens, **kwargs):
-        steps.append({"token": int(r.token), "logprob": float(r.logprobs[r.token].astype(mx.float32).item()),
-                      "top": top_entries(r.logprobs), "from_draft": bool(r.from_draft)})
-        generated.append(int(r.token))
-        finish, count = r.finish_reason, r.generation_tokens
+    steps, finish, count, generated, batch = [], None, 0, [], None
+    if "batch" in case:
+        prompts, rows = batch_rows(case, models)
+        steps, finish = rows[case["batch"]["row"]]
+        count, generated = len(steps), [s["token"] for s in steps]
+        batch = {"rows": [{"tokens": [int(t) for t in ids], "max_tokens": m}
+                          for ids, m in zip(prompts, case["batch"]["max_tokens"])],
+                 "row": case["batch"]["row"]}
+    else:
+        for r in stream_generate(model, tokenizer, tokens, **kwargs):
+            steps.append({"token": int(r.token),
+                          "logprob": float(r.logprobs[r.token].astype(mx.float32).item()),
+                          "top": top_entries(r.logprobs), "from_draft": bool(r.from_draft)})
+            generated.append(int(r.token))
+            finish, count = r.finish_reason, r.generation_tokens
     trace = {
         "format": "verity-trace/1",
         "id": case["id"],
@@ -220,6 +282,7 @@ def record_case(case, models, backend, cache_dir):
         "model": f"golden/models/{case['model']}",
         "draft": draft,
         "prompt_cache": prompt_cache,
+        "batch": batch,
         "prompt": {"tokens": [int(t) for t in tokens], "text": case["prompt"]["text"],
                    "chat": bool(case["prompt"].get("chat", False)), "rendered": rendered},
         "params": {

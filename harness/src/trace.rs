@@ -30,6 +30,9 @@ pub struct Trace {
     /// are then only the rest).
     #[serde(default)]
     pub prompt_cache: Option<PromptCacheRef>,
+    /// The batch this trace's request decoded in (mlx-lm's BatchGenerator), when it did.
+    #[serde(default)]
+    pub batch: Option<Batch>,
     pub params: Params,
     #[serde(default)]
     pub parity: Parity,
@@ -38,6 +41,21 @@ pub struct Trace {
     pub steps: Vec<Step>,
     pub finish_reason: FinishReason,
     pub generation_tokens: usize,
+}
+
+/// The requests that decoded together, this trace's among them (`rows[row]`); all rows share
+/// the trace's params but their max_tokens.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Batch {
+    pub rows: Vec<BatchRow>,
+    pub row: usize,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct BatchRow {
+    /// The row's prompt token ids.
+    pub tokens: Vec<u32>,
+    pub max_tokens: usize,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -265,6 +283,39 @@ impl Trace {
         }
         if self.params.temperature() > 0.0 && self.params.seed.is_none() {
             return Err("sampling without a seed cannot be replayed".into());
+        }
+        if let Some(b) = &self.batch {
+            self.validate_batch(b)?;
+        }
+        Ok(())
+    }
+
+    /// A batch names this trace's own request as its row `row`, and every row can run.
+    fn validate_batch(&self, b: &Batch) -> Result<(), String> {
+        let Some(own) = b.rows.get(b.row) else {
+            return Err(format!(
+                "batch.row is {}, but the batch has {} rows",
+                b.row,
+                b.rows.len()
+            ));
+        };
+        if own.tokens != self.prompt.tokens || own.max_tokens != self.params.max_tokens {
+            return Err(format!(
+                "batch.rows[{}] is not this trace's request (prompt tokens and max_tokens)",
+                b.row
+            ));
+        }
+        if let Some(i) = b
+            .rows
+            .iter()
+            .position(|r| r.tokens.is_empty() || r.max_tokens == 0)
+        {
+            return Err(format!(
+                "batch.rows[{i}] has no prompt tokens or a max_tokens of 0"
+            ));
+        }
+        if self.draft.is_some() || self.prompt_cache.is_some() {
+            return Err("a batch trace has no draft and no prompt cache".into());
         }
         Ok(())
     }

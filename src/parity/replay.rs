@@ -12,6 +12,7 @@ use verity_harness::trace::{self, Draft, Step, Trace};
 use verity_harness::Generation as Run;
 
 use super::Models;
+use crate::batch::Batch;
 use crate::bundle::ModelBundle;
 use crate::cache::{load_prompt_cache, KvQuantization};
 use crate::decode::{decode, fresh_caches, Hooks, Request, Start};
@@ -188,6 +189,14 @@ pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle
         }
         None => None,
     };
+    if let Some(batch) = &trace.batch {
+        let (steps, finish) = replay_batch(trace, &bundle, &params, batch)?;
+        let run = Run {
+            steps,
+            finish_reason: finish_reason(finish),
+        };
+        return Ok((run, bundle));
+    }
     let start = start(trace, models, &bundle, &params)?;
     let mut steps = Vec::new();
     let (mut finish, mut failed) = (None, None);
@@ -231,6 +240,58 @@ pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle
         finish_reason: finish_reason(finish),
     };
     Ok((run, bundle))
+}
+
+/// Decodes every row of a batch trace together (verity's own batch, crate::batch), each row
+/// with the trace's params and its own max_tokens; returns the trace's row's steps and finish.
+fn replay_batch(
+    trace: &Trace,
+    bundle: &ModelBundle,
+    params: &GenerateParams,
+    batch: &trace::Batch,
+) -> Result<(Vec<Step>, FinishReason)> {
+    let in_trace = |e: Error| e.context(&trace.id);
+    let model = bundle.model();
+    let row_params: Vec<GenerateParams> = batch
+        .rows
+        .iter()
+        .map(|r| GenerateParams {
+            max_tokens: r.max_tokens,
+            ..params.clone()
+        })
+        .collect();
+    let mut rows = Batch::new(model);
+    for (i, (row, params)) in batch.rows.iter().zip(&row_params).enumerate() {
+        let request = Request {
+            prompt: &row.tokens,
+            params,
+            constraint: None,
+            num_draft_tokens: None,
+        };
+        rows.add(i, Start::Fresh, request, None, None)
+            .map_err(|e| in_trace(e.context(format!("batch row {i}"))))?;
+    }
+    let (mut steps, mut finish, mut failed) = (Vec::new(), None, None);
+    while !rows.is_empty() {
+        rows.step(&mut |i, token| {
+            if i != batch.row {
+                return Control::Continue;
+            }
+            match step_record(token.token, &token.logprobs, token.from_draft) {
+                Ok(step) => steps.push(step),
+                Err(e) => failed = Some(e),
+            }
+            finish = token.finish;
+            Control::Continue
+        })
+        .map_err(in_trace)?;
+    }
+    if let Some(e) = failed {
+        return Err(in_trace(e));
+    }
+    let finish = finish
+        .ok_or_else(|| Error::Unsupported(format!("{}: no token was generated", trace.id)))?;
+    Ok((steps, finish))
 }
 
 /// The trace's view of one step: the chosen token's logprob and the TOP_K best entries by
