@@ -282,7 +282,6 @@ def record_case(case, models, backend, cache_dir):
         "model": f"golden/models/{case['model']}",
         "draft": draft,
         "prompt_cache": prompt_cache,
-        "batch": batch,
         "prompt": {"tokens": [int(t) for t in tokens], "text": case["prompt"]["text"],
                    "chat": bool(case["prompt"].get("chat", False)), "rendered": rendered},
         "params": {
@@ -301,6 +300,11 @@ def record_case(case, models, backend, cache_dir):
         "generation_tokens": count,
         "text": tokenizer.decode(generated),
     }
+    if batch is not None:
+        # Only batch traces carry the field, so the others' files stay as they were recorded.
+        items = list(trace.items())
+        at = [k for k, _ in items].index("prompt")
+        trace = dict(items[:at] + [("batch", batch)] + items[at:])
     return trace
 
 
