@@ -758,8 +758,38 @@ fn model_folder_cases() -> Vec<Case> {
         ),
         folder(
             "head-dim-zero",
-            &["shape"],
+            &["config.json", "head_dim is 0", "at least 1"],
             config_value("qwen3", "head_dim", json!(0)),
+        ),
+        folder(
+            "attention-heads-zero",
+            &["config.json", "num_attention_heads is 0", "at least 1"],
+            config_value("qwen3", "num_attention_heads", json!(0)),
+        ),
+        folder(
+            "kv-heads-not-dividing",
+            &[
+                "num_key_value_heads is 3",
+                "must divide num_attention_heads (4)",
+            ],
+            config_value("qwen3", "num_key_value_heads", json!(3)),
+        ),
+        folder(
+            "rms-norm-eps-negative",
+            &["rms_norm_eps is -1", "finite number > 0"],
+            config_value("llama", "rms_norm_eps", json!(-1.0)),
+        ),
+        folder(
+            "rope-theta-negative",
+            &["rope_theta", "-1", "finite number > 0"],
+            config_value("llama", "rope_theta", json!(-1.0)),
+        ),
+        folder(
+            "text-config-hidden-size-zero",
+            &["text_config.hidden_size", "hidden_size is 0"],
+            broken_config("qwen3_5", |c| {
+                c["text_config"]["hidden_size"] = json!(0);
+            }),
         ),
         folder(
             "more-layers",
@@ -1681,6 +1711,30 @@ fn other_cases() -> Vec<Case> {
             2,
             &["nope", "no such model folder"],
             no_setup(),
+        ),
+        case(
+            "generate/temperature-underflows",
+            &[
+                "generate",
+                "--model",
+                &model_arg("qwen3"),
+                "-m",
+                "2",
+                "--temp",
+                "1e-45",
+                "--seed",
+                "1",
+            ],
+            2,
+            &["temperature is 1e-45", "fit in a float32"],
+            no_setup(),
+        ),
+        case(
+            "serve/attention-heads-zero",
+            &["serve", "--port", "0", "--model", "{S}/m"],
+            2,
+            &["num_attention_heads is 0", "at least 1"],
+            config_value("qwen3", "num_attention_heads", json!(0)),
         ),
         case(
             "serve/max-num-seqs-zero",

@@ -226,6 +226,16 @@ fn sampler(p: &SamplerParams, vocab: usize) -> Result<()> {
             "must be a finite number >= 0",
         ));
     }
+    // mlx-lm scales the logits by 1/temp as a float32: a smaller temperature overflows it to
+    // infinity, and the draw is then that of no temperature at all.
+    let smallest = 1.0 / f64::from(f32::MAX);
+    if p.temp > 0.0 && p.temp < smallest {
+        return Err(invalid(
+            "temperature",
+            format!("{:e}", p.temp),
+            &format!("must be 0 or at least {smallest:e} (1/temperature must fit in a float32)"),
+        ));
+    }
     unit_interval("top_p", p.top_p)?;
     unit_interval("min_p", p.min_p)?;
     unit_interval("xtc_probability", p.xtc_probability)?;

@@ -21,6 +21,17 @@ impl Rope {
         traditional: bool,
         scaling: Option<&Value>,
     ) -> std::result::Result<Rope, String> {
+        if !(base.is_finite() && base > 0.0) {
+            return Err(format!(
+                "the RoPE base (rope_theta) is {base}, must be a finite number > 0"
+            ));
+        }
+        if dims < 1 {
+            return Err(format!(
+                "the RoPE dimensions are {dims} (head_dim x partial_rotary_factor), must be at \
+                 least 1"
+            ));
+        }
         let kind = scaling
             .and_then(|s| s.get("type").or_else(|| s.get("rope_type")))
             .and_then(Value::as_str)
