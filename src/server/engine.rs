@@ -14,23 +14,23 @@ use std::sync::mpsc as std_mpsc;
 use std::thread;
 use std::time::Instant;
 
-use serde::Serialize;
 use serde_json::Map;
 use tokio::sync::mpsc;
 
 use super::api::{ApiError, GenRequest, Prompt};
+use super::lane::{refusal, Lane, Outcome};
+pub use super::lane::{RequestStats, SpeculationReport, Summary, TokenInfo, TopLogprob};
 use super::prefix_cache::PrefixCache;
-use super::stop::{Pushed, StopMatcher};
+use super::stop::StopMatcher;
 use crate::batch::Batch;
 use crate::bundle::ModelBundle;
 use crate::cache::{KvQuantization, LayerCache};
 use crate::decode::{decode, Hooks, Request, Start};
-use crate::generate::{Control, FinishReason, GenerateParams, GeneratedToken};
+use crate::generate::{Control, GenerateParams, GeneratedToken};
 use crate::grammar::Constraint;
 use crate::request::reproducible_seed;
 use crate::sample::{KeySchedule, ProcessorParams, SamplerParams};
-use crate::speculative::{Drafter, DrafterSpec, SpeculationStats};
-use crate::tokenizer::StreamingDetokenizer;
+use crate::speculative::{Drafter, DrafterSpec};
 use crate::{validate, Error};
 
 /// What the engine serves and how it processes prompts.
@@ -66,78 +66,6 @@ impl EngineConfig {
     }
 }
 
-/// One alternative at a token position.
-#[derive(Clone, Debug)]
-pub struct TopLogprob {
-    pub id: u32,
-    pub token: String,
-    pub logprob: f32,
-}
-
-/// The chosen token of one step and, when asked, its logprob and the top alternatives.
-#[derive(Clone, Debug)]
-pub struct TokenInfo {
-    pub id: u32,
-    pub token: String,
-    pub logprob: f32,
-    pub top: Vec<TopLogprob>,
-}
-
-/// What a request cost, reported next to usage and in the server log. Cached tokens are not
-/// counted in the prompt rate.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct RequestStats {
-    pub prompt_tokens: usize,
-    pub cached_tokens: usize,
-    pub prompt_seconds: f64,
-    pub prompt_tokens_per_second: f64,
-    pub completion_tokens: usize,
-    pub decode_seconds: f64,
-    pub decode_tokens_per_second: f64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub speculation: Option<SpeculationReport>,
-}
-
-/// The speculation counters, in the project's vocabulary (docs/DESIGN.md section 8).
-#[derive(Clone, Debug, Serialize)]
-pub struct SpeculationReport {
-    pub rounds: usize,
-    pub drafted: usize,
-    pub accepted: usize,
-    pub drafted_by_position: Vec<usize>,
-    pub accepted_by_position: Vec<usize>,
-    pub target_calls: usize,
-    pub from_draft: usize,
-    pub refused_rounds: usize,
-}
-
-impl From<&SpeculationStats> for SpeculationReport {
-    fn from(s: &SpeculationStats) -> SpeculationReport {
-        SpeculationReport {
-            rounds: s.rounds,
-            drafted: s.drafted,
-            accepted: s.accepted,
-            drafted_by_position: s.drafted_by_pos.clone(),
-            accepted_by_position: s.accepted_by_pos.clone(),
-            target_calls: s.target_calls,
-            from_draft: s.from_draft,
-            refused_rounds: s.refused_rounds,
-        }
-    }
-}
-
-/// How a finished request ended.
-#[derive(Clone, Debug)]
-pub struct Summary {
-    pub finish_reason: FinishReason,
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-    pub cached_tokens: usize,
-    pub stats: RequestStats,
-    /// The most rows the request decoded beside in one batch step (1: alone).
-    pub batch_rows: usize,
-}
-
 /// What the engine tells the HTTP side about one request, in this order: `Started` or
 /// `Failed`; then `Delta`s; then `Done` or `Failed`.
 #[derive(Debug)]
@@ -153,17 +81,6 @@ pub enum Event {
     },
     Done(Summary),
     Failed(ApiError),
-}
-
-/// How a request left the engine.
-enum Outcome {
-    Done(Summary),
-    /// The client went away after this many tokens were generated.
-    Cancelled {
-        tokens: usize,
-    },
-    /// The client went away while the prompt was being prefilled.
-    CancelledInPrefill,
 }
 
 /// A request and where its events go.
@@ -599,15 +516,6 @@ impl Engine {
     }
 }
 
-/// An engine error as an HTTP error: bad input is the client's (400), anything else ours (500).
-fn refusal(e: Error) -> ApiError {
-    if e.is_bad_input() {
-        ApiError::bad_input(e.to_string())
-    } else {
-        ApiError::internal(e.to_string())
-    }
-}
-
 /// An engine result as a lane sees it: cancelled during the prefill is no error (`None`).
 fn checked<T>(result: crate::Result<T>) -> Result<Option<T>, ApiError> {
     match result {
@@ -652,26 +560,6 @@ fn log_request(s: &Summary, prefix: &PrefixCache) {
     eprintln!("{line}");
 }
 
-/// One request's decode lane: turns generated tokens into released text through the
-/// detokenizer and the stop matcher, sends them, and decides when to stop.
-struct Lane {
-    request: GenRequest,
-    events: mpsc::UnboundedSender<Event>,
-    detok: StreamingDetokenizer,
-    stop: StopMatcher,
-    count: usize,
-    started: Instant,
-    first_token_at: Option<Instant>,
-    prompt_tokens: usize,
-    /// Prompt tokens restored from the prefix cache.
-    cached: usize,
-    /// The widest batch step this lane took part in.
-    batch_rows: usize,
-    finish: Option<FinishReason>,
-    cancelled: bool,
-    error: Option<ApiError>,
-}
-
 /// A validated request whose client was told it started, and what its decode needs.
 struct Admitted {
     lane: Lane,
@@ -679,138 +567,4 @@ struct Admitted {
     params: GenerateParams,
     constraint: Option<Constraint>,
     start: Start,
-}
-
-impl Lane {
-    /// `Stop` once the client went away (asked after each prefill chunk).
-    fn gone(&self) -> Control {
-        if self.events.is_closed() {
-            Control::Stop
-        } else {
-            Control::Continue
-        }
-    }
-
-    /// How the request ended, once its decode is over.
-    fn outcome(mut self, speculation: Option<&SpeculationStats>) -> Result<Outcome, ApiError> {
-        if let Some(e) = self.error.take() {
-            return Err(e);
-        }
-        if self.cancelled {
-            return Ok(Outcome::Cancelled { tokens: self.count });
-        }
-        let finished = Instant::now();
-        let first = self.first_token_at.unwrap_or(finished);
-        let prompt_seconds = (first - self.started).as_secs_f64();
-        let decode_seconds = (finished - first).as_secs_f64();
-        let (prompt_tokens, cached) = (self.prompt_tokens, self.cached);
-        let stats = RequestStats {
-            prompt_tokens,
-            cached_tokens: cached,
-            prompt_seconds,
-            prompt_tokens_per_second: (prompt_tokens - cached) as f64 / prompt_seconds.max(1e-9),
-            completion_tokens: self.count,
-            decode_seconds,
-            decode_tokens_per_second: self.count.saturating_sub(1) as f64
-                / decode_seconds.max(1e-9),
-            speculation: speculation.map(SpeculationReport::from),
-        };
-        Ok(Outcome::Done(Summary {
-            finish_reason: self.finish.unwrap_or(FinishReason::Length),
-            prompt_tokens,
-            completion_tokens: self.count,
-            cached_tokens: cached,
-            stats,
-            batch_rows: self.batch_rows,
-        }))
-    }
-
-    /// One generated token. Counts it (a stopping EOS counts, as in mlx-lm, server.py:1640,
-    /// but adds no text, server.py:976), releases its text through the stop matcher, and
-    /// stops on a stop sequence, at the end, or when the client is gone.
-    fn on_token(&mut self, bundle: &ModelBundle, step: &GeneratedToken) -> Control {
-        self.first_token_at.get_or_insert_with(Instant::now);
-        if self.events.is_closed() {
-            self.cancelled = true;
-            return Control::Stop;
-        }
-        self.count += 1;
-        let info = match self.token_info(bundle, step) {
-            Ok(info) => info,
-            Err(e) => {
-                self.error = Some(refusal(e));
-                return Control::Stop;
-            }
-        };
-        let mut text = String::new();
-        let mut stopped = false;
-        if step.finish != Some(FinishReason::Stop) {
-            self.detok.add_token(step.token);
-            let mut segment = self.detok.take_segment();
-            if step.finish.is_some() {
-                segment.push_str(&self.detok.finalize());
-            }
-            match self.stop.push(&segment) {
-                Pushed::Text(t) => text = t,
-                Pushed::Stopped(t) => {
-                    text = t;
-                    stopped = true;
-                }
-            }
-        }
-        if stopped {
-            self.finish = Some(FinishReason::Stop);
-        } else if let Some(f) = step.finish {
-            self.finish = Some(f);
-            text.push_str(&self.stop.finish());
-        }
-        let tokens = info.into_iter().collect();
-        if self.events.send(Event::Delta { text, tokens }).is_err() {
-            self.cancelled = true;
-            return Control::Stop;
-        }
-        if self.finish.is_some() {
-            Control::Stop
-        } else {
-            Control::Continue
-        }
-    }
-
-    /// The token's logprob and its top alternatives (sorted by logprob, then id), when asked.
-    fn token_info(
-        &self,
-        bundle: &ModelBundle,
-        step: &GeneratedToken,
-    ) -> crate::Result<Option<TokenInfo>> {
-        if !self.request.logprobs {
-            return Ok(None);
-        }
-        let logprobs = step.logprobs.astype(mlx::Dtype::Float32)?.to_vec::<f32>()?;
-        let mut order: Vec<u32> = (0..logprobs.len() as u32).collect();
-        let n = self.request.top_logprobs.min(order.len());
-        let by_rank = |a: &u32, b: &u32| {
-            logprobs[*b as usize]
-                .total_cmp(&logprobs[*a as usize])
-                .then(a.cmp(b))
-        };
-        if n > 0 && n < order.len() {
-            order.select_nth_unstable_by(n - 1, by_rank);
-        }
-        order.truncate(n);
-        order.sort_by(by_rank);
-        let text = |id: u32| bundle.decode(&[id]);
-        Ok(Some(TokenInfo {
-            id: step.token,
-            token: text(step.token),
-            logprob: logprobs[step.token as usize],
-            top: order
-                .into_iter()
-                .map(|id| TopLogprob {
-                    id,
-                    token: text(id),
-                    logprob: logprobs[id as usize],
-                })
-                .collect(),
-        }))
-    }
 }

@@ -1,12 +1,13 @@
 //! `verity serve`: an OpenAI-compatible HTTP server. The HTTP side (axum on tokio) reads and
 //! checks requests ([`api`]) and shapes responses ([`response`], [`sse`]); the one engine thread
-//! ([`engine`]) owns MLX and runs requests one at a time from a bounded queue, releasing text
-//! through the stop-sequence matcher ([`stop`]) and keeping prompt prefixes across requests
+//! ([`engine`]) owns MLX and batches requests from a bounded queue, each request's lane
+//! (`lane`) releasing text through the stop-sequence matcher ([`stop`]) and keeping prompt prefixes across requests
 //! ([`prefix_cache`]). A full queue answers 503 with Retry-After at
 //! once; bad input answers 400 with an OpenAI error body naming the field.
 
 pub mod api;
 pub mod engine;
+mod lane;
 pub mod prefix_cache;
 pub mod response;
 pub mod sse;
