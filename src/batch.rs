@@ -1,8 +1,10 @@
-//! Plain requests decoded together. Each step runs one packed forward over every row's next
-//! token ([`crate::model::rows`]); each row then samples from its own logits with its own
-//! processors, grammar, random keys and stop conditions. Rows join between steps (prefilled
-//! alone, their first token coming with the next step) and leave when they finish or are
-//! removed.
+//! Requests decoded together. Each step runs one packed forward over every row's next input
+//! ([`crate::model::rows`]): a plain row's next token, a speculative row's round `[last,
+//! drafts...]` (its drafts proposed by its own source). Each row then samples, or verifies and
+//! accepts, from its own logits with its own processors, grammar, random keys, caches and stop
+//! conditions, and a speculative row takes its rejected drafts back from its own caches. Rows
+//! join between steps (prefilled alone, their first token coming with the next step) and leave
+//! when they finish or are removed.
 //!
 //! A row emits what its request emits alone through [`crate::decode::decode`], token for token
 //! and logprob bit for bit, wherever the packed forward gives each row its lone bits (on the
@@ -10,7 +12,7 @@
 //! next step before its current token is read (generate_step's pipelining); a batch reads every
 //! row's token at the end of each step, since its rows' next inputs are those tokens.
 
-use mlx::{Array, Dtype};
+use mlx::Dtype;
 
 use crate::cache::{quantize_due, LayerCache};
 use crate::decode::{Request, Start};
@@ -20,11 +22,11 @@ use crate::generate::{
 };
 use crate::model::LanguageModel;
 use crate::sample::StepSampler;
+use crate::speculative::{DraftSource, Drafter, SpeculationStats, Speculator};
 use crate::{error::contract, Result};
 
-/// One request in the batch.
-struct Row {
-    id: usize,
+/// A plain row between steps.
+struct Plain {
     caches: Vec<LayerCache>,
     sampler: StepSampler,
     params: GenerateParams,
@@ -33,10 +35,32 @@ struct Row {
     emitted: usize,
 }
 
+/// How a row decodes.
+enum Decoder<'m> {
+    Plain(Box<Plain>),
+    Speculative {
+        speculator: Box<Speculator>,
+        source: Box<dyn DraftSource + 'm>,
+    },
+}
+
+/// One request in the batch.
+struct Row<'m> {
+    id: usize,
+    decoder: Decoder<'m>,
+}
+
+/// A row that left the batch at the end of a step.
+pub struct Left {
+    pub id: usize,
+    /// A speculative row's counters.
+    pub speculation: Option<SpeculationStats>,
+}
+
 /// The rows decoding together on one model.
 pub struct Batch<'m> {
     model: &'m dyn LanguageModel,
-    rows: Vec<Row>,
+    rows: Vec<Row<'m>>,
 }
 
 impl<'m> Batch<'m> {
@@ -48,12 +72,14 @@ impl<'m> Batch<'m> {
     }
 
     /// Validates `request`, prefills its prompt but the last token alone, and adds it as row
-    /// `id` (unique among the rows); its first token comes with the next [`Batch::step`].
-    /// `on_chunk` sees the prompt tokens prefilled after each chunk (`Stop` cancels with
-    /// [`crate::Error::Cancelled`]); `on_prefilled` the caches once prefilled.
+    /// `id` (unique among the rows), speculative when `drafter` (loaded for this model) is
+    /// given; its first token comes with the next [`Batch::step`]. `on_chunk` sees the prompt
+    /// tokens prefilled after each chunk (`Stop` cancels with [`crate::Error::Cancelled`]);
+    /// `on_prefilled` the caches once prefilled.
     pub fn add(
         &mut self,
         id: usize,
+        drafter: Option<&'m Drafter>,
         start: Start,
         request: Request<'_>,
         on_chunk: Option<&mut dyn FnMut(usize) -> Control>,
@@ -62,7 +88,8 @@ impl<'m> Batch<'m> {
         if self.rows.iter().any(|r| r.id == id) {
             return Err(contract(format!("row {id} is already in the batch")));
         }
-        let (caches, _, cached) = start.into_caches(self.model, false, request.params)?;
+        let (caches, draft_caches, cached) =
+            start.into_caches(self.model, drafter.is_some(), request.params)?;
         let (mut go_on, mut keep_nothing) = (
             |_: usize| Control::Continue,
             |_: &[LayerCache], _: Option<&[LayerCache]>| {},
@@ -73,25 +100,39 @@ impl<'m> Batch<'m> {
             on_prefilled: on_prefilled.unwrap_or(&mut keep_nothing),
             on_chunk: on_chunk.unwrap_or(&mut go_on),
         };
-        let Prefilled {
-            caches,
-            sampler,
-            last,
-        } = prefill_request(
-            self.model,
-            resume,
-            request.prompt,
-            request.params,
-            request.constraint,
-        )?;
-        self.rows.push(Row {
-            id,
-            caches,
-            sampler,
-            params: request.params.clone(),
-            next: last,
-            emitted: 0,
-        });
+        let decoder = match drafter {
+            Some(drafter) => {
+                let mut source = drafter.source(self.model, draft_caches.map(|c| (c, cached)))?;
+                let speculation = request.speculation(drafter);
+                let speculator =
+                    Speculator::start(self.model, source.as_mut(), resume, speculation)?;
+                Decoder::Speculative {
+                    speculator: Box::new(speculator),
+                    source,
+                }
+            }
+            None => {
+                let Prefilled {
+                    caches,
+                    sampler,
+                    last,
+                } = prefill_request(
+                    self.model,
+                    resume,
+                    request.prompt,
+                    request.params,
+                    request.constraint,
+                )?;
+                Decoder::Plain(Box::new(Plain {
+                    caches,
+                    sampler,
+                    params: request.params.clone(),
+                    next: last,
+                    emitted: 0,
+                }))
+            }
+        };
+        self.rows.push(Row { id, decoder });
         Ok(())
     }
 
@@ -111,49 +152,101 @@ impl<'m> Batch<'m> {
         self.rows.len() < before
     }
 
-    /// One decode step of every row: one packed forward, each row's next token sampled and
-    /// handed to `on_token(id, token)`. A row leaves the batch after its last token (EOS or
-    /// max_tokens, the finish reason on it) or when its callback answers `Stop`.
+    /// One step of every row: one packed forward over each row's next input, then each row's
+    /// tokens handed to `on_token(id, token)` in order. Returns the rows that left: after their
+    /// last token (EOS or max_tokens, the finish reason on it) or when their callback answered
+    /// `Stop`.
     pub fn step(
         &mut self,
         on_token: &mut dyn FnMut(usize, &GeneratedToken) -> Control,
-    ) -> Result<()> {
+    ) -> Result<Vec<Left>> {
         if self.rows.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
-        let inputs: Vec<Array> = self
+        let inputs: Vec<Vec<u32>> = self
+            .rows
+            .iter_mut()
+            .map(|row| match &mut row.decoder {
+                Decoder::Plain(p) => Ok(vec![p.next]),
+                Decoder::Speculative { speculator, source } => {
+                    speculator.next_input(source.as_mut())
+                }
+            })
+            .collect::<Result<_>>()?;
+        let lens: Vec<usize> = inputs.iter().map(Vec::len).collect();
+        let mut taps: Vec<usize> = self
             .rows
             .iter()
-            .map(|r| token_array(&[r.next]))
-            .collect::<mlx::Result<_>>()?;
-        let ids = token_array(&self.rows.iter().map(|r| r.next).collect::<Vec<_>>())?;
-        let lens = vec![1; self.rows.len()];
+            .flat_map(|row| match &row.decoder {
+                Decoder::Plain(_) => &[][..],
+                Decoder::Speculative { speculator, .. } => &speculator.taps[..],
+            })
+            .copied()
+            .collect();
+        taps.sort_unstable();
+        taps.dedup();
+        let ids = token_array(&inputs.concat())?;
         let out = {
-            let mut caches: Vec<&mut [LayerCache]> =
-                self.rows.iter_mut().map(|r| &mut r.caches[..]).collect();
+            let mut caches: Vec<&mut [LayerCache]> = self
+                .rows
+                .iter_mut()
+                .map(|row| match &mut row.decoder {
+                    Decoder::Plain(p) => &mut p.caches[..],
+                    Decoder::Speculative { speculator, .. } => &mut speculator.caches[..],
+                })
+                .collect();
             self.model
-                .forward_rows(&ids.expand_dims(&[0])?, &mut caches, &lens, &[])?
+                .forward_rows(&ids.expand_dims(&[0])?, &mut caches, &lens, &taps)?
         };
-        let mut sampled = Vec::with_capacity(self.rows.len());
-        for (i, (row, input)) in self.rows.iter_mut().zip(&inputs).enumerate() {
-            quantize_due(&mut row.caches, row.params.kv_quantization.as_ref())?;
-            let logits = out
-                .logits
-                .slice_axis(1, i as i32, i as i32 + 1)?
-                .squeeze(&[1])?;
-            let logprobs = logprobs_after(&mut row.sampler, input, &logits)?;
-            let y = row.sampler.sample(&logprobs)?;
-            sampled.push((y, logprobs.squeeze(&[0])?));
+        let mut sampled = Vec::new();
+        let mut leaving = Vec::new();
+        let mut start = 0;
+        for (row, &len) in self.rows.iter_mut().zip(&lens) {
+            let end = start + len as i32;
+            let logits = out.logits.slice_axis(1, start, end)?;
+            match &mut row.decoder {
+                Decoder::Plain(p) => {
+                    quantize_due(&mut p.caches, p.params.kv_quantization.as_ref())?;
+                    let input = token_array(&[p.next])?;
+                    let logprobs = logprobs_after(&mut p.sampler, &input, &logits.squeeze(&[1])?)?;
+                    let y = p.sampler.sample(&logprobs)?;
+                    sampled.push((y, logprobs.squeeze(&[0])?));
+                }
+                Decoder::Speculative { speculator, source } => {
+                    let hidden = speculator
+                        .taps
+                        .iter()
+                        .map(|t| {
+                            let at = taps.binary_search(t).expect("the union holds every tap");
+                            out.hidden[at].slice_axis(1, start, end)
+                        })
+                        .collect::<mlx::Result<Vec<_>>>()?;
+                    let mut stopped = false;
+                    speculator.settle(source.as_mut(), &logits, &hidden, &mut |t| {
+                        let control = on_token(row.id, t);
+                        stopped |= control == Control::Stop;
+                        control
+                    })?;
+                    if stopped || speculator.is_done() {
+                        leaving.push(row.id);
+                    }
+                }
+            }
+            start = end;
         }
         mlx::eval(sampled.iter().flat_map(|(y, lp)| [y, lp]))?;
-        let mut leaving = Vec::new();
-        for (row, (y, logprobs)) in self.rows.iter_mut().zip(sampled) {
+        let mut sampled = sampled.into_iter();
+        for row in &mut self.rows {
+            let Decoder::Plain(p) = &mut row.decoder else {
+                continue;
+            };
+            let (y, logprobs) = sampled.next().expect("one sample per plain row");
             let token = y.astype(Dtype::Uint32)?.item::<u32>()?;
-            if row.sampler.is_constrained() {
-                row.sampler.advance_grammar(token)?;
+            if p.sampler.is_constrained() {
+                p.sampler.advance_grammar(token)?;
             }
-            row.emitted += 1;
-            let finish = row.params.finish_for(token, row.emitted);
+            p.emitted += 1;
+            let finish = p.params.finish_for(token, p.emitted);
             let step = GeneratedToken {
                 token,
                 logprobs,
@@ -163,9 +256,23 @@ impl<'m> Batch<'m> {
             if on_token(row.id, &step) == Control::Stop || finish.is_some() {
                 leaving.push(row.id);
             }
-            row.next = token;
+            p.next = token;
         }
-        self.rows.retain(|r| !leaving.contains(&r.id));
-        Ok(())
+        let mut left = Vec::with_capacity(leaving.len());
+        self.rows.retain(|row| {
+            if !leaving.contains(&row.id) {
+                return true;
+            }
+            let speculation = match &row.decoder {
+                Decoder::Plain(_) => None,
+                Decoder::Speculative { speculator, .. } => Some(speculator.stats().clone()),
+            };
+            left.push(Left {
+                id: row.id,
+                speculation,
+            });
+            false
+        });
+        Ok(left)
     }
 }

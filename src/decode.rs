@@ -21,6 +21,20 @@ pub struct Request<'a> {
     pub num_draft_tokens: Option<usize>,
 }
 
+impl<'a> Request<'a> {
+    /// The request as `drafter` speculates it (its default drafts per round unless named).
+    pub(crate) fn speculation(self, drafter: &Drafter) -> Speculation<'a> {
+        Speculation {
+            prompt: self.prompt,
+            params: self.params,
+            num_draft_tokens: self
+                .num_draft_tokens
+                .unwrap_or_else(|| drafter.default_num_draft_tokens()),
+            constraint: self.constraint,
+        }
+    }
+}
+
 /// The caches decoding starts from.
 pub enum Start {
     /// Fresh caches ([`fresh_caches`]).
@@ -152,14 +166,7 @@ pub fn decode(
         });
     };
     let mut source = drafter.source(target, draft_caches.map(|c| (c, cached)))?;
-    let speculation = Speculation {
-        prompt: request.prompt,
-        params: request.params,
-        num_draft_tokens: request
-            .num_draft_tokens
-            .unwrap_or_else(|| drafter.default_num_draft_tokens()),
-        constraint: request.constraint,
-    };
+    let speculation = request.speculation(drafter);
     let (stats, _) = resume_speculative(target, source.as_mut(), resume, speculation, on_token)?;
     Ok(Decoded {
         speculation: Some(stats),

@@ -2,7 +2,9 @@
 //! the same request emits alone, on the CPU. A property over random schedules (prompts of
 //! different lengths, greedy and seeded rows, rows joining between steps, finishing at
 //! different times and being cancelled), for every fixture architecture and cache kind: KV,
-//! rotating (a sliding window, and --max-kv-size), quantized KV, recurrent, 4-bit weights.
+//! rotating (a sliding window, and --max-kv-size), quantized KV, recurrent, 4-bit weights;
+//! and with speculative rows beside plain ones, each with its own drafter kind (draft model,
+//! n-gram, MTP, DFlash) and drafts per round, whose greedy rows also equal plain decoding alone.
 
 mod support;
 
@@ -18,6 +20,7 @@ use verity::decode::{decode, Hooks, Request, Start};
 use verity::generate::{Control, FinishReason, GenerateParams, GeneratedToken};
 use verity::grammar::Grammar;
 use verity::model::LanguageModel;
+use verity::speculative::{Drafter, DrafterSpec};
 
 /// (token, logprob bits, finish) of each emitted token.
 type Steps = Vec<(u32, Vec<u8>, Option<FinishReason>)>;
@@ -37,22 +40,30 @@ struct Row {
     joins: usize,
     /// The step before which it is taken out, if it is still running then.
     cancelled: Option<usize>,
+    /// Speculative with the fixture's drafter of this index, and these drafts per round (None:
+    /// the drafter's default); plain when None.
+    drafter: Option<(usize, Option<usize>)>,
 }
 
-fn rows(vocab: u32) -> impl Strategy<Value = Vec<Row>> {
+/// Schedules over a vocabulary of `vocab` tokens with `drafters` drafter kinds to pick from.
+fn rows(vocab: u32, drafters: usize) -> impl Strategy<Value = Vec<Row>> {
+    let drafter = prop::option::of((0..drafters.max(1), prop::option::of(1usize..=4)))
+        .prop_map(move |d| d.filter(|_| drafters > 0));
     let row = (
         prop::collection::vec(3..vocab, 1..=24),
         1usize..=10,
         prop::option::of(0u64..1000),
         0usize..=6,
         prop::option::of(1usize..=8),
+        drafter,
     )
-        .prop_map(|(prompt, max_tokens, seed, joins, cancel)| Row {
+        .prop_map(|(prompt, max_tokens, seed, joins, cancel, drafter)| Row {
             prompt,
             max_tokens,
             seed,
             joins,
             cancelled: cancel.map(|c| joins + c),
+            drafter,
         });
     prop::collection::vec(row, 1..=4)
 }
@@ -85,8 +96,15 @@ fn params(model: &ModelBundle, row: &Row, caches: Caches) -> GenerateParams {
     p
 }
 
-/// The request decoded alone, through the one decode entry point.
-fn alone(model: &dyn LanguageModel, prompt: &[u32], params: &GenerateParams) -> Steps {
+/// The request decoded alone through the one decode entry point, speculatively with `drafter`
+/// at `k` drafts per round.
+fn alone(
+    model: &dyn LanguageModel,
+    drafter: Option<&Drafter>,
+    k: Option<usize>,
+    prompt: &[u32],
+    params: &GenerateParams,
+) -> Steps {
     let mut steps = Steps::new();
     let mut on_token = |t: &GeneratedToken| {
         record(&mut steps, t);
@@ -96,11 +114,11 @@ fn alone(model: &dyn LanguageModel, prompt: &[u32], params: &GenerateParams) -> 
         prompt,
         params,
         constraint: None,
-        num_draft_tokens: None,
+        num_draft_tokens: k,
     };
     decode(
         model,
-        None,
+        drafter,
         Start::Fresh,
         request,
         Hooks::tokens(&mut on_token),
@@ -111,8 +129,9 @@ fn alone(model: &dyn LanguageModel, prompt: &[u32], params: &GenerateParams) -> 
 
 /// Runs the schedule as one batch; every row's emitted tokens by row index, and the most rows
 /// that decoded in one step.
-fn batched(
-    model: &dyn LanguageModel,
+fn batched<'m>(
+    model: &'m dyn LanguageModel,
+    drafters: &'m [Drafter],
     rows: &[Row],
     params: &[GenerateParams],
 ) -> (BTreeMap<usize, Steps>, usize) {
@@ -126,9 +145,12 @@ fn batched(
                 prompt: &row.prompt,
                 params: &params[i],
                 constraint: None,
-                num_draft_tokens: None,
+                num_draft_tokens: row.drafter.and_then(|(_, k)| k),
             };
-            batch.add(i, Start::Fresh, request, None, None).unwrap();
+            let drafter = row.drafter.map(|(d, _)| &drafters[d]);
+            batch
+                .add(i, drafter, Start::Fresh, request, None, None)
+                .unwrap();
             out.insert(i, Steps::new());
         }
         for (i, _) in rows
@@ -151,9 +173,19 @@ fn batched(
 }
 
 fn check_fixture(fixture: &str, caches: Caches) {
+    check_speculative_fixture(fixture, caches, &[]);
+}
+
+/// The property on `fixture`, its rows speculative or plain at random, each speculative one
+/// with one of `drafters`.
+fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterSpec]) {
     support::on_cpu();
     let b = bundle(fixture);
     let model = b.model();
+    let drafters: Vec<Drafter> = drafters
+        .iter()
+        .map(|spec| Drafter::load(spec, &b).unwrap())
+        .collect();
     let config = Config {
         cases: proptest_cases(6, 300),
         source_file: Some(file!()),
@@ -162,11 +194,24 @@ fn check_fixture(fixture: &str, caches: Caches) {
     let vocab = model.vocab_size() as u32;
     let shared = std::cell::Cell::new(0usize);
     TestRunner::new(config)
-        .run(&rows(vocab), |rows| {
+        .run(&rows(vocab, drafters.len()), |rows| {
             let params: Vec<GenerateParams> = rows.iter().map(|r| params(&b, r, caches)).collect();
-            let (got, widest) = batched(model, &rows, &params);
+            let (got, widest) = batched(model, &drafters, &rows, &params);
             for (i, row) in rows.iter().enumerate() {
-                let want = alone(model, &row.prompt, &params[i]);
+                let (drafter, k) = match row.drafter {
+                    Some((d, k)) => (Some(&drafters[d]), k),
+                    None => (None, None),
+                };
+                let want = alone(model, drafter, k, &row.prompt, &params[i]);
+                if drafter.is_some() && row.seed.is_none() {
+                    let plain = alone(model, None, None, &row.prompt, &params[i]);
+                    prop_assert_eq!(
+                        &want,
+                        &plain,
+                        "row {}: speculation changed greedy output",
+                        i
+                    );
+                }
                 let got = &got[&i];
                 let whole = row.cancelled.is_none_or(|c| c - row.joins >= want.len());
                 prop_assert!(
@@ -177,13 +222,16 @@ fn check_fixture(fixture: &str, caches: Caches) {
                 );
                 prop_assert!(!whole || got.len() == want.len(), "row {i} stopped early");
             }
-            if widest > 1 {
+            if widest > 1 && (drafters.is_empty() || rows.iter().any(|r| r.drafter.is_some())) {
                 shared.set(shared.get() + 1);
             }
             Ok(())
         })
         .unwrap();
-    assert!(shared.get() > 0, "{fixture}: no step decoded two rows");
+    assert!(
+        shared.get() > 0,
+        "{fixture}: no step decoded two rows (with a speculative one when drafters are given)"
+    );
 }
 
 #[test]
@@ -221,8 +269,51 @@ fn qwen3_4bit_quantized_kv_batch_rows_equal_their_lone_requests() {
     check_fixture("qwen3-4bit", Caches::QuantizedKv);
 }
 
-/// A grammar-constrained row and a plain row decode together, each as alone: the grammar's
-/// mask is the row's own.
+/// The trained pair: a draft model whose drafts the target accepts, and prompt lookup.
+#[test]
+fn qwen3_target_speculative_batch_rows_equal_their_lone_requests() {
+    check_speculative_fixture(
+        "qwen3-target",
+        Caches::Plain,
+        &[
+            DrafterSpec::Model(support::model_dir("qwen3-draft")),
+            DrafterSpec::Ngram { min: 1, max: 3 },
+        ],
+    );
+}
+
+/// Every drafter kind on the hybrid: recurrent state rolled back per row, and rows tapping
+/// different target layers (MTP, DFlash) in one forward.
+#[test]
+fn qwen3_5_speculative_batch_rows_equal_their_lone_requests() {
+    check_speculative_fixture(
+        "qwen3_5",
+        Caches::Plain,
+        &[
+            DrafterSpec::Model(support::model_dir("qwen3_5")),
+            DrafterSpec::Ngram { min: 1, max: 3 },
+            DrafterSpec::Mtp,
+            DrafterSpec::Dflash {
+                dir: support::model_dir("qwen3_5-dflash"),
+                chain: false,
+            },
+        ],
+    );
+}
+
+/// Sliding-window caches under speculation (rounds the window cannot take back are refused).
+#[test]
+fn gemma3_speculative_batch_rows_equal_their_lone_requests() {
+    check_speculative_fixture(
+        "gemma3",
+        Caches::Plain,
+        &[DrafterSpec::Ngram { min: 1, max: 2 }],
+    );
+}
+
+/// A grammar-constrained row, a plain row and a grammar-constrained speculative row decode
+/// together, each as alone: the grammar's mask is the row's own, and greedy grammar +
+/// speculation is grammar-only.
 #[test]
 fn a_grammar_row_beside_a_plain_row_equals_both_alone() {
     support::on_cpu();
@@ -250,8 +341,9 @@ fn a_grammar_row_beside_a_plain_row_equals_both_alone() {
         Hooks::tokens(&mut on_token),
     )
     .unwrap();
-    let want_plain = alone(model, &prompt[1..], &params);
+    let want_plain = alone(model, None, None, &prompt[1..], &params);
 
+    let drafter = Drafter::load(&DrafterSpec::Ngram { min: 1, max: 3 }, &b).unwrap();
     let mut batch = Batch::new(model);
     let constrained = Request {
         prompt: &prompt,
@@ -259,15 +351,26 @@ fn a_grammar_row_beside_a_plain_row_equals_both_alone() {
         constraint: Some(b.constraint(&grammar).unwrap()),
         num_draft_tokens: None,
     };
-    batch.add(0, Start::Fresh, constrained, None, None).unwrap();
+    batch
+        .add(0, None, Start::Fresh, constrained, None, None)
+        .unwrap();
     let plain = Request {
         prompt: &prompt[1..],
         params: &params,
         constraint: None,
         num_draft_tokens: None,
     };
-    batch.add(1, Start::Fresh, plain, None, None).unwrap();
-    let mut got = [Steps::new(), Steps::new()];
+    batch.add(1, None, Start::Fresh, plain, None, None).unwrap();
+    let speculative = Request {
+        prompt: &prompt,
+        params: &params,
+        constraint: Some(b.constraint(&grammar).unwrap()),
+        num_draft_tokens: Some(3),
+    };
+    batch
+        .add(2, Some(&drafter), Start::Fresh, speculative, None, None)
+        .unwrap();
+    let mut got = [Steps::new(), Steps::new(), Steps::new()];
     while !batch.is_empty() {
         batch
             .step(&mut |i, t| {
@@ -278,6 +381,7 @@ fn a_grammar_row_beside_a_plain_row_equals_both_alone() {
     }
     assert_eq!(got[0], want_grammar);
     assert_eq!(got[1], want_plain);
+    assert_eq!(got[2], want_grammar, "grammar + speculation in the batch");
     assert_ne!(
         want_grammar.iter().map(|s| s.0).collect::<Vec<_>>(),
         want_plain.iter().map(|s| s.0).collect::<Vec<_>>(),

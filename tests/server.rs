@@ -834,12 +834,13 @@ fn a_draft_that_does_not_fit_is_refused_at_startup() {
     }
 }
 
-/// Continuous batching: concurrent plain requests (different prompts, lengths and max_tokens,
-/// streamed or not) decode in one batch, and each answer (text, logprob bits, usage) equals the
-/// same request served alone.
+/// Continuous batching: concurrent requests (different prompts, lengths and max_tokens,
+/// streamed or not) decode in one batch, plain or speculative with a draft model (every row
+/// drafting and verifying its own rounds in the batch's forwards), and each answer (text,
+/// logprob bits, usage) equals the same request served alone, and plain alone.
 #[test]
 fn concurrent_requests_batch_and_each_equals_its_answer_alone() {
-    let s = Arc::new(Server::start(&model_dir(TARGET), &[]));
+    let draft = model_dir("qwen3-draft");
     let requests: Vec<Value> = (0..6)
         .map(|i| {
             let mut r = chat(&"Tell me about the sea. ".repeat(i + 1), 32 + 4 * i);
@@ -850,21 +851,41 @@ fn concurrent_requests_batch_and_each_equals_its_answer_alone() {
             r
         })
         .collect();
-    let together: Vec<_> = requests
+    let plain = Server::start(&model_dir(TARGET), &["--max-num-seqs", "1"]);
+    let want: Vec<_> = requests
         .iter()
-        .map(|r| {
-            let (s, r) = (s.clone(), r.clone());
-            thread::spawn(move || s.ok("/v1/chat/completions", &r))
-        })
+        .map(|r| answer(&plain.ok("/v1/chat/completions", r)))
         .collect();
-    let together: Vec<Value> = together.into_iter().map(|t| t.join().unwrap()).collect();
-    let log = s.log_when(|l| l.contains("batch of up to"));
-    assert!(
-        log.contains("batch of up to"),
-        "no request was batched: {log}"
-    );
-    let alone = Server::start(&model_dir(TARGET), &["--max-num-seqs", "1"]);
-    for (r, got) in requests.iter().zip(&together) {
-        assert_eq!(answer(got), answer(&alone.ok("/v1/chat/completions", r)));
+    for args in [&[][..], &["--draft-model", draft.to_str().unwrap()][..]] {
+        let s = Arc::new(Server::start(&model_dir(TARGET), args));
+        let together: Vec<_> = requests
+            .iter()
+            .map(|r| {
+                let (s, r) = (s.clone(), r.clone());
+                thread::spawn(move || s.ok("/v1/chat/completions", &r))
+            })
+            .collect();
+        let together: Vec<Value> = together.into_iter().map(|t| t.join().unwrap()).collect();
+        let log = s.log_when(|l| l.contains("batch of up to"));
+        assert!(
+            log.contains("batch of up to"),
+            "{args:?}: no request was batched: {log}"
+        );
+        if !args.is_empty() {
+            assert!(
+                log.lines()
+                    .any(|l| l.contains("batch of up to") && l.contains("speculation")),
+                "{args:?}: no batched request speculated: {log}"
+            );
+        }
+        let alone = Server::start(
+            &model_dir(TARGET),
+            &[args, &["--max-num-seqs", "1"]].concat(),
+        );
+        for ((r, got), want) in requests.iter().zip(&together).zip(&want) {
+            let lone = answer(&alone.ok("/v1/chat/completions", r));
+            assert_eq!(answer(got), lone, "{args:?}");
+            assert_eq!(&lone, want, "{args:?}: speculation changed the answer");
+        }
     }
 }

@@ -268,7 +268,7 @@ fn replay_batch(
             constraint: None,
             num_draft_tokens: None,
         };
-        rows.add(i, Start::Fresh, request, None, None)
+        rows.add(i, None, Start::Fresh, request, None, None)
             .map_err(|e| in_trace(e.context(format!("batch row {i}"))))?;
     }
     let (mut steps, mut finish, mut failed) = (Vec::new(), None, None);

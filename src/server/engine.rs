@@ -1,9 +1,8 @@
 //! The engine thread: the one thread that owns the models and every MLX array (MLX arrays are
 //! not shared across threads as verity uses them). The HTTP side hands it jobs through a bounded
-//! queue and reads each job's events from its own channel. Plain requests decode together
-//! (continuous batching, crate::batch): up to `--max-num-seqs` of them, each joining between
-//! steps and leaving when it ends; a speculative lane runs one request at a time, in arrival
-//! order. A client that goes away closes its event channel; the engine notices at the next
+//! queue and reads each job's events from its own channel. Requests decode together
+//! (continuous batching, crate::batch), speculative ones included: up to `--max-num-seqs` of
+//! them, each joining between steps and leaving when it ends. A client that goes away closes its event channel; the engine notices at the next
 //! prefill chunk or the next token (within a speculative round too) and stops it there.
 
 use std::cell::RefCell;
@@ -194,14 +193,14 @@ impl Engine {
     }
 
     fn serve(self, queue: mpsc::Receiver<Job>) {
-        if self.drafter.is_some() || self.config.max_num_seqs == 1 {
+        if self.config.max_num_seqs == 1 {
             self.serve_one_at_a_time(queue)
         } else {
             self.serve_batched(queue)
         }
     }
 
-    /// A speculative lane (and `--max-num-seqs 1`): one request at a time, in arrival order.
+    /// `--max-num-seqs 1`: one request at a time, in arrival order.
     fn serve_one_at_a_time(&self, mut queue: mpsc::Receiver<Job>) {
         while let Some(job) = queue.blocking_recv() {
             let events = job.events.clone();
@@ -213,9 +212,10 @@ impl Engine {
         }
     }
 
-    /// Continuous batching of plain lanes: requests join the batch between steps (each
-    /// prefilled alone), up to `max_num_seqs` at a time, and leave it when they finish or
-    /// their client goes away; every step decodes one token of each row in one forward.
+    /// Continuous batching: requests join the batch between steps (each prefilled alone), up
+    /// to `max_num_seqs` at a time, and leave it when they finish or their client goes away;
+    /// every step runs one forward over each row's next token (a speculative row's round:
+    /// its last token and its drafts).
     fn serve_batched(&self, mut queue: mpsc::Receiver<Job>) {
         let mut batch = Batch::new(self.target.model());
         let mut lanes: HashMap<usize, Lane> = HashMap::new();
@@ -263,25 +263,22 @@ impl Engine {
             };
             let stepped = panic::catch_unwind(AssertUnwindSafe(|| batch.step(&mut on_token)))
                 .unwrap_or_else(|_| Err(crate::Error::Contract("a batch step panicked".into())));
-            if let Err(e) = stepped {
-                // MLX state of the rows is unknown after a failed step: every row fails.
-                let e = refusal(e);
-                for (_, lane) in lanes.drain() {
-                    self.report(Err(e.clone()), &lane.events);
+            let left = match stepped {
+                Ok(left) => left,
+                Err(e) => {
+                    // MLX state of the rows is unknown after a failed step: every row fails.
+                    let e = refusal(e);
+                    for (_, lane) in lanes.drain() {
+                        self.report(Err(e.clone()), &lane.events);
+                    }
+                    batch = Batch::new(self.target.model());
+                    continue;
                 }
-                batch = Batch::new(self.target.model());
-                continue;
-            }
-            let running = batch.ids();
-            let ended: Vec<usize> = lanes
-                .keys()
-                .filter(|id| !running.contains(id))
-                .copied()
-                .collect();
-            for id in ended {
-                let lane = lanes.remove(&id).expect("an ended lane is a lane");
+            };
+            for left in left {
+                let lane = lanes.remove(&left.id).expect("a row is a lane");
                 let events = lane.events.clone();
-                self.report(lane.outcome(None), &events);
+                self.report(lane.outcome(left.speculation.as_ref()), &events);
             }
         }
     }
@@ -384,9 +381,9 @@ impl Engine {
     }
 
     /// Admits `job` and prefills it into `batch` as row `id`.
-    fn join(
-        &self,
-        batch: &mut Batch<'_>,
+    fn join<'s>(
+        &'s self,
+        batch: &mut Batch<'s>,
         id: usize,
         job: Job,
     ) -> Result<Result<Lane, Outcome>, ApiError> {
@@ -409,9 +406,17 @@ impl Engine {
             prompt: &prompt,
             params: &params,
             constraint,
-            num_draft_tokens: None,
+            num_draft_tokens: lane.request.num_draft_tokens.or(self.num_draft_tokens),
         };
-        let added = batch.add(id, start, request, Some(&mut gone), Some(&mut keep));
+        let drafter = self.drafter.as_ref();
+        let added = batch.add(
+            id,
+            drafter,
+            start,
+            request,
+            Some(&mut gone),
+            Some(&mut keep),
+        );
         Ok(match checked(added)? {
             Some(()) => Ok(lane),
             None => Err(Outcome::CancelledInPrefill),

@@ -10,6 +10,11 @@
 //! that row's hidden taps; rounds then verify `[last emitted, drafts...]` as above. The tapped
 //! hidden rows of every verify forward go to the source with the round's outcome.
 //!
+//! A request's rounds are a [`Speculator`]: [`Speculator::next_input`] drafts a round, the
+//! caller runs the target over that input, [`Speculator::settle`] accepts and emits. The lone
+//! loop ([`resume_speculative`]) runs the forward itself; a batch ([`crate::batch`]) runs one
+//! forward over every row's input.
+//!
 //! Verity departs from mlx-lm in two places, both so that speculation never changes output:
 //! logits processors see the same history as in plain decoding (mlx-lm hides the prompt from
 //! them when speculating), and a round the target caches could not take back is refused before
@@ -18,84 +23,13 @@
 use mlx::{Array, Dtype};
 
 use super::{DraftContext, DraftSource, PrefillMode, SpeculationStats, Verified};
-use crate::cache::{begin_round, end_round, rollback_plan, LayerCache, Rollback};
-use crate::generate::{
-    forward_tapped, prefill_tapped, token_array, GenerateParams, GeneratedToken, Resume,
-};
+use crate::cache::{begin_round, end_round, quantize_due, rollback_plan, LayerCache, Rollback};
+use crate::generate::{prefill_tapped, token_array, GenerateParams, GeneratedToken, Resume};
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
 use crate::request::Control;
 use crate::sample::{Masking, StepSampler};
 use crate::{validate, Result};
-
-struct Executor<'a> {
-    model: &'a dyn LanguageModel,
-    caches: Vec<LayerCache>,
-    sampler: StepSampler,
-    params: &'a GenerateParams,
-    stats: SpeculationStats,
-    /// The target hidden states the source taps.
-    taps: Vec<usize>,
-}
-
-impl Executor<'_> {
-    /// One target forward over `input` (the last emitted token and the drafts); returns the
-    /// target's token and logprobs (V,) at each position it examined, and the tapped hidden
-    /// states over all of `input`. Without processors or a
-    /// grammar every position is sampled in one (k+1, V) call, as mlx-lm does. Otherwise the
-    /// walk goes position by position, each processed with the history it would have in plain
-    /// decoding and masked by the grammar advanced over the walk so far, and stops at the first
-    /// rejected draft, an EOS, or a finished grammar.
-    fn verify(&mut self, input: &[u32]) -> Result<(Vec<u32>, Vec<Array>, Vec<Array>)> {
-        let kv = self.params.kv_quantization.as_ref();
-        let out = forward_tapped(
-            self.model,
-            &mut self.caches,
-            &token_array(input)?,
-            kv,
-            &self.taps,
-        )?;
-        let logits = out.logits.squeeze(&[0])?;
-        let positions = input.len() as i32;
-        let (tokens, logprobs) = if self.sampler.has_processors() || self.sampler.is_constrained() {
-            let (mut tokens, mut rows) = (Vec::new(), Vec::new());
-            for i in 0..positions {
-                let row = logits.slice_axis(0, i, i + 1)?;
-                let mut fed = input[..1].to_vec();
-                fed.extend(&tokens);
-                let processed = self.sampler.process(&row, &fed, Masking::Grammar)?;
-                let lp = processed.subtract(&processed.logsumexp(&[-1], true)?)?;
-                let t = self
-                    .sampler
-                    .sample(&lp)?
-                    .astype(Dtype::Uint32)?
-                    .item::<u32>()?;
-                self.sampler.advance_grammar(t)?;
-                tokens.push(t);
-                rows.push(lp.squeeze(&[0])?);
-                let draft_matches = input.get(i as usize + 1) == Some(&t);
-                if !draft_matches
-                    || self.params.eos_token_ids.contains(&t)
-                    || self.sampler.grammar_stopped()
-                {
-                    break;
-                }
-            }
-            (tokens, rows)
-        } else {
-            let lp = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
-            let sampled = self.sampler.sample(&lp)?.astype(Dtype::Uint32)?;
-            mlx::eval([&sampled, &lp])?;
-            let rows =
-                (0..positions).map(|i| lp.slice_axis(0, i, i + 1).and_then(|r| r.squeeze(&[0])));
-            (
-                sampled.to_vec::<u32>()?,
-                rows.collect::<mlx::Result<Vec<_>>>()?,
-            )
-        };
-        Ok((tokens, logprobs, out.hidden))
-    }
-}
 
 /// Generates speculatively, calling `on_token` with every emitted token in order (the last one
 /// carries the finish reason), optionally with the target's tokens constrained to a grammar:
@@ -148,109 +82,189 @@ pub fn resume_speculative(
     request: Speculation<'_>,
     on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
 ) -> Result<(SpeculationStats, Option<Constraint>)> {
-    let Speculation {
-        prompt,
-        params,
-        num_draft_tokens,
-        constraint,
-    } = request;
-    validate::speculation(model, source.draft_model(), num_draft_tokens, params)?;
-    let mut sampler = params.step_sampler(model, prompt, constraint)?;
-    resume.seed_history(prompt, &mut sampler)?;
-    let Resume {
-        caches,
-        cached,
-        on_prefilled,
-        on_chunk,
-    } = resume;
-    let (&last, head) = prompt
-        .split_last()
-        .expect("validate refuses an empty prompt");
-    let mut ex = Executor {
-        model,
-        caches,
-        sampler,
-        params,
-        stats: SpeculationStats::default(),
-        taps: source.taps(),
-    };
-    let mode = source.prefill_mode();
-    let full = mode != PrefillMode::Head;
-    if mode == PrefillMode::FullContext && cached > 0 {
-        return Err(crate::Error::Unsupported(
-            "a drafter that reads the target's hidden states over the whole prompt cannot \
-             start from a prompt cache (it holds no hidden states)"
-                .into(),
-        ));
+    let mut spec = Speculator::start(model, source, resume, request)?;
+    while !spec.is_done() {
+        let input = token_array(&spec.next_input(source)?)?;
+        let out = model.forward(&input.expand_dims(&[0])?, &mut spec.caches, &spec.taps)?;
+        spec.settle(source, &out.logits, &out.hidden, on_token)?;
     }
-    if !full {
-        source.prefill(
+    Ok(spec.finish())
+}
+
+/// A source in `PrefillMode::Full*` waiting for the first pass to seed it.
+struct Seeding {
+    prompt: Vec<u32>,
+    /// The target's taps over the prompt (`PrefillMode::FullContext`; empty otherwise).
+    context: Vec<Array>,
+}
+
+/// One speculative request between rounds: its target caches, sampler and counters, and where
+/// its rounds stand. Its draft source is the caller's, passed to every call.
+pub struct Speculator {
+    pub(crate) caches: Vec<LayerCache>,
+    sampler: StepSampler,
+    params: GenerateParams,
+    num_draft_tokens: usize,
+    stats: SpeculationStats,
+    /// The target hidden states the source taps.
+    pub(crate) taps: Vec<usize>,
+    /// The last emitted token (the prompt's last before the first round).
+    last: u32,
+    emitted: usize,
+    /// Some until the first pass has seeded a `PrefillMode::Full*` source.
+    seeding: Option<Seeding>,
+    /// The target's taps at the position `last` was sampled from.
+    anchor: Vec<Array>,
+    /// The round in flight: `[last, drafts...]`.
+    input: Vec<u32>,
+    done: bool,
+}
+
+impl Speculator {
+    /// Validates the request, prefills the source and the target (the rest of the prompt after
+    /// `resume.cached`, as the source's mode says), and stands before the first round.
+    pub fn start(
+        model: &dyn LanguageModel,
+        source: &mut dyn DraftSource,
+        resume: Resume<'_>,
+        request: Speculation<'_>,
+    ) -> Result<Speculator> {
+        let Speculation {
             prompt,
-            &mut DraftContext {
-                sampler: &mut ex.sampler,
-                params,
-                last,
-                anchor: &[],
+            params,
+            num_draft_tokens,
+            constraint,
+        } = request;
+        validate::speculation(model, source.draft_model(), num_draft_tokens, params)?;
+        let mut sampler = params.step_sampler(model, prompt, constraint)?;
+        resume.seed_history(prompt, &mut sampler)?;
+        let Resume {
+            mut caches,
+            cached,
+            on_prefilled,
+            on_chunk,
+        } = resume;
+        let (&last, head) = prompt
+            .split_last()
+            .expect("validate refuses an empty prompt");
+        let taps = source.taps();
+        let mode = source.prefill_mode();
+        if mode == PrefillMode::FullContext && cached > 0 {
+            return Err(crate::Error::Unsupported(
+                "a drafter that reads the target's hidden states over the whole prompt cannot \
+                 start from a prompt cache (it holds no hidden states)"
+                    .into(),
+            ));
+        }
+        if mode == PrefillMode::Head {
+            source.prefill(
+                prompt,
+                &mut DraftContext {
+                    sampler: &mut sampler,
+                    params,
+                    last,
+                    anchor: &[],
+                },
+            )?;
+        }
+        let context_taps = if mode == PrefillMode::FullContext {
+            &taps[..]
+        } else {
+            &[]
+        };
+        let mut done = cached;
+        let context = prefill_tapped(
+            model,
+            &mut caches,
+            &token_array(&head[cached..])?,
+            params,
+            context_taps,
+            |chunk| {
+                done += chunk.dim(0) as usize;
+                if on_chunk(done) == Control::Stop {
+                    return Err(crate::Error::Cancelled);
+                }
+                sampler.extend_history(chunk)
             },
         )?;
+        on_prefilled(&caches, source.caches());
+        // In PrefillMode::Full* the first pass is the last prompt token alone, seeding the
+        // source.
+        let seeding = (mode != PrefillMode::Head).then(|| Seeding {
+            prompt: prompt.to_vec(),
+            context,
+        });
+        Ok(Speculator {
+            caches,
+            sampler,
+            params: params.clone(),
+            num_draft_tokens,
+            stats: SpeculationStats::default(),
+            taps,
+            last,
+            emitted: 0,
+            seeding,
+            anchor: Vec::new(),
+            input: Vec::new(),
+            done: false,
+        })
     }
-    let rest = token_array(&head[cached..])?;
-    let sampler = &mut ex.sampler;
-    let context_taps = if mode == PrefillMode::FullContext {
-        &ex.taps[..]
-    } else {
-        &[]
-    };
-    let mut done = cached;
-    let context = prefill_tapped(
-        model,
-        &mut ex.caches,
-        &rest,
-        params,
-        context_taps,
-        |chunk| {
-            done += chunk.dim(0) as usize;
-            if on_chunk(done) == Control::Stop {
-                return Err(crate::Error::Cancelled);
-            }
-            sampler.extend_history(chunk)
-        },
-    )?;
-    on_prefilled(&ex.caches, source.caches());
 
-    let mut y = last;
-    let mut emitted = 0usize;
-    // In PrefillMode::Full the first pass is the last prompt token alone, seeding the source.
-    let mut seeding = full;
-    let mut anchor: Vec<Array> = Vec::new();
-    loop {
+    /// Whether the request has ended (its last token emitted, or its caller said stop).
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Drafts the next round and opens it on the target caches: returns the tokens the target
+    /// must take next, `[last, drafts...]` (the last token alone when the source proposes
+    /// nothing, or when the caches could not take the drafts back).
+    pub fn next_input(&mut self, source: &mut dyn DraftSource) -> Result<Vec<u32>> {
+        let seeding = self.seeding.is_some();
         let want = if seeding {
             0
         } else {
-            num_draft_tokens.min(params.max_tokens - emitted)
+            self.num_draft_tokens
+                .min(self.params.max_tokens - self.emitted)
         };
-        let refused = matches!(rollback_plan(&ex.caches, want + 1), Rollback::Refuse(_));
+        let refused = matches!(rollback_plan(&self.caches, want + 1), Rollback::Refuse(_));
         let drafts = if refused || want == 0 {
             Vec::new()
         } else {
             let mut ctx = DraftContext {
-                sampler: &mut ex.sampler,
-                params,
-                last: y,
-                anchor: &anchor,
+                sampler: &mut self.sampler,
+                params: &self.params,
+                last: self.last,
+                anchor: &self.anchor,
             };
             let mut drafts = source.draft(want, &mut ctx)?;
             drafts.truncate(want);
             drafts
         };
         if refused && !seeding {
-            ex.stats.refused_rounds += 1;
+            self.stats.refused_rounds += 1;
         }
+        self.input = vec![self.last];
+        self.input.extend(&drafts);
+        begin_round(&mut self.caches);
+        Ok(self.input.clone())
+    }
+
+    /// Closes the round [`Speculator::next_input`] opened, given the target's `logits`
+    /// (1, n, V) and tapped `hidden` states (one (1, n, H) per tap) over its input: accepts the
+    /// drafts the target agrees with, emits them and the target's own token through
+    /// `on_token`, takes the rest back from the caches and the sampler, and tells the source.
+    pub fn settle(
+        &mut self,
+        source: &mut dyn DraftSource,
+        logits: &Array,
+        hidden: &[Array],
+        on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
+    ) -> Result<()> {
+        quantize_due(&mut self.caches, self.params.kv_quantization.as_ref())?;
+        let input = std::mem::take(&mut self.input);
+        let (tokens, logprobs) = self.judge(&input, logits)?;
+        let drafts = &input[1..];
         let k = drafts.len();
-        let mut input = vec![y];
-        input.extend(&drafts);
-        begin_round(&mut ex.caches);
-        let (tokens, logprobs, hidden) = ex.verify(&input)?;
         // The last examined position is always the target's own token.
         let matching = drafts
             .iter()
@@ -258,30 +272,31 @@ pub fn resume_speculative(
             .take_while(|(d, t)| d == t)
             .count();
         let accepted = matching.min(tokens.len() - 1);
+        let seeding = self.seeding.is_some();
         if !seeding {
-            ex.stats.record_round(k, accepted);
+            self.stats.record_round(k, accepted);
         }
 
         // Emit the accepted drafts, then the target's own token, one at a time.
         let mut emit_count = 0;
         let mut stop = false;
         for (i, (&token, lp)) in tokens.iter().zip(&logprobs).enumerate().take(accepted + 1) {
-            if emitted == params.max_tokens {
+            if self.emitted == self.params.max_tokens {
                 break;
             }
-            emitted += 1;
+            self.emitted += 1;
             emit_count = i + 1;
-            let finish = params.finish_for(token, emitted);
+            let finish = self.params.finish_for(token, self.emitted);
             let step = GeneratedToken {
                 token,
                 logprobs: lp.clone(),
                 from_draft: i < accepted,
                 finish,
             };
-            ex.stats.generated += 1;
-            ex.stats.from_draft += usize::from(step.from_draft);
+            self.stats.generated += 1;
+            self.stats.from_draft += usize::from(step.from_draft);
             // Feed the token to the processors' history as plain decoding would.
-            ex.sampler.extend_history(&token_array(&[input[i]])?)?;
+            self.sampler.extend_history(&token_array(&[input[i]])?)?;
             if on_token(&step) == Control::Stop || finish.is_some() {
                 stop = true;
                 break;
@@ -289,50 +304,104 @@ pub fn resume_speculative(
         }
         // The grammar and positioned keys walked every examined position; take back what was
         // not emitted.
-        ex.sampler.rewind(tokens.len() - emit_count)?;
-        // The target fed y and the k drafts; it keeps y and the accepted ones.
-        end_round(&mut ex.caches, k - accepted)?;
+        self.sampler.rewind(tokens.len() - emit_count)?;
+        // The target fed the last token and the k drafts; it keeps those and the accepted ones.
+        end_round(&mut self.caches, k - accepted)?;
         let verified = Verified {
             drafted: k,
             accepted: accepted.min(emit_count),
             next: (emit_count == accepted + 1).then(|| tokens[accepted]),
-            hidden: &hidden,
+            hidden,
         };
         if stop {
             if !seeding {
                 source.commit(&verified)?;
             }
-            return Ok((ex.stats, ex.sampler.take_constraint()));
+            self.done = true;
+            return Ok(());
         }
-        y = tokens[accepted];
-        anchor = hidden
+        self.last = tokens[accepted];
+        self.anchor = hidden
             .iter()
             .map(|h| h.slice_axis(1, accepted as i32, accepted as i32 + 1))
             .collect::<mlx::Result<_>>()?;
-        if seeding {
-            seeding = false;
+        if let Some(Seeding { prompt, context }) = self.seeding.take() {
             if !context.is_empty() {
-                anchor = context
+                self.anchor = context
                     .iter()
-                    .zip(&anchor)
+                    .zip(&self.anchor)
                     .map(|(prompt, last)| mlx::ops::concatenate(&[prompt, last], 1))
                     .collect::<mlx::Result<_>>()?;
             }
             source.prefill(
-                prompt,
+                &prompt,
                 &mut DraftContext {
-                    sampler: &mut ex.sampler,
-                    params,
-                    last: y,
-                    anchor: &anchor,
+                    sampler: &mut self.sampler,
+                    params: &self.params,
+                    last: self.last,
+                    anchor: &self.anchor,
                 },
             )?;
         } else {
             source.commit(&verified)?;
         }
-        if emit_count <= accepted {
-            // max_tokens was reached inside the accepted drafts: no bonus token (as mlx-lm).
-            return Ok((ex.stats, ex.sampler.take_constraint()));
+        // max_tokens reached inside the accepted drafts: no bonus token (as mlx-lm).
+        self.done = emit_count <= accepted;
+        Ok(())
+    }
+
+    /// The request's statistics and the constraint in the state of the emitted tokens.
+    pub fn finish(self) -> (SpeculationStats, Option<Constraint>) {
+        let mut sampler = self.sampler;
+        (self.stats, sampler.take_constraint())
+    }
+
+    /// The speculation counters so far.
+    pub fn stats(&self) -> &SpeculationStats {
+        &self.stats
+    }
+
+    /// The target's token and logprobs (V,) at each position of `input` it examined, from its
+    /// `logits` (1, n, V) over them. Without processors or a grammar every position is sampled
+    /// in one (n, V) call, as mlx-lm does. Otherwise the walk goes position by position, each
+    /// processed with the history it would have in plain decoding and masked by the grammar
+    /// advanced over the walk so far, and stops at the first rejected draft, an EOS, or a
+    /// finished grammar.
+    fn judge(&mut self, input: &[u32], logits: &Array) -> Result<(Vec<u32>, Vec<Array>)> {
+        let logits = logits.squeeze(&[0])?;
+        let positions = input.len() as i32;
+        if !self.sampler.has_processors() && !self.sampler.is_constrained() {
+            let lp = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+            let sampled = self.sampler.sample(&lp)?.astype(Dtype::Uint32)?;
+            mlx::eval([&sampled, &lp])?;
+            let rows = (0..positions)
+                .map(|i| lp.slice_axis(0, i, i + 1).and_then(|r| r.squeeze(&[0])))
+                .collect::<mlx::Result<Vec<_>>>()?;
+            return Ok((sampled.to_vec::<u32>()?, rows));
         }
+        let (mut tokens, mut rows) = (Vec::new(), Vec::new());
+        for i in 0..positions {
+            let row = logits.slice_axis(0, i, i + 1)?;
+            let mut fed = input[..1].to_vec();
+            fed.extend(&tokens);
+            let processed = self.sampler.process(&row, &fed, Masking::Grammar)?;
+            let lp = processed.subtract(&processed.logsumexp(&[-1], true)?)?;
+            let t = self
+                .sampler
+                .sample(&lp)?
+                .astype(Dtype::Uint32)?
+                .item::<u32>()?;
+            self.sampler.advance_grammar(t)?;
+            tokens.push(t);
+            rows.push(lp.squeeze(&[0])?);
+            let draft_matches = input.get(i as usize + 1) == Some(&t);
+            if !draft_matches
+                || self.params.eos_token_ids.contains(&t)
+                || self.sampler.grammar_stopped()
+            {
+                break;
+            }
+        }
+        Ok((tokens, rows))
     }
 }

@@ -15,7 +15,7 @@ pub mod stats;
 pub use dflash::DflashDrafter;
 pub use draft_model::DraftModel;
 pub use drafter::{Drafter, DrafterSpec};
-pub use executor::{generate_speculative, resume_speculative, Speculation};
+pub use executor::{generate_speculative, resume_speculative, Speculation, Speculator};
 pub use mtp::MtpDrafter;
 pub use ngram::NgramLookup;
 pub use source::{DraftContext, DraftSource, PrefillMode, Verified};

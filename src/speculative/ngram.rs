@@ -59,8 +59,10 @@ impl DraftSource for NgramLookup {
     }
 
     fn commit(&mut self, round: &Verified<'_>) -> Result<()> {
-        debug_assert_eq!(round.drafted, self.drafts.len());
-        self.history.extend(&self.drafts[..round.accepted]);
+        // A round the caches refused drafted nothing: the last drafts are the round before's.
+        let drafts = std::mem::take(&mut self.drafts);
+        debug_assert_eq!(round.drafted, drafts.len());
+        self.history.extend(&drafts[..round.accepted]);
         self.history.extend(round.next);
         Ok(())
     }
