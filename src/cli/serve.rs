@@ -27,8 +27,8 @@ pub struct ServeArgs {
     /// Requests that may wait while one runs; more are answered 503 with Retry-After.
     #[arg(long, default_value_t = 16)]
     queue_size: usize,
-    /// Plain requests decoded together at most (continuous batching; mlx_lm.server's
-    /// --decode-concurrency); more wait in the queue. A speculative lane decodes one at a time.
+    /// Requests decoded together at most (continuous batching, speculative rows included;
+    /// mlx_lm.server's --decode-concurrency); more wait in the queue.
     #[arg(long, default_value_t = 32)]
     max_num_seqs: usize,
     /// max_tokens of a request that names none (mlx_lm.server's default).

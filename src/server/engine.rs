@@ -42,7 +42,7 @@ pub struct EngineConfig {
     pub num_draft_tokens: Option<usize>,
     pub device: mlx::Device,
     pub queue_size: usize,
-    /// Plain requests decoded together at most (1: one request at a time).
+    /// Requests decoded together at most (1: one request at a time).
     pub max_num_seqs: usize,
     pub prefill_step_size: usize,
     pub max_kv_size: Option<usize>,
