@@ -20,7 +20,7 @@ use crate::generate::{
     logprobs_after, prefill_request, token_array, Control, GenerateParams, GeneratedToken,
     OnPrefilled, Prefilled, Resume,
 };
-use crate::model::LanguageModel;
+use crate::model::{lone_rows, LanguageModel};
 use crate::sample::StepSampler;
 use crate::speculative::{DraftSource, Drafter, SpeculationStats, Speculator};
 use crate::{error::contract, Result};
@@ -195,8 +195,8 @@ impl<'m> Batch<'m> {
                     Decoder::Speculative { speculator, .. } => &mut speculator.caches[..],
                 })
                 .collect();
-            self.model
-                .forward_rows(&ids.expand_dims(&[0])?, &mut caches, &lens, &taps)?
+            let ids = ids.expand_dims(&[0])?;
+            lone_rows::decode_rows(|| self.model.forward_rows(&ids, &mut caches, &lens, &taps))?
         };
         let mut sampled = Vec::new();
         let mut leaving = Vec::new();

@@ -103,6 +103,9 @@ ArrayPtr dequantize(const Array& w, const Array& scales, const Array* biases, in
                     int32_t bits, rust::Str mode);
 ArrayPtr quantized_matmul(const Array& x, const Array& w, const Array& scales, const Array* biases,
                           bool transpose, int32_t group_size, int32_t bits, rust::Str mode);
+ArrayPtr gather_qmm(const Array& x, const Array& w, const Array& scales, const Array* biases,
+                    const Array& rhs_indices, bool transpose, int32_t group_size, int32_t bits,
+                    rust::Str mode);
 
 ArrayPtr rms_norm(const Array& x, const Array* weight, float eps);
 ArrayPtr layer_norm(const Array& x, const Array* weight, const Array* bias, float eps);

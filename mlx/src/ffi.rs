@@ -236,6 +236,17 @@ pub(crate) mod bridge {
             bits: i32,
             mode: &str,
         ) -> Result<UniquePtr<Array>>;
+        unsafe fn gather_qmm(
+            x: &Array,
+            w: &Array,
+            scales: &Array,
+            biases: *const Array,
+            rhs_indices: &Array,
+            transpose: bool,
+            group_size: i32,
+            bits: i32,
+            mode: &str,
+        ) -> Result<UniquePtr<Array>>;
 
         // mx::fast.
         unsafe fn rms_norm(x: &Array, weight: *const Array, eps: f32) -> Result<UniquePtr<Array>>;

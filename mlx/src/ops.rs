@@ -318,6 +318,36 @@ pub fn quantized_matmul(
     })
 }
 
+/// `mx.gather_qmm(x, w, scales, biases, rhs_indices=rhs_indices, transpose, group_size, bits,
+/// mode)`: batch entry i of `x` times the matrix `w[rhs_indices[i]]`.
+#[allow(clippy::too_many_arguments)]
+pub fn gather_qmm(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    rhs_indices: &Array,
+    transpose: bool,
+    group_size: i32,
+    bits: i32,
+    mode: &str,
+) -> Result<Array> {
+    // SAFETY: the pointer is null or borrowed from a live array for the call's duration.
+    wrap(unsafe {
+        ffi::gather_qmm(
+            x.ffi(),
+            w.ffi(),
+            scales.ffi(),
+            ptr(biases),
+            rhs_indices.ffi(),
+            transpose,
+            group_size,
+            bits,
+            mode,
+        )
+    })
+}
+
 impl Array {
     pub fn reshape(&self, shape: &[i32]) -> Result<Array> {
         wrap(ffi::reshape(self.ffi(), shape))

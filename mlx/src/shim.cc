@@ -405,6 +405,13 @@ ArrayPtr quantized_matmul(const Array& x, const Array& w, const Array& scales, c
                                    group_size, bits, std::string(mode)));
 }
 
+ArrayPtr gather_qmm(const Array& x, const Array& w, const Array& scales, const Array* biases,
+                    const Array& rhs_indices, bool transpose, int32_t group_size, int32_t bits,
+                    rust::Str mode) {
+  return wrap(mx::gather_qmm(x.inner, w.inner, scales.inner, opt(biases), std::nullopt,
+                             rhs_indices.inner, transpose, group_size, bits, std::string(mode)));
+}
+
 ArrayPtr rms_norm(const Array& x, const Array* weight, float eps) {
   return wrap(mx::fast::rms_norm(x.inner, opt(weight), eps));
 }

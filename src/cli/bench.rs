@@ -258,7 +258,7 @@ impl Row {
 }
 
 /// Deterministic prompt ids below `vocab`, avoiding the first few (special tokens).
-fn random_prompt(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
+pub(super) fn random_prompt(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
     let mut state = seed
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);

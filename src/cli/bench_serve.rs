@@ -30,6 +30,10 @@ pub struct ServeBenchArgs {
     /// Completion tokens per request (EOS is biased away, so every request generates them all).
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
+    /// Both servers speculate with this draft model folder (mlx_lm.server then decodes one
+    /// request at a time; verity keeps batching).
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
     /// Python of the oracle venv (mlx_lm.server and the client driver).
     #[arg(long, default_value = "oracles/.venv/bin/python")]
     python: PathBuf,
@@ -61,9 +65,16 @@ impl Drop for Server {
 /// "listening" line.
 fn start_verity(a: &ServeBenchArgs, device: mlx::Device, queue: usize) -> anyhow::Result<Server> {
     let exe = std::env::current_exe().context("the path of this verity binary")?;
-    let mut child = Command::new(exe)
-        .args(["--device", device_arg(device), "serve", "--model"])
-        .arg(&a.model)
+    let mut command = Command::new(exe);
+    command.args(["--device", device_arg(device)]);
+    if !verity::model::lone_rows::enabled() {
+        command.arg("--batched-kernels");
+    }
+    command.args(["serve", "--model"]).arg(&a.model);
+    if let Some(draft) = &a.draft_model {
+        command.arg("--draft-model").arg(draft);
+    }
+    let mut child = command
         .args(["--port", "0", "--queue-size", &queue.to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -88,9 +99,14 @@ fn start_verity(a: &ServeBenchArgs, device: mlx::Device, queue: usize) -> anyhow
 /// accepts connections.
 fn start_mlx_lm(a: &ServeBenchArgs) -> anyhow::Result<Server> {
     let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let child = Command::new(&a.python)
+    let mut command = Command::new(&a.python);
+    command
         .args(["-m", "mlx_lm.server", "--model"])
-        .arg(&a.model)
+        .arg(&a.model);
+    if let Some(draft) = &a.draft_model {
+        command.arg("--draft-model").arg(draft);
+    }
+    let child = command
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .env("HF_HUB_OFFLINE", "1")
         .stdout(Stdio::null())

@@ -3,6 +3,7 @@
 
 mod accept;
 mod bench;
+mod bench_rows;
 mod bench_serve;
 mod bisect;
 mod cache_prompt;
@@ -27,6 +28,11 @@ pub struct Cli {
     /// Device to run MLX on [default: the GPU when this build has Metal, else the CPU].
     #[arg(long, global = true, value_enum)]
     device: Option<DeviceArg>,
+    /// On a GPU, let MLX choose the kernels of verify and batch forwards by their shape:
+    /// faster, but a verified or batched row may then differ from its request alone (`verity
+    /// bench rows` measures both).
+    #[arg(long, global = true)]
+    batched_kernels: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -41,6 +47,9 @@ enum Bench {
     /// Server throughput and p50/p99 latency at several levels of concurrent clients, against
     /// mlx_lm.server in the same run.
     Serve(bench_serve::ServeBenchArgs),
+    /// Whether a verified or batched row equals the one-token step on this device (tokens and
+    /// logprob bits), with the lone-row kernels and with MLX's batched ones, and their cost.
+    Rows(bench_rows::RowsArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -79,6 +88,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         None => mlx::Device::best_available(),
     };
     mlx::set_default_device(device)?;
+    verity::model::lone_rows::set_enabled(!cli.batched_kernels);
     match cli.command {
         Command::Check(a) => check::check(a, device),
         Command::Replay(a) => check::replay(a, device),
@@ -91,6 +101,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench(Bench::Speed(a)) => bench::speed(a, device),
         Command::Bench(Bench::Grammar(a)) => grammar::bench(a),
         Command::Bench(Bench::Serve(a)) => bench_serve::serve(a, device),
+        Command::Bench(Bench::Rows(a)) => bench_rows::rows(a, device),
     }
 }
 

@@ -4,6 +4,7 @@ pub mod dflash;
 pub mod gemma3_text;
 pub mod layers;
 pub mod llama;
+pub mod lone_rows;
 pub mod mtp;
 pub mod qwen3;
 pub mod qwen3_5;

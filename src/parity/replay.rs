@@ -17,6 +17,7 @@ use crate::bundle::ModelBundle;
 use crate::cache::{load_prompt_cache, KvQuantization};
 use crate::decode::{decode, fresh_caches, Hooks, Request, Start};
 use crate::generate::{score, Control, FinishReason, GenerateParams, GeneratedToken};
+use crate::model::lone_rows;
 use crate::sample::KeySchedule;
 use crate::{validate, Error, Result};
 
@@ -177,7 +178,13 @@ pub fn replay_forced(trace: &Trace, models: &mut Models) -> Result<(ForcedRun, R
 }
 
 /// Replays one trace with the engine; returns the run and the target's bundle (for reports).
+/// Decode forwards use the oracle's kernels ([`lone_rows::oracle_kernels`]): on a GPU mlx-lm's
+/// verify and batch rows are not its one-token steps, and the trace recorded them as they are.
 pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle>)> {
+    lone_rows::oracle_kernels(|| replay_as_recorded(trace, models))
+}
+
+fn replay_as_recorded(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle>)> {
     let bundle = models.get(&trace.model)?;
     let params = params(trace, bundle.eos_token_ids.clone()).map_err(|e| e.context(&trace.id))?;
     let drafter = match &trace.draft {

@@ -26,7 +26,7 @@ use super::{DraftContext, DraftSource, PrefillMode, SpeculationStats, Verified};
 use crate::cache::{begin_round, end_round, quantize_due, rollback_plan, LayerCache, Rollback};
 use crate::generate::{prefill_tapped, token_array, GenerateParams, GeneratedToken, Resume};
 use crate::grammar::Constraint;
-use crate::model::LanguageModel;
+use crate::model::{lone_rows, LanguageModel};
 use crate::request::Control;
 use crate::sample::{Masking, StepSampler};
 use crate::{validate, Result};
@@ -85,7 +85,8 @@ pub fn resume_speculative(
     let mut spec = Speculator::start(model, source, resume, request)?;
     while !spec.is_done() {
         let input = token_array(&spec.next_input(source)?)?;
-        let out = model.forward(&input.expand_dims(&[0])?, &mut spec.caches, &spec.taps)?;
+        let ids = input.expand_dims(&[0])?;
+        let out = lone_rows::decode_rows(|| model.forward(&ids, &mut spec.caches, &spec.taps))?;
         spec.settle(source, &out.logits, &out.hidden, on_token)?;
     }
     Ok(spec.finish())

@@ -4,10 +4,10 @@
 use mlx::{fast, ops, Array, Dtype, Result};
 
 use super::{Dims, Linear, QkNorm, Rope};
-use crate::cache::{KeysValues, Mask, Packed3};
+use crate::cache::{KeysValues, LayerCache, Mask, Packed3};
 use crate::load::{LoadResult, QuantConfig, Weights};
-use crate::model::row_blocks;
 use crate::model::rows::LayerRows;
+use crate::model::{lone_rows, row_blocks};
 
 /// The q, k, v and o projections of an attention block.
 pub struct AttentionProjections {
@@ -118,9 +118,38 @@ pub fn attend_rows(
         let q = rope.forward(&q[r], offset)?;
         let k = rope.forward(&k[r], offset)?;
         let kv = cache.update_and_fetch(&k, &v[r])?;
-        outs.push(attend(&q, &kv, scale, &masks[r])?);
+        let each_query = lone_rows::active()
+            && matches!(**cache, LayerCache::Kv(_))
+            && matches!(masks[r], Mask::Causal);
+        outs.push(match &kv {
+            KeysValues::Dense { keys, values } if each_query => {
+                attend_each_query(&q, keys, values, scale)?
+            }
+            _ => attend(&q, &kv, scale, &masks[r])?,
+        });
     }
     rows.join(outs, 2)
+}
+
+/// Causal attention of `q`'s L queries (1, heads, L, head_dim), the last L of the keys, one
+/// query at a time over the keys up to its own position: the call a one-token step makes at
+/// that position, so its kernel and bits ([`lone_rows`]).
+fn attend_each_query(q: &Array, keys: &Array, values: &Array, scale: f32) -> Result<Array> {
+    let (l, key_len) = (q.dim(2), keys.dim(2));
+    let outs = (0..l)
+        .map(|i| {
+            let extent = key_len - (l - 1 - i);
+            fast::scaled_dot_product_attention(
+                &q.slice_axis(2, i, i + 1)?,
+                &keys.slice_axis(2, 0, extent)?,
+                &values.slice_axis(2, 0, extent)?,
+                scale,
+                fast::SdpaMask::None,
+                None,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    ops::concatenate(&outs.iter().collect::<Vec<_>>(), 2)
 }
 
 /// mlx-lm's scaled_dot_product_attention: the fused kernel for dense caches (a long chunk's

@@ -4,6 +4,7 @@
 use mlx::{ops, Array, Dtype, Result};
 
 use crate::load::{LoadError, LoadResult, QuantConfig, QuantParams, Weights};
+use crate::model::lone_rows;
 
 /// A quantized weight: packed values plus per-group scales (and biases in affine mode).
 pub(super) struct Packed {
@@ -14,9 +15,22 @@ pub(super) struct Packed {
 }
 
 impl Packed {
-    /// `mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits, mode)`.
+    /// `mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits, mode)`;
+    /// each row by the one-row kernel inside a lone-row forward ([`lone_rows`]).
     fn matmul(&self, x: &Array) -> Result<Array> {
         let p = &self.params;
+        if lone_rows::active() && lone_rows::rows(x) > 1 {
+            return lone_rows::quantized(
+                x,
+                &self.weight,
+                &self.scales,
+                self.biases.as_ref(),
+                p.group_size,
+                p.bits,
+                &p.mode,
+                self.weight.dim(0),
+            );
+        }
         ops::quantized_matmul(
             x,
             &self.weight,
@@ -73,9 +87,13 @@ impl Weight {
         })
     }
 
-    /// `x @ weight.T`.
+    /// `x @ weight.T`; each row by the one-row kernel inside a lone-row forward
+    /// ([`lone_rows`]; the transposed form exists on the CPU only).
     pub(super) fn matmul_t(&self, x: &Array) -> Result<Array> {
         match self {
+            Weight::Dense(w) if lone_rows::active() && lone_rows::rows(x) > 1 => {
+                lone_rows::dense(x, &w.transpose(&[])?)
+            }
             Weight::Dense(w) => x.matmul(&w.transpose(&[])?),
             Weight::Transposed(t) => x.matmul(t),
             Weight::Packed(p) => p.matmul(x),
@@ -178,6 +196,11 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        if let (Weight::Dense(_), Some(_)) = (&self.weight, &self.bias) {
+            if lone_rows::active() && lone_rows::rows(x) > 1 {
+                return self.forward_each_row(x);
+            }
+        }
         Ok(match (&self.weight, &self.bias) {
             (Weight::Dense(w), Some(b)) => ops::addmm(b, x, &w.transpose(&[])?, 1.0, 1.0)?,
             (Weight::Packed(p), Some(b)) => p.matmul(x)?.add(b)?,
@@ -185,5 +208,19 @@ impl Linear {
             (Weight::Transposed(t), Some(b)) => ops::addmm(b, x, t, 1.0, 1.0)?,
             (weight, None) => weight.matmul_t(x)?,
         })
+    }
+
+    /// A dense projection with a bias, one `addmm` per row (the one-token step's call): the
+    /// batched gemv has no bias form.
+    fn forward_each_row(&self, x: &Array) -> Result<Array> {
+        let k = x.dim(-1);
+        let flat = x.reshape(&[lone_rows::rows(x), 1, k])?;
+        let parts = (0..flat.dim(0))
+            .map(|r| self.forward(&flat.slice_axis(0, r, r + 1)?))
+            .collect::<Result<Vec<_>>>()?;
+        let out = ops::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?;
+        let mut shape = x.shape();
+        *shape.last_mut().expect("a matrix operand") = out.dim(-1);
+        out.reshape(&shape)
     }
 }

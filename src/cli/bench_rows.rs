@@ -1,0 +1,279 @@
+//! `verity bench rows`: whether a verified or batched row is the one-token step on this
+//! device, and what the lone-row kernels ([`verity::model::lone_rows`]) cost. Greedy decoding
+//! of random prompts: each prompt decoded plainly alone is the reference; speculative decoding
+//! with the model as its own draft (every verify is k + 1 rows), a batch of all the prompts,
+//! and a batch of them speculating must each emit the reference's tokens with the same logprob
+//! bits at every step, once with the lone-row kernels and once with MLX's batched ones.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Args;
+use indicatif::ProgressBar;
+use serde_json::json;
+use verity::batch::Batch;
+use verity::bundle::ModelBundle;
+use verity::decode::{decode, Hooks, Request, Start};
+use verity::generate::{Control, GeneratedToken};
+use verity::model::lone_rows;
+use verity::request::GenerateParams;
+use verity::speculative::{Drafter, DrafterSpec};
+
+use super::bench::random_prompt;
+
+#[derive(Args)]
+pub struct RowsArgs {
+    /// Model folder (also its own draft model).
+    #[arg(long)]
+    model: PathBuf,
+    /// Random prompts, decoded alone and as one batch.
+    #[arg(long, default_value_t = 4)]
+    prompts: usize,
+    /// Tokens per prompt.
+    #[arg(long, default_value_t = 16)]
+    prompt_len: usize,
+    /// Tokens decoded per prompt.
+    #[arg(long, default_value_t = 48)]
+    max_tokens: usize,
+    /// Drafts per round of the speculative cases.
+    #[arg(long, value_delimiter = ',', default_value = "1,3")]
+    draft_tokens: Vec<usize>,
+    /// Timed runs per case (after one untimed run); the median is reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// (token, logprob bits) of each emitted token.
+type Steps = Vec<(u32, Vec<u8>)>;
+
+fn record(steps: &mut Steps, t: &GeneratedToken) -> Control {
+    steps.push((t.token, t.logprobs.to_bytes().unwrap_or_default()));
+    Control::Continue
+}
+
+/// How one case's rows compare with the reference.
+struct Outcome {
+    case: String,
+    kernels: &'static str,
+    /// Rows whose every token equals the reference's.
+    rows_equal: usize,
+    rows: usize,
+    /// Steps (over all rows, up to each row's first token difference) whose logprob bits equal.
+    bits_equal: usize,
+    steps: usize,
+    /// The earliest step at which a row's token differs.
+    first_token_difference: Option<usize>,
+    /// Wall time per target forward (a round or a batch step).
+    ms_per_forward: f64,
+}
+
+impl Outcome {
+    fn new(case: String, kernels: &'static str, got: &[Steps], want: &[Steps], ms: f64) -> Self {
+        let mut o = Outcome {
+            case,
+            kernels,
+            rows_equal: 0,
+            rows: got.len(),
+            bits_equal: 0,
+            steps: 0,
+            first_token_difference: None,
+            ms_per_forward: ms,
+        };
+        for (g, w) in got.iter().zip(want) {
+            o.steps += w.len();
+            let same = g.iter().zip(w).take_while(|(a, b)| a.0 == b.0).count();
+            if same == w.len() && g.len() == w.len() {
+                o.rows_equal += 1;
+            } else {
+                o.first_token_difference =
+                    Some(o.first_token_difference.map_or(same, |f| f.min(same)));
+            }
+            o.bits_equal += g
+                .iter()
+                .zip(w)
+                .take(same)
+                .filter(|(a, b)| a.1 == b.1)
+                .count();
+        }
+        o
+    }
+}
+
+pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(a.prompts >= 1, "--prompts is 0, must be at least 1");
+    anyhow::ensure!(a.prompt_len >= 1, "--prompt-len is 0, must be at least 1");
+    anyhow::ensure!(a.max_tokens >= 1, "--max-tokens is 0, must be at least 1");
+    anyhow::ensure!(a.runs >= 1, "--runs is 0, must be at least 1");
+    if let Some(k) = a.draft_tokens.iter().find(|&&k| k == 0 || k > 32) {
+        anyhow::bail!("--draft-tokens holds {k}, each must be 1 to 32");
+    }
+    let bundle = ModelBundle::load(&a.model)?;
+    let own = Drafter::load(&DrafterSpec::Model(a.model.clone()), &bundle)?;
+    let model = bundle.model();
+    let vocab = bundle.tokenizer.vocab_size().min(model.vocab_size());
+    let prompts: Vec<Vec<u32>> = (0..a.prompts)
+        .map(|i| random_prompt(a.prompt_len, vocab, 1000 + i as u64))
+        .collect();
+    let params = GenerateParams::greedy(a.max_tokens, Vec::new());
+    let alone = |drafter: Option<&Drafter>, k: Option<usize>, prompt: &[u32]| {
+        let mut steps = Steps::new();
+        let mut on_token = |t: &GeneratedToken| record(&mut steps, t);
+        let request = Request {
+            prompt,
+            params: &params,
+            constraint: None,
+            num_draft_tokens: k,
+        };
+        let done = decode(
+            model,
+            drafter,
+            Start::Fresh,
+            request,
+            Hooks::tokens(&mut on_token),
+        )?;
+        let forwards = done.speculation.map_or(steps.len(), |s| s.target_calls);
+        anyhow::Ok((steps, forwards))
+    };
+    let batched = |k: Option<usize>| {
+        let mut batch = Batch::new(model);
+        for (i, prompt) in prompts.iter().enumerate() {
+            let request = Request {
+                prompt,
+                params: &params,
+                constraint: None,
+                num_draft_tokens: k,
+            };
+            batch.add(i, k.map(|_| &own), Start::Fresh, request, None, None)?;
+        }
+        let mut out = vec![Steps::new(); prompts.len()];
+        let (mut forwards, start) = (0, Instant::now());
+        while !batch.is_empty() {
+            batch.step(&mut |i, t| record(&mut out[i], t))?;
+            forwards += 1;
+        }
+        anyhow::Ok((out, start.elapsed().as_secs_f64() * 1e3 / forwards as f64))
+    };
+    let reference: Vec<Steps> = prompts
+        .iter()
+        .map(|p| alone(None, None, p).map(|(s, _)| s))
+        .collect::<anyhow::Result<_>>()?;
+    let k_batch = *a.draft_tokens.iter().max().expect("checked non-empty");
+    let mut cases: Vec<(String, Option<usize>, bool)> = a
+        .draft_tokens
+        .iter()
+        .map(|&k| (format!("speculative alone, k={k}"), Some(k), false))
+        .collect();
+    cases.push((format!("batch of {}", prompts.len()), None, true));
+    cases.push((
+        format!("speculative batch of {}, k={k_batch}", prompts.len()),
+        Some(k_batch),
+        true,
+    ));
+    // One case's rows and its time per target forward.
+    let run = |k: Option<usize>, in_batch: bool| -> anyhow::Result<(Vec<Steps>, f64)> {
+        if in_batch {
+            return batched(k);
+        }
+        let start = Instant::now();
+        let (mut got, mut forwards) = (Vec::new(), 0);
+        for p in &prompts {
+            let (steps, n) = alone(Some(&own), k, p)?;
+            got.push(steps);
+            forwards += n;
+        }
+        Ok((got, start.elapsed().as_secs_f64() * 1e3 / forwards as f64))
+    };
+    let bar = ProgressBar::new((2 * cases.len() * (a.runs + 1)) as u64);
+    let mut outcomes = Vec::new();
+    let chosen = lone_rows::enabled();
+    for (kernels, on) in [("lone-row", true), ("batched", false)] {
+        lone_rows::set_enabled(on);
+        for (case, k, in_batch) in &cases {
+            // The first run compiles the GPU's kernels for these shapes and is not timed.
+            let (mut got, _) = run(*k, *in_batch)?;
+            bar.inc(1);
+            let mut ms = Vec::with_capacity(a.runs);
+            for _ in 0..a.runs {
+                let (rows, t) = run(*k, *in_batch)?;
+                anyhow::ensure!(
+                    rows == got,
+                    "{case} ({kernels}) gave other bits on a second run"
+                );
+                ms.push(t);
+                got = rows;
+                bar.inc(1);
+            }
+            ms.sort_by(f64::total_cmp);
+            let median = ms[ms.len() / 2];
+            outcomes.push(Outcome::new(
+                case.clone(),
+                kernels,
+                &got,
+                &reference,
+                median,
+            ));
+        }
+    }
+    bar.finish_and_clear();
+    lone_rows::set_enabled(chosen);
+    let plain_ms = {
+        let start = Instant::now();
+        alone(None, None, &prompts[0])?;
+        start.elapsed().as_secs_f64() * 1e3 / a.max_tokens as f64
+    };
+    if a.json {
+        let rows: Vec<_> = outcomes
+            .iter()
+            .map(|o| {
+                json!({"case": o.case, "kernels": o.kernels, "rows_equal": o.rows_equal,
+                       "rows": o.rows, "bits_equal": o.bits_equal, "steps": o.steps,
+                       "first_token_difference": o.first_token_difference,
+                       "ms_per_forward": o.ms_per_forward})
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({"device": device.name(), "model": a.model, "plain_ms_per_token": plain_ms,
+                   "cases": rows})
+        );
+    } else {
+        println!(
+            "{} on {}, {} prompts x {} tokens, greedy; plain decoding alone: {plain_ms:.2} ms per token",
+            a.model.display(),
+            device.name(),
+            a.prompts,
+            a.max_tokens
+        );
+        println!(
+            "{:<34} {:<9} {:>11} {:>17} {:>11} {:>11}",
+            "case", "kernels", "rows equal", "logprob bits eq.", "first diff", "ms/forward"
+        );
+        for o in &outcomes {
+            let first = o
+                .first_token_difference
+                .map_or("-".into(), |f| f.to_string());
+            println!(
+                "{:<34} {:<9} {:>11} {:>17} {:>11} {:>11.2}",
+                o.case,
+                o.kernels,
+                format!("{}/{}", o.rows_equal, o.rows),
+                format!("{}/{}", o.bits_equal, o.steps),
+                first,
+                o.ms_per_forward
+            );
+        }
+    }
+    let exact = outcomes
+        .iter()
+        .filter(|o| o.kernels == "lone-row")
+        .all(|o| o.rows_equal == o.rows && o.bits_equal == o.steps);
+    Ok(if exact {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
