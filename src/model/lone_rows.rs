@@ -36,6 +36,8 @@ thread_local! {
     static ACTIVE: Cell<bool> = const { Cell::new(false) };
     /// Whether this thread is inside [`oracle_kernels`].
     static AS_ORACLE: Cell<bool> = const { Cell::new(false) };
+    /// Whether this thread is inside [`on_any_device`].
+    static ON_ANY_DEVICE: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Turns the lone-row kernels on or off for every later decode forward: off trades the
@@ -59,10 +61,21 @@ pub fn oracle_kernels<T>(f: impl FnOnce() -> T) -> T {
     out
 }
 
+/// Runs `f` with the lone-row kernels in every decode forward on any device, the CPU included,
+/// where they must give the bits the CPU's own kernels give (its kernels are row-independent):
+/// how the tests check, without a GPU, that this path computes the same function.
+pub fn on_any_device<T>(f: impl FnOnce() -> T) -> T {
+    let outer = ON_ANY_DEVICE.replace(true);
+    let out = f();
+    ON_ANY_DEVICE.set(outer);
+    out
+}
+
 /// Runs `forward`, a decode forward over several rows, with the lone-row kernels when they are
 /// enabled and the default device is a GPU.
 pub fn decode_rows<T>(forward: impl FnOnce() -> T) -> T {
-    let on = enabled() && !AS_ORACLE.get() && mlx::default_device() == mlx::Device::Gpu;
+    let gpu = mlx::default_device() == mlx::Device::Gpu;
+    let on = enabled() && !AS_ORACLE.get() && (gpu || ON_ANY_DEVICE.get());
     let outer = ACTIVE.replace(on);
     let out = forward();
     ACTIVE.set(outer);
@@ -81,7 +94,7 @@ pub(crate) fn rows(x: &Array) -> i32 {
 
 /// `x @ wt` for `wt` (K, N) a transposed view of a row-major (N, K) weight, each row by the
 /// batched gemv ([module docs](self)); the result has `x`'s shape with N last.
-pub(crate) fn dense(x: &Array, wt: &Array) -> Result<Array> {
+pub fn dense(x: &Array, wt: &Array) -> Result<Array> {
     let (k, n, rows) = (wt.dim(0), wt.dim(1), rows(x));
     let lhs = x.reshape(&[rows, k, 1])?.transpose(&[0, 2, 1])?;
     let out = lhs.matmul(&wt.broadcast_to(&[rows, k, n])?)?;
@@ -91,7 +104,7 @@ pub(crate) fn dense(x: &Array, wt: &Array) -> Result<Array> {
 /// `quantized_matmul(x, w, ...)` (transposed weight) each row by qmv's kernel, in calls of at
 /// most [`QMV_ROWS`] rows.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn quantized(
+pub fn quantized(
     x: &Array,
     w: &Array,
     scales: &Array,

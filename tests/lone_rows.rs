@@ -1,0 +1,131 @@
+//! The lone-row kernels (`verity::model::lone_rows`) compute the function the ordinary kernels
+//! compute. On the GPU they exist to give each row its one-token bits (`verity bench rows`
+//! measures that on the device); on a reference-BLAS CPU every kernel is already
+//! row-independent, so there the lone-row path must give the ordinary path's bits exactly: a
+//! wrong key extent, row order or chunk boundary shows as a difference.
+#![cfg(target_os = "linux")]
+
+mod support;
+
+use mlx::{ops, random, Array, Dtype};
+use support::bundle;
+use verity::batch::Batch;
+use verity::decode::{decode, Hooks, Request, Start};
+use verity::generate::{Control, GenerateParams, GeneratedToken};
+use verity::model::lone_rows;
+use verity::speculative::{Drafter, DrafterSpec};
+
+fn normal(shape: &[i32], seed: u64) -> Array {
+    random::normal(shape, Dtype::Float32, &random::key(seed).unwrap()).unwrap()
+}
+
+#[test]
+fn dense_and_quantized_products_have_the_ordinary_bits_at_every_row_count() {
+    support::on_cpu();
+    let w = normal(&[96, 128], 1);
+    let packed = ops::quantize(&w, 64, 4, "affine").unwrap();
+    let (wq, scales, biases) = (&packed[0], &packed[1], &packed[2]);
+    // Row counts around gather_qmm's chunk of QMV_ROWS rows, in a (1, T, K) packed batch.
+    for rows in [1, 2, 6, 7, 8, 15] {
+        let x = normal(&[1, rows, 128], 10 + rows as u64);
+        let want = x.matmul(&w.transpose(&[]).unwrap()).unwrap();
+        let got = lone_rows::dense(&x, &w.transpose(&[]).unwrap()).unwrap();
+        assert_eq!(got.shape(), want.shape(), "{rows} rows");
+        assert_eq!(
+            got.to_bytes().unwrap(),
+            want.to_bytes().unwrap(),
+            "dense, {rows} rows"
+        );
+        let want =
+            ops::quantized_matmul(&x, wq, scales, Some(biases), true, 64, 4, "affine").unwrap();
+        let got = lone_rows::quantized(&x, wq, scales, Some(biases), 64, 4, "affine", 96).unwrap();
+        assert_eq!(got.shape(), want.shape(), "{rows} rows");
+        assert_eq!(
+            got.to_bytes().unwrap(),
+            want.to_bytes().unwrap(),
+            "quantized, {rows} rows"
+        );
+    }
+}
+
+/// (token, logprob bits) of each emitted token of each row.
+type Rows = Vec<Vec<(u32, Vec<u8>)>>;
+
+/// Three prompts decoded speculatively alone, then together in a batch beside a plain row.
+fn decode_all(fixture: &str, drafter: &DrafterSpec) -> Rows {
+    let b = bundle(fixture);
+    let model = b.model();
+    let drafter = Drafter::load(drafter, &b).unwrap();
+    let prompts: [&[u32]; 3] = [&[5, 9, 17, 33, 8], &[100, 4, 4, 61], &[7; 12]];
+    let params = GenerateParams::greedy(12, Vec::new());
+    let request = |prompt| Request {
+        prompt,
+        params: &params,
+        constraint: None,
+        num_draft_tokens: Some(3),
+    };
+    let mut out = Rows::new();
+    for prompt in prompts {
+        let mut steps = Vec::new();
+        let mut on_token = |t: &GeneratedToken| {
+            steps.push((t.token, t.logprobs.to_bytes().unwrap()));
+            Control::Continue
+        };
+        let hooks = Hooks::tokens(&mut on_token);
+        decode(model, Some(&drafter), Start::Fresh, request(prompt), hooks).unwrap();
+        out.push(steps);
+    }
+    let mut batch = Batch::new(model);
+    for (i, prompt) in prompts.into_iter().enumerate() {
+        let drafter = (i > 0).then_some(&drafter);
+        batch
+            .add(i, drafter, Start::Fresh, request(prompt), None, None)
+            .unwrap();
+    }
+    let mut rows = vec![Vec::new(); prompts.len()];
+    while !batch.is_empty() {
+        batch
+            .step(&mut |i, t| {
+                rows[i].push((t.token, t.logprobs.to_bytes().unwrap()));
+                Control::Continue
+            })
+            .unwrap();
+    }
+    out.extend(rows);
+    out
+}
+
+fn check(fixture: &str, drafter: DrafterSpec) {
+    support::on_cpu();
+    let ordinary = decode_all(fixture, &drafter);
+    let lone = lone_rows::on_any_device(|| decode_all(fixture, &drafter));
+    assert!(
+        ordinary.iter().all(|r| r.len() == 12),
+        "{fixture}: every row runs 12 tokens"
+    );
+    assert_eq!(
+        lone, ordinary,
+        "{fixture}: lone-row kernels changed the bits"
+    );
+}
+
+#[test]
+fn verify_and_batch_rows_of_a_dense_model_have_the_ordinary_bits() {
+    check(
+        "qwen3-target",
+        DrafterSpec::Model(support::model_dir("qwen3-draft")),
+    );
+}
+
+#[test]
+fn verify_and_batch_rows_of_a_4bit_model_have_the_ordinary_bits() {
+    check(
+        "qwen3-target-4bit",
+        DrafterSpec::Model(support::model_dir("qwen3-draft-4bit")),
+    );
+}
+
+#[test]
+fn verify_and_batch_rows_of_a_hybrid_model_have_the_ordinary_bits() {
+    check("qwen3_5", DrafterSpec::Ngram { min: 1, max: 2 });
+}
