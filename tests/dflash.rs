@@ -255,7 +255,7 @@ fn a_dflash_drafter_is_checked_against_its_target() {
 
 /// The block-vs-chain probe: the trained drafter run as a block (one pass per round) and as a
 /// chain (one pass per draft) over the `dflash` and `dflash-chain` suites. Both emit plain
-/// decoding's tokens, and each measures exactly its committed baseline, which the README's
+/// decoding's tokens, and each measures exactly its committed baseline, which docs/speculative.md's
 /// comparison quotes.
 #[test]
 fn the_block_vs_chain_probe_measures_both_ways() {
