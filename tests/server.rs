@@ -889,3 +889,66 @@ fn concurrent_requests_batch_and_each_equals_its_answer_alone() {
         }
     }
 }
+
+#[test]
+fn sigterm_ends_every_open_stream_with_done_and_exits_0_within_the_drain_timeout() {
+    let mut s = Server::start(&model_dir(TARGET), &["--shutdown-timeout", "1"]);
+    let mut long = chat("Write a long story.", 4000);
+    long["stream"] = json!(true);
+    long["logit_bias"] = json!({"2": -100, "0": -100});
+    let (started, streaming) = std::sync::mpsc::channel();
+    let streams: Vec<_> = (0..8)
+        .map(|_| {
+            let (agent, url, body) = (
+                s.agent.clone(),
+                format!("{}/v1/chat/completions", s.base),
+                long.clone(),
+            );
+            let started = started.clone();
+            thread::spawn(move || {
+                let r = agent.post(url).send_json(&body).unwrap();
+                let (mut chunks, mut done) = (Vec::<Value>::new(), false);
+                for line in BufReader::new(r.into_body().into_reader()).lines() {
+                    let Some(data) = line.unwrap().strip_prefix("data: ").map(String::from) else {
+                        continue;
+                    };
+                    if data == "[DONE]" {
+                        done = true;
+                        break;
+                    }
+                    chunks.push(serde_json::from_str(&data).unwrap());
+                    if chunks.len() == 2 {
+                        started.send(()).unwrap();
+                    }
+                }
+                (chunks, done)
+            })
+        })
+        .collect();
+    for _ in 0..8 {
+        streaming
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .expect("every stream has started");
+    }
+    let signalled = std::time::Instant::now();
+    s.signal("TERM");
+    let status = s.wait_exit(std::time::Duration::from_secs(30));
+    assert!(status.success(), "{status:?}: {}", s.log.lock().unwrap());
+    // The drain timeout (1 s) and the cut requests' last chunks, well before the 5 s after the
+    // cut at which the server would give up on them.
+    let took = signalled.elapsed();
+    assert!(took < std::time::Duration::from_secs(6), "took {took:?}");
+    for stream in streams {
+        let (chunks, done) = stream.join().unwrap();
+        assert!(done, "a stream ended without [DONE]: {chunks:?}");
+        let last = chunks.last().unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], "shutdown", "{last}");
+        let text: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert!(!text.is_empty(), "the cut stream's text came through");
+    }
+    let log = s.log_when(|l| l.contains("every response is out"));
+    assert_eq!(log.matches("finish shutdown").count(), 8, "{log}");
+}

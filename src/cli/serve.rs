@@ -1,12 +1,19 @@
 //! `verity serve`: the OpenAI-compatible server (verity::server) on one address. Prints
 //! `verity serve: listening on http://ADDR` on stdout once the model is loaded and the socket
 //! bound, so a caller that asked for port 0 learns the port.
+//!
+//! SIGTERM or SIGINT shuts it down: no new connections, running requests get
+//! `--shutdown-timeout` seconds to end, then each is cut (its stream ends with a last chunk,
+//! finish_reason "shutdown", and `[DONE]`) and not-yet-admitted ones are answered 503; exit 0
+//! once every response is out. A second signal exits at once (status 1).
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::Args;
+use tokio::signal::unix::{signal, Signal, SignalKind};
 use verity::server::{self, engine};
 
 use super::draft_args::DraftArgs;
@@ -40,6 +47,66 @@ pub struct ServeArgs {
     prompt_cache_bytes: usize,
     #[command(flatten)]
     cache: CacheArgs,
+    /// Seconds running requests get to end after SIGTERM or SIGINT before they are cut.
+    #[arg(long, default_value_t = 5.0)]
+    shutdown_timeout: f64,
+}
+
+/// How long the cut requests get to send their last chunk before the process exits anyway.
+const AFTER_CUT: Duration = Duration::from_secs(5);
+
+/// SIGTERM and SIGINT, caught from before the server says it listens (a signal before then
+/// would otherwise kill it with no drain).
+struct Signals {
+    term: Signal,
+    int: Signal,
+}
+
+impl Signals {
+    fn catch() -> std::io::Result<Signals> {
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// The next SIGTERM or SIGINT.
+    async fn next(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+    }
+}
+
+/// Waits for the first signal, then drives the drain in the background: the cut after
+/// `timeout`, a forced exit `AFTER_CUT` later or at a second signal.
+async fn drain_on_signal(mut signals: Signals, handle: engine::EngineHandle, timeout: Duration) {
+    signals.next().await;
+    eprintln!(
+        "verity serve: shutting down: no new connections, running requests have {} s to end",
+        timeout.as_secs_f64()
+    );
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = tokio::time::sleep(timeout) => {}
+            _ = signals.next() => exit_now(),
+        }
+        eprintln!("verity serve: drain timeout: cutting the running requests");
+        handle.cut_running();
+        tokio::select! {
+            _ = tokio::time::sleep(AFTER_CUT) => {
+                eprintln!("verity serve: responses still open {} s after the cut: exiting", AFTER_CUT.as_secs());
+                std::process::exit(1);
+            }
+            _ = signals.next() => exit_now(),
+        }
+    });
+}
+
+fn exit_now() {
+    eprintln!("verity serve: second signal: exiting now");
+    std::process::exit(1);
 }
 
 pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
@@ -49,6 +116,12 @@ pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         a.max_num_seqs >= 1,
         "--max-num-seqs is 0, must be at least 1"
     );
+    anyhow::ensure!(
+        a.shutdown_timeout.is_finite() && (0.0..=3600.0).contains(&a.shutdown_timeout),
+        "--shutdown-timeout is {}, must be from 0 to 3600 seconds",
+        a.shutdown_timeout
+    );
+    let timeout = Duration::from_secs_f64(a.shutdown_timeout);
     let prompt = a.cache.prompt_params();
     let handle = engine::start(engine::EngineConfig {
         model: a.model.clone(),
@@ -62,21 +135,21 @@ pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         kv_quantization: prompt.kv_quantization,
         prompt_cache_bytes: a.prompt_cache_bytes,
     })?;
-    let app = server::router(handle, a.max_tokens);
+    let app = server::router(handle.clone(), a.max_tokens);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     runtime.block_on(async {
+        let signals = Signals::catch()?;
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port)).await?;
         let addr = listener.local_addr()?;
         println!("verity serve: listening on http://{addr}");
         std::io::stdout().flush()?;
         axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
+            .with_graceful_shutdown(drain_on_signal(signals, handle, timeout))
             .await?;
+        eprintln!("verity serve: every response is out: exiting");
         Ok(ExitCode::SUCCESS)
     })
 }

@@ -73,6 +73,17 @@ impl ApiError {
         }
     }
 
+    /// The server is shutting down and admits no more requests.
+    pub fn shutting_down() -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "the server is shutting down".into(),
+            kind: "server_error",
+            param: None,
+            code: Some("shutting_down"),
+        }
+    }
+
     pub fn not_found(path: &str) -> ApiError {
         ApiError {
             status: StatusCode::NOT_FOUND,

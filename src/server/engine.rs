@@ -9,7 +9,9 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
 use std::thread;
 use std::time::Instant;
 
@@ -18,7 +20,7 @@ use tokio::sync::mpsc;
 
 use super::api::{ApiError, GenRequest, Prompt};
 use super::lane::{refusal, Lane, Outcome};
-pub use super::lane::{RequestStats, SpeculationReport, Summary, TokenInfo, TopLogprob};
+pub use super::lane::{Finish, RequestStats, SpeculationReport, Summary, TokenInfo, TopLogprob};
 use super::prefix_cache::PrefixCache;
 use super::stop::StopMatcher;
 use crate::batch::Batch;
@@ -94,9 +96,17 @@ pub struct EngineHandle {
     jobs: mpsc::Sender<Job>,
     pub model_id: String,
     pub queue_size: usize,
+    shutdown: Arc<AtomicBool>,
 }
 
 impl EngineHandle {
+    /// The shutdown's cut: every running request ends at its next token with finish_reason
+    /// "shutdown" (its held-back text released), and every request not yet admitted is
+    /// answered 503.
+    pub fn cut_running(&self) {
+        self.shutdown.store(true, Ordering::Relaxed);
+    }
+
     /// Queues a request; refuses at once when the queue is full (never waits).
     pub fn submit(&self, request: GenRequest) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         let (events, rx) = mpsc::unbounded_channel();
@@ -118,10 +128,12 @@ pub fn start(config: EngineConfig) -> anyhow::Result<EngineHandle> {
     let (jobs, queue) = mpsc::channel(config.queue_size);
     let (ready, loaded) = std_mpsc::sync_channel(1);
     let queue_size = config.queue_size;
+    let shutdown = Arc::new(AtomicBool::new(false));
+    let cut = shutdown.clone();
     thread::Builder::new()
         .name("verity-engine".into())
         .spawn(move || {
-            let engine = match Engine::load(config) {
+            let engine = match Engine::load(config, cut) {
                 Ok(engine) => {
                     let _ = ready.send(Ok(engine.model_id.clone()));
                     engine
@@ -138,6 +150,7 @@ pub fn start(config: EngineConfig) -> anyhow::Result<EngineHandle> {
         jobs,
         model_id,
         queue_size,
+        shutdown,
     })
 }
 
@@ -157,10 +170,12 @@ struct Engine {
     /// Shared by the lanes (the engine thread's alone).
     prefix: RefCell<PrefixCache>,
     namespace: String,
+    /// [`EngineHandle::cut_running`]'s flag.
+    shutdown: Arc<AtomicBool>,
 }
 
 impl Engine {
-    fn load(config: EngineConfig) -> anyhow::Result<Engine> {
+    fn load(config: EngineConfig, shutdown: Arc<AtomicBool>) -> anyhow::Result<Engine> {
         mlx::set_default_device(config.device)?;
         let target = ModelBundle::load(&config.model)?;
         let drafter = config
@@ -175,11 +190,13 @@ impl Engine {
                 validate::MAX_DRAFT_TOKENS
             );
         }
+        check_flags(&target, &config)?;
         let prompt_cache_bytes = match &drafter {
             Some(d) if !d.keeps_prefix_cache() => 0,
             _ => config.prompt_cache_bytes,
         };
         Ok(Engine {
+            shutdown,
             model_id: config.model.display().to_string(),
             prefix: RefCell::new(PrefixCache::new(prompt_cache_bytes)),
             namespace: config.namespace(),
@@ -307,6 +324,9 @@ impl Engine {
     /// (a prefix cache hit, or fresh caches); `Err(Outcome)` when the client is gone already.
     fn admit(&self, job: Job) -> Result<Result<Admitted, Outcome>, ApiError> {
         let Job { request, events } = job;
+        if self.shutdown.load(Ordering::Relaxed) {
+            return Err(ApiError::shutting_down());
+        }
         let started = Instant::now();
         let prompt = self.prompt_tokens(&request).map_err(refusal)?;
         let params = self.params(&request);
@@ -360,6 +380,8 @@ impl Engine {
             cached,
             batch_rows: 1,
             finish: None,
+            shutdown: self.shutdown.clone(),
+            cut: false,
             cancelled: false,
             error: None,
         };
@@ -519,6 +541,19 @@ impl Engine {
             eos_token_ids: self.target.eos_token_ids.clone(),
         }
     }
+}
+
+/// The server's own cache flags, checked as every request's parameters will be, so that a bad
+/// flag stops the server before it listens rather than failing every request.
+fn check_flags(target: &ModelBundle, config: &EngineConfig) -> anyhow::Result<()> {
+    let params = GenerateParams {
+        prefill_step_size: config.prefill_step_size,
+        max_kv_size: config.max_kv_size,
+        kv_quantization: config.kv_quantization,
+        ..GenerateParams::greedy(1, Vec::new())
+    };
+    validate::request(target.model(), &[0], &params)
+        .map_err(|e| anyhow::anyhow!("verity serve's cache flags: {e}"))
 }
 
 /// An engine result as a lane sees it: cancelled during the prefill is no error (`None`).

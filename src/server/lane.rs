@@ -2,6 +2,9 @@
 //! text and token details through the detokenizer and the stop matcher, sends them to the
 //! client, decides when the request stops, and says how it ended.
 
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -79,13 +82,31 @@ impl From<&SpeculationStats> for SpeculationReport {
 /// How a finished request ended.
 #[derive(Clone, Debug)]
 pub struct Summary {
-    pub finish_reason: FinishReason,
+    pub finish_reason: Finish,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_tokens: usize,
     pub stats: RequestStats,
     /// The most rows the request decoded beside in one batch step (1: alone).
     pub batch_rows: usize,
+}
+
+/// Why a request ended, as the API names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// EOS, a stop sequence or max_tokens.
+    Decoded(FinishReason),
+    /// The server shut down before the request ended (its drain timeout passed): "shutdown".
+    Shutdown,
+}
+
+impl fmt::Display for Finish {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Finish::Decoded(reason) => reason.fmt(f),
+            Finish::Shutdown => f.write_str("shutdown"),
+        }
+    }
 }
 
 /// How a request left the engine.
@@ -124,6 +145,11 @@ pub(super) struct Lane {
     /// The widest batch step this lane took part in.
     pub(super) batch_rows: usize,
     pub(super) finish: Option<FinishReason>,
+    /// Set by the server's shutdown (`EngineHandle::cut_running`): the lane ends at its next
+    /// token, with its held-back text released.
+    pub(super) shutdown: Arc<AtomicBool>,
+    /// Ended by the shutdown.
+    pub(super) cut: bool,
     pub(super) cancelled: bool,
     pub(super) error: Option<ApiError>,
 }
@@ -166,7 +192,11 @@ impl Lane {
             speculation: speculation.map(SpeculationReport::from),
         };
         Ok(Outcome::Done(Summary {
-            finish_reason: self.finish.unwrap_or(FinishReason::Length),
+            finish_reason: if self.cut {
+                Finish::Shutdown
+            } else {
+                Finish::Decoded(self.finish.unwrap_or(FinishReason::Length))
+            },
             prompt_tokens,
             completion_tokens: self.count,
             cached_tokens: cached,
@@ -177,7 +207,7 @@ impl Lane {
 
     /// One generated token. Counts it (a stopping EOS counts, as in mlx-lm, server.py:1640,
     /// but adds no text, server.py:976), releases its text through the stop matcher, and
-    /// stops on a stop sequence, at the end, or when the client is gone.
+    /// stops on a stop sequence, at the end, when the client is gone, or at the shutdown's cut.
     pub(super) fn on_token(&mut self, bundle: &ModelBundle, step: &GeneratedToken) -> Control {
         self.first_token_at.get_or_insert_with(Instant::now);
         if self.events.is_closed() {
@@ -194,10 +224,11 @@ impl Lane {
         };
         let mut text = String::new();
         let mut stopped = false;
+        let cut = step.finish.is_none() && self.shutdown.load(Ordering::Relaxed);
         if step.finish != Some(FinishReason::Stop) {
             self.detok.add_token(step.token);
             let mut segment = self.detok.take_segment();
-            if step.finish.is_some() {
+            if step.finish.is_some() || cut {
                 segment.push_str(&self.detok.finalize());
             }
             match self.stop.push(&segment) {
@@ -213,13 +244,16 @@ impl Lane {
         } else if let Some(f) = step.finish {
             self.finish = Some(f);
             text.push_str(&self.stop.finish());
+        } else if cut {
+            self.cut = true;
+            text.push_str(&self.stop.finish());
         }
         let tokens = info.into_iter().collect();
         if self.events.send(Event::Delta { text, tokens }).is_err() {
             self.cancelled = true;
             return Control::Stop;
         }
-        if self.finish.is_some() {
+        if self.finish.is_some() || self.cut {
             Control::Stop
         } else {
             Control::Continue

@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
@@ -79,6 +79,31 @@ impl Server {
             assert!(
                 start.elapsed() < Duration::from_secs(30),
                 "the log never got there: {log}"
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Sends the server the signal `name` ("TERM", "INT") with kill(1).
+    pub fn signal(&self, name: &str) {
+        let sent = Command::new("kill")
+            .args([format!("-{name}"), self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(sent.success(), "kill -{name} failed");
+    }
+
+    /// The server's exit status; panics unless it exits within `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> ExitStatus {
+        let start = std::time::Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "still running after {limit:?}: {}",
+                self.log.lock().unwrap()
             );
             thread::sleep(Duration::from_millis(20));
         }
