@@ -347,6 +347,15 @@ fn bad_requests_are_400_naming_the_field_and_the_server_goes_on() {
         ),
         (
             "/v1/chat/completions",
+            with("max_tokens", json!(4_294_967_295u64)),
+            Some("max_tokens"),
+            &[
+                "max_tokens is 4294967295",
+                "of the model's context of 4096 tokens",
+            ],
+        ),
+        (
+            "/v1/chat/completions",
             with("top_p", json!(1.5)),
             Some("top_p"),
             &["1.5"],

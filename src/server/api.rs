@@ -142,6 +142,9 @@ pub struct GenRequest {
     pub model: String,
     pub prompt: Prompt,
     pub max_tokens: usize,
+    /// Whether the request named max_tokens (else it is the server's default, which the
+    /// engine shortens to what the model's context leaves).
+    pub max_tokens_named: bool,
     pub temperature: f64,
     pub top_p: f64,
     pub top_k: usize,
@@ -267,11 +270,11 @@ pub fn parse(
             ));
         }
     }
-    let max_tokens = match b.uint("max_completion_tokens", 1, u32::MAX as u64)? {
+    let named = match b.uint("max_completion_tokens", 1, u32::MAX as u64)? {
         Some(n) => Some(n),
         None => b.uint("max_tokens", 1, u32::MAX as u64)?,
-    }
-    .map_or(defaults.max_tokens, |n| n as usize);
+    };
+    let max_tokens = named.map_or(defaults.max_tokens, |n| n as usize);
     let (logprobs, top_logprobs) = logprobs(endpoint, &b)?;
     let stream = b.bool("stream", false)?;
     let include_usage = match b.get("stream_options") {
@@ -299,6 +302,7 @@ pub fn parse(
         model: b.string("model")?.unwrap_or(&defaults.model_id).to_string(),
         prompt,
         max_tokens,
+        max_tokens_named: named.is_some(),
         temperature: b.number("temperature", 0.0, f64::MAX)?.unwrap_or(0.0),
         top_p: b.number("top_p", 0.0, 1.0)?.unwrap_or(1.0),
         top_k: b.uint("top_k", 0, u32::MAX as u64)?.unwrap_or(0) as usize,

@@ -329,8 +329,23 @@ impl Engine {
         }
         let started = Instant::now();
         let prompt = self.prompt_tokens(&request).map_err(refusal)?;
-        let params = self.params(&request);
+        let mut params = self.params(&request);
         validate::request(self.target.model(), &prompt, &params).map_err(refusal)?;
+        if let Some(room) = self.context.and_then(|c| c.checked_sub(prompt.len())) {
+            if params.max_tokens > room && request.max_tokens_named {
+                return Err(ApiError::invalid(
+                    "max_tokens",
+                    format!(
+                        "max_tokens is {}, but the prompt's {} tokens leave {room} of the \
+                         model's context of {} tokens",
+                        params.max_tokens,
+                        prompt.len(),
+                        prompt.len() + room
+                    ),
+                ));
+            }
+            params.max_tokens = params.max_tokens.min(room.max(1));
+        }
         if let Some(context) = self.context.filter(|&c| prompt.len() > c) {
             let param = match request.prompt {
                 Prompt::Messages(_) => "messages",
