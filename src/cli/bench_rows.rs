@@ -50,9 +50,18 @@ pub struct RowsArgs {
 /// (token, logprob bits) of each emitted token.
 type Steps = Vec<(u32, Vec<u8>)>;
 
-fn record(steps: &mut Steps, t: &GeneratedToken) -> Control {
-    steps.push((t.token, t.logprobs.to_bytes().unwrap_or_default()));
-    Control::Continue
+/// Adds `t` to `steps`; an unreadable logprobs array stops the decode and is kept in `failed`.
+fn record(steps: &mut Steps, failed: &mut Option<mlx::Error>, t: &GeneratedToken) -> Control {
+    match t.logprobs.to_bytes() {
+        Ok(bits) => {
+            steps.push((t.token, bits));
+            Control::Continue
+        }
+        Err(e) => {
+            *failed = Some(e);
+            Control::Stop
+        }
+    }
 }
 
 /// How one case's rows compare with the reference.
@@ -120,8 +129,8 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         .collect();
     let params = GenerateParams::greedy(a.max_tokens, Vec::new());
     let alone = |drafter: Option<&Drafter>, k: Option<usize>, prompt: &[u32]| {
-        let mut steps = Steps::new();
-        let mut on_token = |t: &GeneratedToken| record(&mut steps, t);
+        let (mut steps, mut failed) = (Steps::new(), None);
+        let mut on_token = |t: &GeneratedToken| record(&mut steps, &mut failed, t);
         let request = Request {
             prompt,
             params: &params,
@@ -135,6 +144,9 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             request,
             Hooks::tokens(&mut on_token),
         )?;
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
         let forwards = done.speculation.map_or(steps.len(), |s| s.target_calls);
         anyhow::Ok((steps, forwards))
     };
@@ -149,10 +161,13 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             };
             batch.add(i, k.map(|_| &own), Start::Fresh, request, None, None)?;
         }
-        let mut out = vec![Steps::new(); prompts.len()];
+        let (mut out, mut failed) = (vec![Steps::new(); prompts.len()], None);
         let (mut forwards, start) = (0, Instant::now());
         while !batch.is_empty() {
-            batch.step(&mut |i, t| record(&mut out[i], t))?;
+            batch.step(&mut |i, t| record(&mut out[i], &mut failed, t))?;
+            if let Some(e) = failed.take() {
+                return Err(e.into());
+            }
             forwards += 1;
         }
         anyhow::Ok((out, start.elapsed().as_secs_f64() * 1e3 / forwards as f64))
@@ -194,7 +209,7 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         lone_rows::set_enabled(on);
         for (case, k, in_batch) in &cases {
             // The first run compiles the GPU's kernels for these shapes and is not timed.
-            let (mut got, _) = run(*k, *in_batch)?;
+            let (got, _) = run(*k, *in_batch)?;
             bar.inc(1);
             let mut ms = Vec::with_capacity(a.runs);
             for _ in 0..a.runs {
@@ -204,7 +219,6 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
                     "{case} ({kernels}) gave other bits on a second run"
                 );
                 ms.push(t);
-                got = rows;
                 bar.inc(1);
             }
             ms.sort_by(f64::total_cmp);
