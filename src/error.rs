@@ -8,8 +8,10 @@ use crate::tokenizer::TokenizerError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// An MLX call failed; MLX's own message, unchanged.
-    #[error(transparent)]
+    /// An MLX call failed, with MLX's own message. Every outside value is validated before MLX
+    /// sees it, so this names a gap in that layer (or an MLX failure such as memory), and says
+    /// it came from MLX rather than passing MLX's text off as verity's own refusal.
+    #[error("MLX failed: {0}")]
     Mlx(#[from] mlx::Error),
     /// A request's parameters are invalid: the message names the parameter, the value and what
     /// is allowed.
@@ -47,6 +49,14 @@ pub enum PromptFileError {
     Format { path: String, message: String },
     #[error("{path}: {source}")]
     Mlx { path: String, source: mlx::Error },
+    /// A file MLX cannot load; the message names it.
+    #[error(transparent)]
+    Unreadable(mlx::Error),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
 }
 
 impl Error {

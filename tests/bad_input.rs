@@ -101,15 +101,59 @@ fn other_tokenizer() -> Setup {
 fn broken_header(tensor: &'static str, edit: fn(&mut Map<String, Value>)) -> Setup {
     Box::new(move |s| {
         let path = copy_model(s, "qwen3").join("model.safetensors");
-        let bytes = fs::read(&path).unwrap();
-        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-        let mut header: Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let (mut header, data) = read_safetensors(&path);
         edit(header.get_mut(tensor).unwrap().as_object_mut().unwrap());
-        let text = serde_json::to_vec(&header).unwrap();
-        let mut out = (text.len() as u64).to_le_bytes().to_vec();
-        out.extend(text);
-        out.extend(&bytes[8 + n..]);
-        fs::write(&path, out).unwrap();
+        write_safetensors(&path, &header, &data);
+    })
+}
+
+/// The header and the data section of a safetensors file.
+fn read_safetensors(path: &Path) -> (Map<String, Value>, Vec<u8>) {
+    let bytes = fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    (header, bytes[8 + n..].to_vec())
+}
+
+fn write_safetensors(path: &Path, header: &Map<String, Value>, data: &[u8]) {
+    let text = serde_json::to_vec(header).unwrap();
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(text);
+    out.extend(data);
+    fs::write(path, out).unwrap();
+}
+
+/// A copy of qwen3 at `<scratch>/m` whose (f32) tensor `tensor` starts with the value `bits`.
+fn poisoned_tensor(tensor: &'static str, bits: u32) -> Setup {
+    Box::new(move |s| {
+        let path = copy_model(s, "qwen3").join("model.safetensors");
+        let (header, mut data) = read_safetensors(&path);
+        assert_eq!(header[tensor]["dtype"], "F32");
+        let start = header[tensor]["data_offsets"][0].as_u64().unwrap() as usize;
+        data[start..start + 4].copy_from_slice(&bits.to_le_bytes());
+        write_safetensors(&path, &header, &data);
+    })
+}
+
+/// A copy of qwen3 at `<scratch>/m` with a second shard that holds a copy of `tensor`.
+fn repeated_in_a_shard(tensor: &'static str) -> Setup {
+    Box::new(move |s| {
+        let dir = copy_model(s, "qwen3");
+        let (header, data) = read_safetensors(&dir.join("model.safetensors"));
+        let mut entry = header[tensor].clone();
+        let span: Vec<usize> = entry["data_offsets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as usize)
+            .collect();
+        entry["data_offsets"] = json!([0, span[1] - span[0]]);
+        let shard = Map::from_iter([(tensor.to_string(), entry)]);
+        write_safetensors(
+            &dir.join("model-00002-of-00002.safetensors"),
+            &shard,
+            &data[span[0]..span[1]],
+        );
     })
 }
 
@@ -648,6 +692,40 @@ fn generate_cases() -> Vec<Case> {
             }),
         ),
     ]);
+    // A cache of another model (same architecture and shapes) whose metadata was stripped.
+    cases.push(case(
+        "generate/prompt-cache-without-its-model",
+        &[
+            "generate",
+            "--model",
+            &q,
+            "-m",
+            "4",
+            "--prompt-cache-file",
+            "{S}/c.safetensors",
+        ],
+        2,
+        &["--prompt-cache-file", "c.safetensors", "metadata key \"model\""],
+        Box::new(|s| {
+            verity_ok(
+                &[
+                    "cache-prompt",
+                    "--model",
+                    &model_arg("qwen3-4bit"),
+                    "--tokens",
+                    "1,2,3",
+                    "--out",
+                    "c.safetensors",
+                ],
+                s,
+            );
+            let path = s.join("c.safetensors");
+            let (mut header, data) = read_safetensors(&path);
+            let meta = header["__metadata__"].as_object_mut().unwrap();
+            assert!(meta.remove("0.model").is_some());
+            write_safetensors(&path, &header, &data);
+        }),
+    ));
     // A cache written for the model folder at {S}/m, whose contents were then swapped for
     // another architecture: the metadata matches, the tensors do not.
     cases.push(case(
@@ -907,6 +985,50 @@ fn model_folder_cases() -> Vec<Case> {
             }),
         ),
         folder(
+            "weights-overlapping-offsets",
+            &["model.layers.0.input_layernorm.weight", "overlap"],
+            broken_header("model.layers.0.post_attention_layernorm.weight", |t| {
+                t.insert("data_offsets".into(), json!([984832, 985344]));
+            }),
+        ),
+        folder(
+            "weights-nan",
+            &["model.layers.0.mlp.up_proj.weight", "NaN or infinite"],
+            poisoned_tensor("model.layers.0.mlp.up_proj.weight", f32::NAN.to_bits()),
+        ),
+        folder(
+            "weights-infinity",
+            &["model.embed_tokens.weight", "NaN or infinite"],
+            poisoned_tensor("model.embed_tokens.weight", f32::NEG_INFINITY.to_bits()),
+        ),
+        folder(
+            "weights-tensor-in-two-shards",
+            &["model.norm.weight", "is also in", "model.safetensors"],
+            repeated_in_a_shard("model.norm.weight"),
+        ),
+        case(
+            "model/quantized-override-not-the-stored-bits",
+            &["generate", "--model", "{S}/m", "-m", "2"],
+            2,
+            &[
+                "quantization.model.layers.0.mlp.up_proj",
+                "bits 8",
+                "stored as bits 4",
+            ],
+            Box::new(|s| {
+                let dir = s.join("m");
+                fs::create_dir_all(&dir).unwrap();
+                for entry in fs::read_dir(model_dir("qwen3-4bit")).unwrap() {
+                    let entry = entry.unwrap();
+                    fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+                }
+                edit_json(&dir.join("config.json"), |c| {
+                    c["quantization"]["model.layers.0.mlp.up_proj"] =
+                        json!({"group_size": 64, "bits": 8});
+                });
+            }),
+        ),
+        folder(
             "no-tokenizer",
             &["tokenizer.json"],
             replaced_file("tokenizer.json", None),
@@ -986,8 +1108,33 @@ fn cache_prompt_cases() -> Vec<Case> {
         cp(
             "out-in-a-missing-folder",
             &["--tokens", "1,2", "--out", "{S}/nope/c.safetensors"],
-            &["cannot write in", "No such file or directory"],
+            &["--out {S}/nope/c.safetensors", "{S}/nope does not exist"],
             no_setup(),
+        ),
+        cp(
+            "out-a-fifo",
+            &["--tokens", "1,2", "--out", "{S}/fifo"],
+            &["--out {S}/fifo", "is a FIFO", "regular file"],
+            Box::new(|s| {
+                let made = Command::new("mkfifo").arg(s.join("fifo")).status().unwrap();
+                assert!(made.success());
+            }),
+        ),
+        cp(
+            "out-a-character-device",
+            &["--tokens", "1,2", "--out", "/dev/null"],
+            &["--out /dev/null", "is a character device"],
+            no_setup(),
+        ),
+        cp(
+            "out-a-symbolic-link",
+            &["--tokens", "1,2", "--out", "{S}/link.safetensors"],
+            &["--out {S}/link.safetensors", "is a symbolic link"],
+            Box::new(|s| {
+                fs::write(s.join("real.safetensors"), "kept").unwrap();
+                std::os::unix::fs::symlink(s.join("real.safetensors"), s.join("link.safetensors"))
+                    .unwrap();
+            }),
         ),
         cp(
             "kv-group-zero",
@@ -1149,6 +1296,44 @@ fn trace_cases() -> Vec<Case> {
                 t["prompt_cache"] = json!({"file": "golden/nope.safetensors", "tokens": [1]})
             }),
             &["nope.safetensors"],
+        ),
+        (
+            "recorded-token-past-vocab",
+            trace_with(|t| t["steps"][2]["token"] = json!(5000)),
+            &["recorded token 2 is 5000", "vocabulary size"],
+        ),
+        (
+            "top-token-past-vocab",
+            trace_with(|t| t["steps"][1]["top"][0][0] = json!(5000)),
+            &["steps[1].top token 0 is 5000"],
+        ),
+        (
+            "logprob-positive",
+            trace_with(|t| t["steps"][0]["logprob"] = json!(0.5)),
+            &["steps[0]", "logprob is 0.5", "at most 0"],
+        ),
+        (
+            "logprob-overflows-f32",
+            trace_with(|t| t["steps"][0]["logprob"] = json!(-1e39)),
+            &["steps[0]", "logprob is -inf", "finite"],
+        ),
+        (
+            "top-out-of-order",
+            trace_with(|t| {
+                let top = t["steps"][0]["top"].as_array_mut().unwrap();
+                top.swap(0, 1);
+            }),
+            &["steps[0]", "not in order"],
+        ),
+        (
+            "top-disagrees-with-the-chosen-logprob",
+            trace_with(|t| t["steps"][0]["logprob"] = json!(-50.0)),
+            &["steps[0]", "chosen token", "-50"],
+        ),
+        (
+            "from-draft-without-a-draft",
+            trace_with(|t| t["steps"][0]["from_draft"] = json!(true)),
+            &["steps[0]", "from_draft", "no draft"],
         ),
         (
             "eos-past-vocab",
@@ -1401,6 +1586,57 @@ fn accept_cases() -> Vec<Case> {
             &["trained-pair", "noisy-draft"],
         ),
         baseline(
+            "accepting-more-than-drafted",
+            baseline_with(|b| {
+                let d = b["acceptance"]["3"]["drafted_by_pos"][0].clone();
+                b["acceptance"]["3"]["accepted_by_pos"][0] = json!(d.as_u64().unwrap() + 1);
+            }),
+            &["acceptance k=3", "position 0 accepts"],
+        ),
+        baseline(
+            "acceptance-rising-with-the-position",
+            baseline_with(|b| {
+                let a = &mut b["acceptance"]["3"]["accepted_by_pos"];
+                a[2] = a[0].clone();
+                a[1] = json!(0);
+            }),
+            &["acceptance k=3", "accepted_by_pos rises"],
+        ),
+        baseline(
+            "a-count-missing",
+            baseline_with(|b| {
+                b["acceptance"]["3"]["drafted_by_pos"]
+                    .as_array_mut()
+                    .unwrap()
+                    .pop();
+            }),
+            &["acceptance k=3", "drafted_by_pos has 2"],
+        ),
+        baseline(
+            "more-from-draft-than-generated",
+            baseline_with(|b| b["acceptance"]["3"]["from_draft"] = json!(1_000_000)),
+            &["acceptance k=3", "from_draft 1000000"],
+        ),
+        case(
+            "accept/write-baseline-to-a-fifo",
+            &[
+                "accept",
+                "--root",
+                "{R}",
+                "--suite",
+                "{R}/golden/accept/noisy-draft.toml",
+                "--baseline",
+                "{S}/fifo",
+                "--write-baseline",
+            ],
+            125,
+            &["baseline {S}/fifo", "is a FIFO"],
+            Box::new(|s| {
+                let made = Command::new("mkfifo").arg(s.join("fifo")).status().unwrap();
+                assert!(made.success());
+            }),
+        ),
+        baseline(
             "extra-row",
             baseline_with(|b| {
                 let row = b["acceptance"]["3"].clone();
@@ -1540,6 +1776,59 @@ fn other_cases() -> Vec<Case> {
                 fs::create_dir(s.join("corpus")).unwrap();
                 fs::write(s.join("e.json"), "[]").unwrap();
             }),
+        ),
+        case(
+            "grammar-corpus/a-file-not-json",
+            &[
+                "grammar-corpus",
+                "{S}/corpus",
+                "--model",
+                &model_arg("qwen3-target"),
+                "--expected",
+                "{S}/e.json",
+            ],
+            2,
+            &["corpus file", "bad.json", "not JSON"],
+            Box::new(|s| {
+                fs::create_dir(s.join("corpus")).unwrap();
+                fs::write(s.join("corpus/bad.json"), "{").unwrap();
+                fs::write(s.join("e.json"), "[]").unwrap();
+            }),
+        ),
+        case(
+            "grammar-corpus/a-test-without-valid",
+            &[
+                "grammar-corpus",
+                "{S}/corpus",
+                "--model",
+                &model_arg("qwen3-target"),
+                "--expected",
+                "{S}/e.json",
+            ],
+            2,
+            &["corpus file", "t.json", "tests[1]", "valid"],
+            Box::new(|s| {
+                fs::create_dir(s.join("corpus")).unwrap();
+                let doc = json!({"schema": {"type": "integer"},
+                    "tests": [{"valid": true, "data": 1}, {"data": "x"}]});
+                fs::write(s.join("corpus/t.json"), doc.to_string()).unwrap();
+                fs::write(s.join("e.json"), "[]").unwrap();
+            }),
+        ),
+        case(
+            "grammar-corpus/write-expected-to-a-directory",
+            &[
+                "grammar-corpus",
+                "{R}/golden/schemas",
+                "--model",
+                &model_arg("qwen3-target"),
+                "--expected",
+                "{S}/d",
+                "--write-expected",
+            ],
+            2,
+            &["--expected {S}/d", "is a directory"],
+            Box::new(|s| fs::create_dir(s.join("d")).unwrap()),
         ),
         case(
             "grammar-corpus/expected-missing",

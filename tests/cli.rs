@@ -106,11 +106,13 @@ fn assert_contains(stdout: &str, needles: &[&str]) {
 #[test]
 fn a_corrupted_trace_gets_a_divergence_report() {
     let mut trace = golden(TRACE);
-    // Change the oracle's token at step 5 to its runner-up, as a real divergence would look.
+    // Change the oracle's token at step 5 to its runner-up, with the runner-up's logprob, as a
+    // real divergence would look (an inconsistent step would be refused as a corrupt trace).
     let step = &mut trace["steps"][5];
     let runner_up = step["top"][1][0].as_u64().unwrap();
     let original = step["token"].as_u64().unwrap();
     step["token"] = runner_up.into();
+    step["logprob"] = step["top"][1][1].clone();
     let (code, stdout) = replay(&trace);
     assert_eq!(code, Some(1), "{stdout}");
     assert_contains(
@@ -131,8 +133,18 @@ fn a_corrupted_trace_gets_a_divergence_report() {
 #[test]
 fn a_corrupted_logprob_is_a_tier_a_failure_naming_the_bits() {
     let mut trace = golden(TRACE);
-    let lp = trace["steps"][2]["logprob"].as_f64().unwrap() as f32;
-    trace["steps"][2]["logprob"] = Value::from(f32::from_bits(lp.to_bits() + 1) as f64);
+    // One bit off, in the chosen logprob and in its top-k entry alike, so the trace stays
+    // consistent and only the bits differ.
+    let step = &mut trace["steps"][2];
+    let lp = step["logprob"].as_f64().unwrap() as f32;
+    let off = Value::from(f32::from_bits(lp.to_bits() + 1) as f64);
+    step["logprob"] = off.clone();
+    let token = step["token"].clone();
+    for entry in step["top"].as_array_mut().unwrap() {
+        if entry[0] == token {
+            entry[1] = off.clone();
+        }
+    }
     let (code, stdout) = replay(&trace);
     assert_eq!(code, Some(1), "{stdout}");
     assert_contains(&stdout, &["first difference at step 2", "logprob of token"]);
@@ -161,14 +173,17 @@ fn check_on_a_trace_folder_prints_the_suite_table() {
 }
 
 /// `cache-prompt --out x.bin` writes exactly x.bin (MLX alone would write x.bin.safetensors),
-/// replaces a file already there whole, leaves no temporary file, and `generate` continues
-/// from it.
+/// replaces a file already there whole, removes the temporary file a killed earlier run left
+/// and leaves none of its own, and `generate` continues from it.
 #[test]
 fn cache_prompt_writes_exactly_the_named_file() {
     let scratch = Scratch::new("cache-out");
     let model = root().join("golden/models/qwen3");
     let out = scratch.0.join("x.bin");
     fs::write(&out, "an older file").unwrap();
+    // No process has this id, so its temporary file is a killed writer's.
+    let killed = verity_harness::atomic::temp_path(&out, i32::MAX as u32 - 1, ".safetensors");
+    fs::write(killed.unwrap(), "half a cache").unwrap();
     let args = |m: &Path| {
         vec![
             "cache-prompt".to_string(),

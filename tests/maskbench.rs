@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use libtest_mimic::{Failed, Trial};
 use serde_json::Value;
 use support::{model_dir, root};
-use verity::parity::corpus::{run_schema, CorpusModel, Timings, MAX_TOKENS};
+use verity::parity::corpus::{run_schema, CorpusFile, CorpusModel, Timings, MAX_TOKENS};
 
 const CHUNKS: usize = 8;
 
@@ -65,7 +65,7 @@ fn check_chunk(index: usize) -> Result<(), Failed> {
     let size = files.len().div_ceil(CHUNKS);
     let mut problems = Vec::new();
     for f in files.chunks(size).nth(index).unwrap_or_default() {
-        let got = run_schema(f, &model, &mut Timings::default());
+        let got = run_schema(&CorpusFile::read(f)?, &model, &mut Timings::default());
         if got.invalid_rejected != got.invalid_total {
             problems.push(format!(
                 "{}: accepted {} invalid instances",

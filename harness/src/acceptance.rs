@@ -230,6 +230,10 @@ impl Baseline {
                 format!("has rows for num_draft_tokens {has:?}, suite {name:?} runs {wanted:?}"),
             ));
         }
+        for (k, row) in &b.acceptance {
+            row.check(*k)
+                .map_err(|e| invalid(path, format!("acceptance k={k}: {e}")))?;
+        }
         Ok(b)
     }
 

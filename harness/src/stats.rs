@@ -37,6 +37,43 @@ impl Acceptance {
         self.from_draft += other.from_draft;
     }
 
+    /// The counts any run of a `k`-token drafter gives: one count per draft position, at most
+    /// as many acceptances as proposals, neither rising with the position (a position is only
+    /// drafted, and only accepted, after the one before it), and no more emitted drafts than
+    /// accepted ones or emitted tokens. A baseline that breaks this was edited, not measured.
+    pub fn check(&self, k: usize) -> Result<(), String> {
+        let (d, a) = (&self.drafted_by_pos, &self.accepted_by_pos);
+        if d.len() != k || a.len() != k {
+            return Err(format!(
+                "drafted_by_pos has {} and accepted_by_pos {} counts, k={k} needs {k} each",
+                d.len(),
+                a.len()
+            ));
+        }
+        if let Some(i) = (0..k).find(|&i| a[i] > d[i]) {
+            return Err(format!("position {i} accepts {} of {} drafts", a[i], d[i]));
+        }
+        for (name, counts) in [("drafted_by_pos", d), ("accepted_by_pos", a)] {
+            if let Some(i) = (1..k).find(|&i| counts[i] > counts[i - 1]) {
+                return Err(format!(
+                    "{name} rises from {} at position {} to {} at position {i}",
+                    counts[i - 1],
+                    i - 1,
+                    counts[i]
+                ));
+            }
+        }
+        if self.from_draft > self.accepted() || self.from_draft > self.generated {
+            return Err(format!(
+                "from_draft {} exceeds the accepted drafts ({}) or the generated tokens ({})",
+                self.from_draft,
+                self.accepted(),
+                self.generated
+            ));
+        }
+        Ok(())
+    }
+
     /// Proposals in all.
     pub fn drafted(&self) -> usize {
         self.drafted_by_pos.iter().sum()

@@ -191,6 +191,46 @@ pub struct Step {
     pub from_draft: bool,
 }
 
+impl Step {
+    /// Log-probabilities are finite and at most 0, and the best entries are distinct, in the
+    /// documented order, and agree with the chosen token's logprob where they list it: what
+    /// any log-softmax gives. A trace that breaks this was corrupted, not recorded.
+    fn validate(&self) -> Result<(), String> {
+        let logprob = |what: &str, lp: f32| match lp.is_finite() && lp <= 0.0 {
+            true => Ok(()),
+            false => Err(format!(
+                "{what} is {lp}, a logprob must be finite and at most 0"
+            )),
+        };
+        logprob("logprob", self.logprob)?;
+        for (j, &(id, lp)) in self.top.iter().enumerate() {
+            logprob(&format!("top[{j}]"), lp)?;
+            if id == self.token && lp.to_bits() != self.logprob.to_bits() {
+                return Err(format!(
+                    "top[{j}] gives the chosen token {id} logprob {lp}, the step says {}",
+                    self.logprob
+                ));
+            }
+        }
+        let mut ids: Vec<u32> = self.top.iter().map(|&(id, _)| id).collect();
+        ids.sort_unstable();
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(format!("top lists token {} twice", w[0]));
+        }
+        for (j, pair) in self.top.windows(2).enumerate() {
+            let ((a, la), (b, lb)) = (pair[0], pair[1]);
+            if !(la > lb || (la == lb && a < b)) {
+                return Err(format!(
+                    "top[{j}] ({a}, {la}) and top[{}] ({b}, {lb}) are not in order (logprob \
+                     descending, then id ascending)",
+                    j + 1
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum FinishReason {
@@ -280,6 +320,14 @@ impl Trace {
                 self.steps.len(),
                 self.params.max_tokens
             ));
+        }
+        for (i, step) in self.steps.iter().enumerate() {
+            step.validate().map_err(|e| format!("steps[{i}]: {e}"))?;
+            if step.from_draft && self.draft.is_none() {
+                return Err(format!(
+                    "steps[{i}] is from_draft, but the trace has no draft"
+                ));
+            }
         }
         if self.params.temperature() > 0.0 && self.params.seed.is_none() {
             return Err("sampling without a seed cannot be replayed".into());

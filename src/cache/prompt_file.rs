@@ -132,7 +132,11 @@ pub fn save_prompt_cache(
             }
         }
     }
-    mlx::io::save_safetensors(path, &tensors, &meta).map_err(mlx_err)
+    // MLX insists on the extension, so the temporary file gets it too.
+    verity_harness::atomic::write_with(path, ".safetensors", |tmp| {
+        mlx::io::save_safetensors(tmp, &tensors, &meta).map_err(std::io::Error::other)
+    })
+    .map_err(|source| PromptFileError::Io { path: p, source })
 }
 
 /// The tensors of a prompt cache file, taken by key.
@@ -219,10 +223,7 @@ pub fn load_prompt_cache(
     path: &Path,
 ) -> Result<(Vec<LayerCache>, BTreeMap<String, String>), PromptFileError> {
     let p = path.display().to_string();
-    let file = mlx::io::load_safetensors(path).map_err(|source| PromptFileError::Mlx {
-        path: p.clone(),
-        source,
-    })?;
+    let file = mlx::io::load_safetensors(path).map_err(PromptFileError::Unreadable)?;
     let meta = file.metadata;
     let user = meta
         .iter()

@@ -6,6 +6,7 @@ use std::fmt::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::Args;
 use verity::parity::acceptance::{acceptance, run_suite};
 use verity::parity::Models;
@@ -69,6 +70,8 @@ fn run(a: AcceptArgs) -> anyhow::Result<bool> {
             .clone()
             .unwrap_or_else(|| Suite::baseline_path(&path));
         let baseline = if a.write_baseline {
+            verity_harness::atomic::check_target(&baseline_path)
+                .with_context(|| format!("baseline {}", baseline_path.display()))?;
             None
         } else {
             Some(Baseline::load_for(&baseline_path, &path, &suite)?)

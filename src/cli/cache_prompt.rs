@@ -34,6 +34,8 @@ pub struct CachePromptArgs {
 }
 
 pub fn cache_prompt_cmd(a: CachePromptArgs) -> anyhow::Result<ExitCode> {
+    let out = || format!("--out {}", a.out.display());
+    verity_harness::atomic::check_target(&a.out).with_context(out)?;
     let bundle = ModelBundle::load(&a.model)?;
     let tokens = match (&a.tokens, &a.prompt) {
         (Some(t), _) => t.clone(),
@@ -58,7 +60,7 @@ pub fn cache_prompt_cmd(a: CachePromptArgs) -> anyhow::Result<ExitCode> {
             r#"{"trust_remote_code": false}"#.to_string(),
         ),
     ]);
-    save_prompt_cache(&a.out, &caches, &metadata)?;
+    save_prompt_cache(&a.out, &caches, &metadata).with_context(out)?;
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
         "Processed {} tokens ({:.2} tok/s)",

@@ -300,20 +300,27 @@ fn prompt_cache(
     let Some(file) = &a.prompt_cache_file else {
         return Ok(None);
     };
-    let (caches, metadata) = load_prompt_cache(file)?;
-    if let Some(written_for) = metadata.get("model") {
-        let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
-            (Ok(a), Ok(b)) => a == b,
-            _ => a == b,
-        };
-        if !same(Path::new(written_for), &a.model) {
-            bail!(
-                "{}: the prompt cache was made with model {written_for}, not {} (mlx-lm refuses \
-                 this too)",
-                file.display(),
-                a.model.display()
-            );
-        }
+    let (caches, metadata) = load_prompt_cache(file).context("--prompt-cache-file")?;
+    // mlx-lm's generate reads this key too (and fails without it): a cache that does not say
+    // which model made it cannot be told apart from one of another model of the same shape.
+    let Some(written_for) = metadata.get("model") else {
+        bail!(
+            "--prompt-cache-file {}: the cache does not record the model it was made with \
+             (metadata key \"model\", which mlx_lm.cache_prompt and verity cache-prompt write)",
+            file.display()
+        );
+    };
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    };
+    if !same(Path::new(written_for), &a.model) {
+        bail!(
+            "{}: the prompt cache was made with model {written_for}, not {} (mlx-lm refuses \
+             this too)",
+            file.display(),
+            a.model.display()
+        );
     }
     validate::prompt_cache(&file.display().to_string(), bundle.model(), &caches, params)?;
     Ok(Some(caches))

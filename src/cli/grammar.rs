@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use verity::parity::corpus::{run_schema, CorpusModel, SchemaOutcome, Timings};
+use verity::parity::corpus::{run_schema, CorpusFile, CorpusModel, SchemaOutcome, Timings};
 
 #[derive(Args)]
 pub struct CorpusArgs {
@@ -55,6 +55,10 @@ fn run_corpus(
         "{}: no .json schema files",
         dir.display()
     );
+    let files = files
+        .iter()
+        .map(|f| CorpusFile::read(f))
+        .collect::<verity::Result<Vec<_>>>()?;
     let m = CorpusModel::load(model, max_tokens)?;
     let bar = ProgressBar::new(files.len() as u64);
     bar.set_style(
@@ -65,11 +69,7 @@ fn run_corpus(
     let mut timings = Timings::default();
     let mut outcomes = Vec::with_capacity(files.len());
     for f in &files {
-        bar.set_message(
-            f.file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-        );
+        bar.set_message(f.name.clone());
         outcomes.push(run_schema(f, &m, &mut timings));
         bar.inc(1);
     }
@@ -80,6 +80,8 @@ fn run_corpus(
 pub fn corpus(a: CorpusArgs) -> anyhow::Result<ExitCode> {
     // The expected outcome is read before the run, so a wrong path fails at once.
     let expected = if a.write_expected {
+        verity_harness::atomic::check_target(&a.expected)
+            .with_context(|| format!("--expected {}", a.expected.display()))?;
         String::new()
     } else {
         std::fs::read_to_string(&a.expected)

@@ -32,6 +32,15 @@ pub enum LoadError {
     NoWeights(PathBuf),
     #[error("{path}: not a valid safetensors file: {message}")]
     BadSafetensors { path: PathBuf, message: String },
+    /// A weight file MLX cannot load; the message names it.
+    #[error(transparent)]
+    Weights(mlx::Error),
+    #[error("{path}: tensor {key} {problem}")]
+    BadTensor {
+        path: PathBuf,
+        key: String,
+        problem: String,
+    },
     #[error("{folder}: missing tensor {key}")]
     MissingTensor { folder: PathBuf, key: String },
     #[error("{folder}: tensor {key} has shape {found:?}, the config implies {expected:?}")]

@@ -13,6 +13,15 @@ pub struct QuantParams {
     pub mode: String,
 }
 
+impl QuantParams {
+    fn describe(&self) -> String {
+        format!(
+            "bits {}, group_size {}, mode {}",
+            self.bits, self.group_size, self.mode
+        )
+    }
+}
+
 /// config.json's `quantization` block: defaults plus per-module overrides.
 #[derive(Clone, Debug, Default)]
 pub struct QuantConfig {
@@ -66,58 +75,93 @@ impl QuantConfig {
         let Some(block) = &self.block else {
             return Ok(None);
         };
-        match block.get(path) {
+        let declared = match block.get(path) {
             Some(Value::Bool(false)) => return Ok(None),
-            Some(Value::Object(o)) => return Ok(Some(explicit(o, block, path, weights)?)),
-            Some(Value::Bool(true)) | None => {}
+            Some(Value::Object(o)) => Some(explicit(o, block, path, weights)?),
+            Some(Value::Bool(true)) | None => None,
             Some(_) => {
                 return Err(weights.config_error(format!("quantization.{path} is malformed")))
             }
-        }
-        let Some(scales) = weights.peek(&format!("{path}.scales")) else {
-            return Ok(None);
         };
-        let weight = weights
-            .peek(&format!("{path}.weight"))
-            .ok_or_else(|| weights.missing(&format!("{path}.weight")))?;
-        let groups = scales.dim(-1);
-        if groups <= 0 || in_dims % groups != 0 {
-            return Err(
-                weights.config_error(format!("{path}.scales does not divide {in_dims} inputs"))
-            );
-        }
-        let group_size = in_dims / groups;
-        let bits = weight.dim(-1) * 32 / in_dims;
-        for (key, inferred) in [("bits", bits), ("group_size", group_size)] {
-            let declared = block.get(key).and_then(Value::as_i64);
-            if scales.dtype() != mlx::Dtype::Uint8 && declared.is_some_and(|d| d != inferred as i64)
-            {
-                return Err(weights.config_error(format!(
-                    "quantization.{key} is {}, but {path} is stored with {key} {inferred}",
-                    declared.unwrap_or_default()
-                )));
-            }
-        }
-        let mode = if scales.dtype() != mlx::Dtype::Uint8 {
-            "affine"
-        } else {
-            match (bits, group_size) {
-                (4, 16) => "nvfp4",
-                (4, 32) => "mxfp4",
-                (8, 32) => "mxfp8",
-                _ => {
+        let Some(scales) = weights.peek(&format!("{path}.scales")) else {
+            return match declared {
+                Some(_) => Err(weights.missing(&format!("{path}.scales"))),
+                None => Ok(None),
+            };
+        };
+        let stored = stored_packing(path, in_dims, scales, weights)?;
+        let Some(declared) = declared else {
+            for (key, inferred) in [("bits", stored.bits), ("group_size", stored.group_size)] {
+                let declared = block.get(key).and_then(Value::as_i64);
+                if stored.mode == "affine" && declared.is_some_and(|d| d != inferred as i64) {
                     return Err(weights.config_error(format!(
-                        "cannot infer the quantization mode of {path}: {bits} bits, group size {group_size}"
-                    )))
+                        "quantization.{key} is {}, but {path} is stored with {key} {inferred}",
+                        declared.unwrap_or_default()
+                    )));
                 }
             }
+            return Ok(Some(stored));
         };
-        Ok(Some(QuantParams {
-            group_size,
-            bits,
-            mode: mode.into(),
-        }))
+        // MLX checks these shapes only inside quantized_matmul, at the first forward.
+        if declared != stored {
+            return Err(weights.config_error(format!(
+                "quantization.{path} declares {}, but {path} is stored as {}",
+                declared.describe(),
+                stored.describe()
+            )));
+        }
+        Ok(Some(declared))
     }
+}
+
+/// The packing `path`'s stored weight and scales imply for `in_dims` inputs.
+fn stored_packing(
+    path: &str,
+    in_dims: i32,
+    scales: &mlx::Array,
+    weights: &Weights,
+) -> Result<QuantParams, LoadError> {
+    let weight = weights
+        .peek(&format!("{path}.weight"))
+        .ok_or_else(|| weights.missing(&format!("{path}.weight")))?;
+    let groups = scales.dim(-1);
+    if groups <= 0 || in_dims % groups != 0 {
+        return Err(weights.config_error(format!("{path}.scales does not divide {in_dims} inputs")));
+    }
+    let group_size = in_dims / groups;
+    if !QUANT_GROUP_SIZES.contains(&(group_size as i64)) {
+        return Err(weights.config_error(format!(
+            "{path}.scales holds {groups} groups per row of {in_dims} inputs: group size \
+             {group_size}, not one of {QUANT_GROUP_SIZES:?}"
+        )));
+    }
+    let bits = weight.dim(-1) * 32 / in_dims;
+    if weight.dim(-1) * 32 != bits * in_dims || !QUANT_BITS.contains(&(bits as i64)) {
+        return Err(weights.config_error(format!(
+            "{path}.weight packs {} uint32 words per row for {in_dims} inputs, which is no bit \
+             width in {QUANT_BITS:?}",
+            weight.dim(-1)
+        )));
+    }
+    let mode = if scales.dtype() != mlx::Dtype::Uint8 {
+        "affine"
+    } else {
+        match (bits, group_size) {
+            (4, 16) => "nvfp4",
+            (4, 32) => "mxfp4",
+            (8, 32) => "mxfp8",
+            _ => {
+                return Err(weights.config_error(format!(
+                    "cannot infer the quantization mode of {path}: {bits} bits, group size {group_size}"
+                )))
+            }
+        }
+    };
+    Ok(QuantParams {
+        group_size,
+        bits,
+        mode: mode.into(),
+    })
 }
 
 fn explicit(

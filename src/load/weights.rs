@@ -32,24 +32,33 @@ impl Weights {
             return Err(LoadError::NoWeights(dir.to_path_buf()));
         }
         let mut tensors = BTreeMap::new();
+        let mut sources: BTreeMap<String, &PathBuf> = BTreeMap::new();
         let mut mlx_saved = BTreeSet::new();
         for file in &files {
-            check_safetensors(file)?;
-            let loaded =
-                mlx::io::load_safetensors(file).map_err(|e| LoadError::BadSafetensors {
-                    path: file.clone(),
-                    message: e.to_string(),
-                })?;
+            let loaded = mlx::io::load_safetensors(file).map_err(LoadError::Weights)?;
             // Read everything now, as mlx-lm does unless lazy, so I/O errors surface at load.
             let arrays: Vec<&Array> = loaded.tensors.values().collect();
             mlx::eval(arrays).map_err(|e| LoadError::BadSafetensors {
                 path: file.clone(),
                 message: e.to_string(),
             })?;
+            check_finite(file, &loaded.tensors)?;
             if loaded.metadata.get("format").map(String::as_str) == Some("mlx") {
                 mlx_saved.extend(loaded.tensors.keys().cloned());
             }
-            tensors.extend(loaded.tensors);
+            for (key, a) in loaded.tensors {
+                if let Some(first) = sources.insert(key.clone(), file) {
+                    return Err(LoadError::BadTensor {
+                        path: file.clone(),
+                        key,
+                        problem: format!(
+                            "is also in {}: no two weight files may hold the same tensor",
+                            first.display()
+                        ),
+                    });
+                }
+                tensors.insert(key, a);
+            }
         }
         check_dtypes(dir, &tensors)?;
         Ok(Weights {
@@ -165,6 +174,37 @@ impl Weights {
     }
 }
 
+/// Refuses a NaN or an infinity in any float tensor of `file`: it would reach every logit as
+/// NaN, and the run would end early as "stop" with empty text. One reduction per tensor,
+/// evaluated together: `sum(x * 0)` is 0 when every element is finite and NaN otherwise.
+fn check_finite(file: &Path, tensors: &BTreeMap<String, Array>) -> Result<(), LoadError> {
+    let mlx_err = |e: mlx::Error| LoadError::BadSafetensors {
+        path: file.to_path_buf(),
+        message: e.to_string(),
+    };
+    let mut checks = Vec::new();
+    for (key, a) in tensors {
+        if matches!(
+            a.dtype(),
+            mlx::Dtype::Float16 | mlx::Dtype::Bfloat16 | mlx::Dtype::Float32
+        ) {
+            let zero = a.multiply_scalar(0.0).and_then(|z| z.sum(&[], false));
+            checks.push((key, zero.map_err(mlx_err)?));
+        }
+    }
+    mlx::eval(checks.iter().map(|(_, c)| c)).map_err(mlx_err)?;
+    for (key, c) in &checks {
+        if c.item::<f32>().map_err(mlx_err)? != 0.0 {
+            return Err(LoadError::BadTensor {
+                path: file.to_path_buf(),
+                key: key.to_string(),
+                problem: "holds NaN or infinite values; every weight must be finite".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Every tensor holds floats, except the packed uint32 weights of a quantized layer (those with
 /// `.scales` beside them): an integer tensor where the model computes with floats would be
 /// reinterpreted, not converted.
@@ -190,81 +230,6 @@ fn check_dtypes(dir: &Path, tensors: &BTreeMap<String, Array>) -> Result<(), Loa
                     "float16, bfloat16 or float32"
                 },
             });
-        }
-    }
-    Ok(())
-}
-
-/// Validates a safetensors file's header against its size before MLX maps it, so a truncated
-/// or corrupt file fails at load with a clear message instead of at first use.
-fn check_safetensors(path: &Path) -> Result<(), LoadError> {
-    use std::io::Read;
-    let bad = |message: String| LoadError::BadSafetensors {
-        path: path.to_path_buf(),
-        message,
-    };
-    let mut file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
-    let size = file.metadata().map_err(|e| bad(e.to_string()))?.len();
-    let mut len = [0u8; 8];
-    file.read_exact(&mut len)
-        .map_err(|_| bad("shorter than its 8-byte header length".into()))?;
-    let header_len = u64::from_le_bytes(len);
-    if header_len > size.saturating_sub(8) {
-        return Err(bad(format!(
-            "header length {header_len} exceeds the file size {size}"
-        )));
-    }
-    let mut header = vec![0u8; header_len as usize];
-    file.read_exact(&mut header)
-        .map_err(|e| bad(e.to_string()))?;
-    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
-        .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
-    let data_len = size - 8 - header_len;
-    for (name, info) in &header {
-        if name == "__metadata__" {
-            continue;
-        }
-        let end = info
-            .get("data_offsets")
-            .and_then(|o| o.get(1))
-            .and_then(serde_json::Value::as_u64)
-            .ok_or_else(|| bad(format!("tensor {name} has no data_offsets")))?;
-        let dtype = info
-            .get("dtype")
-            .and_then(serde_json::Value::as_str)
-            .unwrap_or("");
-        let width = match dtype {
-            "BOOL" | "U8" | "I8" => 1,
-            "F16" | "BF16" | "U16" | "I16" => 2,
-            "F32" | "U32" | "I32" => 4,
-            "F64" | "U64" | "I64" => 8,
-            other => return Err(bad(format!("tensor {name} has unknown dtype {other:?}"))),
-        };
-        let elements = info
-            .get("shape")
-            .and_then(serde_json::Value::as_array)
-            .and_then(|s| {
-                s.iter()
-                    .map(serde_json::Value::as_u64)
-                    .product::<Option<u64>>()
-            })
-            .ok_or_else(|| bad(format!("tensor {name} has no valid shape")))?;
-        let start = info
-            .get("data_offsets")
-            .and_then(|o| o.get(0))
-            .and_then(serde_json::Value::as_u64)
-            .unwrap_or(u64::MAX);
-        if end < start || end - start != elements.saturating_mul(width) {
-            return Err(bad(format!(
-                "tensor {name}: {dtype} x {elements} elements needs {} bytes, its data_offsets span {}",
-                elements.saturating_mul(width),
-                end.saturating_sub(start)
-            )));
-        }
-        if end > data_len {
-            return Err(bad(format!(
-                "tensor {name} ends at byte {end} of the data section, which holds {data_len} (truncated?)"
-            )));
         }
     }
     Ok(())

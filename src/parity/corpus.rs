@@ -15,7 +15,7 @@ use crate::bundle::ModelBundle;
 use crate::generate::{FinishReason, GenerateParams, Generation};
 use crate::grammar::{Constraint, Grammar};
 use crate::tokenizer::UserTurn;
-use crate::Result;
+use crate::{Error, Result};
 
 /// One schema's outcome.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -109,21 +109,57 @@ fn accepts(m: &CorpusModel, grammar: &Grammar, text: &str) -> bool {
     })
 }
 
+/// One corpus file, read and checked before any schema runs: an unreadable file, or a test
+/// without a boolean `valid` and a `data`, is bad input, not an outcome to diff.
+pub struct CorpusFile {
+    pub name: String,
+    schema: Value,
+    /// (valid, data) per test instance.
+    tests: Vec<(bool, Value)>,
+}
+
+impl CorpusFile {
+    pub fn read(path: &Path) -> Result<CorpusFile> {
+        let bad = |what: String| Error::Params(format!("corpus file {}: {what}", path.display()));
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+        let doc: Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        // A MaskBench file wraps the schema with its tests; a bare schema file is the schema.
+        let Some(schema) = doc.get("schema").cloned() else {
+            return Ok(CorpusFile {
+                name,
+                schema: doc,
+                tests: Vec::new(),
+            });
+        };
+        let tests = match doc.get("tests") {
+            None => Vec::new(),
+            Some(Value::Array(tests)) => tests
+                .iter()
+                .enumerate()
+                .map(|(i, t)| match (t.get("valid"), t.get("data")) {
+                    (Some(Value::Bool(valid)), Some(data)) => Ok((*valid, data.clone())),
+                    _ => Err(bad(format!(
+                        "tests[{i}] needs a boolean \"valid\" and a \"data\""
+                    ))),
+                })
+                .collect::<Result<_>>()?,
+            Some(other) => return Err(bad(format!("\"tests\" is {other}, not an array"))),
+        };
+        Ok(CorpusFile {
+            name,
+            schema,
+            tests,
+        })
+    }
+}
+
 /// Runs one corpus file.
-pub fn run_schema(path: &Path, m: &CorpusModel, timings: &mut Timings) -> SchemaOutcome {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let doc: Value = match std::fs::read_to_string(path)
-        .map_err(|e| e.to_string())
-        .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
-    {
-        Ok(doc) => doc,
-        Err(e) => return outcome(name, format!("unreadable: {e}")),
-    };
-    // A MaskBench file wraps the schema with its tests; a bare schema file is the schema.
-    let schema = doc.get("schema").cloned().unwrap_or_else(|| doc.clone());
+pub fn run_schema(file: &CorpusFile, m: &CorpusModel, timings: &mut Timings) -> SchemaOutcome {
+    let (name, schema) = (file.name.clone(), &file.schema);
     let grammar = Grammar::JsonSchema(schema.clone());
     let start = Instant::now();
     let constraint = match m.constraint(&grammar) {
@@ -132,27 +168,20 @@ pub fn run_schema(path: &Path, m: &CorpusModel, timings: &mut Timings) -> Schema
     };
     timings.compile_ms.push(start.elapsed().as_secs_f64() * 1e3);
     let mut out = outcome(name, "ok".into());
-    let validator = jsonschema::validator_for(&schema).ok();
+    let validator = jsonschema::validator_for(schema).ok();
     // Generate under the most bounded variant that compiles; judge against the original.
     let bounded = [Bounds::Strict, Bounds::Lenient]
         .into_iter()
         .find_map(|b| {
-            m.constraint(&Grammar::JsonSchema(bounded_for_generation(&schema, b)))
+            m.constraint(&Grammar::JsonSchema(bounded_for_generation(schema, b)))
                 .ok()
         })
         .unwrap_or(constraint);
     let (generation, tokens) = generate(m, bounded, validator.as_ref());
     out.generation = generation;
     time_masks(m, &grammar, &tokens, timings);
-    let tests = doc
-        .get("tests")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
-    for (i, test) in tests.iter().enumerate() {
-        let valid = test.get("valid").and_then(Value::as_bool).unwrap_or(false);
-        let text = serde_json::to_string(test.get("data").unwrap_or(&Value::Null))
-            .expect("JSON serializes");
+    for (i, &(valid, ref data)) in file.tests.iter().enumerate() {
+        let text = serde_json::to_string(data).expect("JSON serializes");
         let accepted = accepts(m, &grammar, &text);
         if valid {
             out.valid_total += 1;

@@ -90,6 +90,17 @@ fn finish_reason(f: FinishReason) -> trace::FinishReason {
     }
 }
 
+/// The oracle's own tokens, chosen and top-k, are ids of the trace's model: a corrupt trace is
+/// refused as bad input instead of being judged as a divergence.
+fn recorded_tokens(trace: &Trace, vocab: usize) -> Result<()> {
+    validate::token_ids("recorded", &trace.tokens(), vocab)?;
+    for (i, step) in trace.steps.iter().enumerate() {
+        let top: Vec<u32> = step.top.iter().map(|&(id, _)| id).collect();
+        validate::token_ids(&format!("steps[{i}].top"), &top, vocab)?;
+    }
+    Ok(())
+}
+
 /// Where a trace's generation starts: the prompt cache file's caches, or fresh ones.
 fn start(
     trace: &Trace,
@@ -119,6 +130,7 @@ pub struct ForcedRun {
 /// Replays a trace teacher-forced (tier B across backends).
 pub fn replay_forced(trace: &Trace, models: &mut Models) -> Result<(ForcedRun, Rc<ModelBundle>)> {
     let bundle = models.get(&trace.model)?;
+    recorded_tokens(trace, bundle.model().vocab_size()).map_err(|e| e.context(&trace.id))?;
     let params = params(trace, bundle.eos_token_ids.clone()).map_err(|e| e.context(&trace.id))?;
     let emitted = trace.tokens();
     let mut scored = Vec::with_capacity(emitted.len());
@@ -186,6 +198,7 @@ pub fn replay(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle
 
 fn replay_as_recorded(trace: &Trace, models: &mut Models) -> Result<(Run, Rc<ModelBundle>)> {
     let bundle = models.get(&trace.model)?;
+    recorded_tokens(trace, bundle.model().vocab_size()).map_err(|e| e.context(&trace.id))?;
     let params = params(trace, bundle.eos_token_ids.clone()).map_err(|e| e.context(&trace.id))?;
     let drafter = match &trace.draft {
         Some(draft) => {
