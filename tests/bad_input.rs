@@ -705,7 +705,11 @@ fn generate_cases() -> Vec<Case> {
             "{S}/c.safetensors",
         ],
         2,
-        &["--prompt-cache-file", "c.safetensors", "metadata key \"model\""],
+        &[
+            "--prompt-cache-file",
+            "c.safetensors",
+            "metadata key \"model\"",
+        ],
         Box::new(|s| {
             verity_ok(
                 &[
