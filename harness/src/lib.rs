@@ -10,6 +10,8 @@ pub mod atomic;
 pub mod cache_model;
 pub mod compare;
 pub mod forced;
+pub mod html;
+pub mod junit;
 pub mod registry;
 pub mod report;
 pub mod stats;

@@ -31,6 +31,15 @@ pub struct CheckArgs {
     /// Print machine-readable JSON instead of tables.
     #[arg(long)]
     json: bool,
+    /// Also write the report as one self-contained HTML page.
+    #[arg(long, value_name = "FILE")]
+    html: Option<PathBuf>,
+    /// Also write the report as JUnit XML (one test case per trace), for CI dashboards.
+    #[arg(long, value_name = "FILE")]
+    junit: Option<PathBuf>,
+    /// A `verity bench --json` document to draw in the HTML report.
+    #[arg(long, value_name = "FILE", requires = "html")]
+    bench: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -75,6 +84,7 @@ impl Checked {
             "report": self.report(),
         });
         if let Ok(j) = &self.judgement {
+            doc["view"] = self.view(j);
             doc["recorded"] = json!(j.recorded);
             doc["replayed"] = json!(j.replayed);
             doc["explained_by"] = json!(j.explained_by);
@@ -108,6 +118,57 @@ impl Checked {
             }
         }
         doc
+    }
+}
+
+impl Checked {
+    /// What the HTML report draws of a trace: the oracle's and the engine's text token by
+    /// token, the first step they differ at, and the oracle's top-1/top-2 margin per step.
+    fn view(&self, j: &Judgement) -> serde_json::Value {
+        // Each token's piece is what it adds to the decoded prefix; a token that completes a
+        // multi-byte character replaces the placeholder the prefix ended in.
+        let pieces = |ids: &[u32]| -> Vec<String> {
+            let mut prev = String::new();
+            (1..=ids.len())
+                .map(|n| {
+                    let text = j.decode(&ids[..n]);
+                    let mut common = prev
+                        .bytes()
+                        .zip(text.bytes())
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    while !text.is_char_boundary(common) {
+                        common -= 1;
+                    }
+                    let piece = text[common..].to_string();
+                    prev = text;
+                    piece
+                })
+                .collect()
+        };
+        let margins: Vec<Option<f32>> = self
+            .trace
+            .steps
+            .iter()
+            .map(|s| match s.top.as_slice() {
+                [a, b, ..] => Some(a.1 - b.1),
+                _ => None,
+            })
+            .collect();
+        let (engine, first_difference) = match &j.outcome {
+            Outcome::Replayed { run, verdict } => (
+                Some(pieces(&run.tokens())),
+                verdict.divergence().map(|d| d.step),
+            ),
+            Outcome::Forced { check, .. } => (None, check.failure.as_ref().map(|d| d.step)),
+            Outcome::TierC { .. } | Outcome::Unsupported(_) => (None, None),
+        };
+        json!({
+            "oracle": pieces(&self.trace.tokens()),
+            "engine": engine,
+            "first_difference": first_difference,
+            "margins": margins,
+        })
     }
 }
 
@@ -254,7 +315,63 @@ fn exit_code(checked: &[Checked]) -> ExitCode {
     }
 }
 
+/// The report files `--html` and `--junit` ask for, checked before any trace runs, and the
+/// `--bench` document read then too.
+struct ReportFiles {
+    html: Option<PathBuf>,
+    junit: Option<PathBuf>,
+    bench: Option<serde_json::Value>,
+}
+
+impl ReportFiles {
+    fn new(args: &CheckArgs) -> anyhow::Result<ReportFiles> {
+        for (flag, path) in [("--html", &args.html), ("--junit", &args.junit)] {
+            if let Some(p) = path {
+                verity_harness::atomic::check_target(p)
+                    .with_context(|| format!("{flag} {}", p.display()))?;
+            }
+        }
+        let bench = match &args.bench {
+            None => None,
+            Some(p) => {
+                let what = || format!("--bench {}", p.display());
+                let doc: serde_json::Value =
+                    serde_json::from_str(&std::fs::read_to_string(p).with_context(what)?)
+                        .with_context(what)?;
+                if !doc["rows"].is_array() {
+                    bail!("{}: not a `verity bench --json` document (no rows)", what());
+                }
+                Some(doc)
+            }
+        };
+        Ok(ReportFiles {
+            html: args.html.clone(),
+            junit: args.junit.clone(),
+            bench,
+        })
+    }
+
+    fn write(&self, doc: &serde_json::Value) -> anyhow::Result<()> {
+        let pages = [
+            (
+                "--html",
+                &self.html,
+                verity_harness::html::render(doc, self.bench.as_ref()),
+            ),
+            ("--junit", &self.junit, verity_harness::junit::render(doc)),
+        ];
+        for (flag, path, text) in pages {
+            if let Some(p) = path {
+                verity_harness::atomic::write(p, text.as_bytes())
+                    .with_context(|| format!("{flag} {}", p.display()))?;
+            }
+        }
+        Ok(())
+    }
+}
+
 pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
+    let reports = ReportFiles::new(&args)?;
     let root = super::root_or_cwd(args.root)?;
     let backend = device.name();
     let sets = if args.sets.is_empty() {
@@ -296,14 +413,15 @@ pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         }
     }
     let failed = all.iter().filter(|c| c.status() == Status::Fail).count();
+    let doc = json!({
+        "mlx_version": mlx::version(),
+        "backend": backend,
+        "sets": report.iter().map(|(n, t, s)| json!({"dir": n, "traces": t, "suites": s})).collect::<Vec<_>>(),
+        "traces": all.iter().map(Checked::to_json).collect::<Vec<_>>(),
+        "failed": failed,
+    });
+    reports.write(&doc)?;
     if args.json {
-        let doc = json!({
-            "mlx_version": mlx::version(),
-            "backend": backend,
-            "sets": report.iter().map(|(n, t, s)| json!({"dir": n, "traces": t, "suites": s})).collect::<Vec<_>>(),
-            "traces": all.iter().map(Checked::to_json).collect::<Vec<_>>(),
-            "failed": failed,
-        });
         println!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(exit_code(&all));
     }
