@@ -10,6 +10,7 @@ pub mod atomic;
 pub mod cache_model;
 pub mod compare;
 pub mod forced;
+pub mod judge;
 pub mod registry;
 pub mod report;
 pub mod stats;
