@@ -11,6 +11,7 @@ pub mod cache_model;
 pub mod compare;
 pub mod forced;
 pub mod judge;
+pub mod protocol;
 pub mod registry;
 pub mod report;
 pub mod stats;

@@ -46,10 +46,11 @@ pub struct ReplayArgs {
     json: bool,
 }
 
-/// One trace's result: a judgement, or an error that kept it from running.
-struct Checked {
-    trace: Trace,
-    judgement: Result<Judgement, String>,
+/// One trace's result: a judgement, or an error that kept it from running (`verity judge
+/// score` builds them from another engine's answers).
+pub(super) struct Checked {
+    pub(super) trace: Trace,
+    pub(super) judgement: Result<Judgement, String>,
 }
 
 impl Checked {
@@ -278,15 +279,8 @@ pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             continue;
         }
         let checked = run_traces(&paths, &root, backend, args.json)?;
-        let mut suites: BTreeMap<String, Counts> = BTreeMap::new();
-        for c in &checked {
-            suites
-                .entry(c.trace.suite().to_string())
-                .or_default()
-                .add(c.status());
-        }
         let name = dir.strip_prefix(&root).unwrap_or(dir).display().to_string();
-        report.push((name, checked.len(), suites));
+        report.push(set_report(name, &checked));
         all.extend(checked);
     }
     if all.is_empty() {
@@ -295,8 +289,35 @@ pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             None => bail!("no trace files in {}", list(&sets)),
         }
     }
+    print_results("verity check", &report, &all, args.json, backend)
+}
+
+/// One trace folder's name, trace count and counts per suite.
+pub(super) type SetReport = (String, usize, BTreeMap<String, Counts>);
+
+/// The report of the set `name` whose traces came out as `checked`.
+pub(super) fn set_report(name: String, checked: &[Checked]) -> SetReport {
+    let mut suites: BTreeMap<String, Counts> = BTreeMap::new();
+    for c in checked {
+        suites
+            .entry(c.trace.suite().to_string())
+            .or_default()
+            .add(c.status());
+    }
+    (name, checked.len(), suites)
+}
+
+/// Prints the results of every set (the reports, the suite tables, the deviation table and
+/// the summary, or with `json` one document) and gives the exit code; `verb` heads each table.
+pub(super) fn print_results(
+    verb: &str,
+    report: &[SetReport],
+    all: &[Checked],
+    json: bool,
+    backend: &str,
+) -> anyhow::Result<ExitCode> {
     let failed = all.iter().filter(|c| c.status() == Status::Fail).count();
-    if args.json {
+    if json {
         let doc = json!({
             "mlx_version": mlx::version(),
             "backend": backend,
@@ -305,17 +326,17 @@ pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             "failed": failed,
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
-        return Ok(exit_code(&all));
+        return Ok(exit_code(all));
     }
-    print_reports(&all);
-    for (name, traces, suites) in &report {
+    print_reports(all);
+    for (name, traces, suites) in report {
         println!(
-            "verity check: {traces} traces from {name} (MLX {}, {backend})\n",
+            "{verb}: {traces} traces from {name} (MLX {}, {backend})\n",
             mlx::version()
         );
         println!("{}", suite_table(suites));
     }
-    print!("{}", deviation_table(&all));
+    print!("{}", deviation_table(all));
     let count = |s: Status| all.iter().filter(|c| c.status() == s).count();
     let (explained, tier_c) = (count(Status::Explained), count(Status::TierC));
     if failed == 0 {
@@ -326,7 +347,7 @@ pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             all.len()
         );
     }
-    Ok(exit_code(&all))
+    Ok(exit_code(all))
 }
 
 fn list(dirs: &[PathBuf]) -> String {
