@@ -325,7 +325,7 @@ fn each_kind_of_bad_response_is_refused_naming_the_case() {
     refused(
         &score(&s, false),
         "NaN",
-        &[&generated, "steps[1]", "NaN", "finite"],
+        &[generated, "steps[1]", "NaN", "finite"],
     );
 }
 
