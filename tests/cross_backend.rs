@@ -16,9 +16,11 @@ use verity::parity::judge::{judge, model_class, Outcome};
 use verity::parity::replay::{replay, replay_forced};
 use verity::parity::Models;
 use verity_harness::compare;
-use verity_harness::forced::judge_forced;
+use verity_harness::forced::{judge_forced, replayed_from_draft};
+use verity_harness::judge::scores_drafts;
 use verity_harness::registry::{Limits, Registry};
 use verity_harness::report::Status;
+use verity_harness::trace::Draft;
 
 /// One trace per suite, and every greedy speculative trace (their acceptance is replayed).
 const SAMPLE: [&str; 14] = [
@@ -44,7 +46,7 @@ fn teacher_forcing_on_the_recording_backend_is_exact() {
     let mut models = Models::new(root());
     for id in SAMPLE {
         let trace = golden(id);
-        let (run, _) = replay_forced(&trace, &mut models).unwrap();
+        let (run, _) = replay_forced(&trace, &mut models, scores_drafts(&trace)).unwrap();
         let exact = Limits {
             step: 0.0,
             mean: 0.0,
@@ -52,7 +54,14 @@ fn teacher_forcing_on_the_recording_backend_is_exact() {
         let check = judge_forced(&trace, &run.scored, exact);
         assert_eq!(check.failure, None, "{id}");
         assert_eq!(check.max_deviation().0, 0.0, "{id}");
-        if let Some(replayed) = run.from_draft {
+        if let (
+            Some(choice),
+            Some(Draft::Model {
+                num_draft_tokens, ..
+            }),
+        ) = (&run.draft_choice, &trace.draft)
+        {
+            let replayed = replayed_from_draft(&trace, choice, *num_draft_tokens);
             let oracle = trace.steps.iter().filter(|s| s.from_draft).count();
             assert_eq!(replayed, oracle, "{id}: replayed acceptance");
         }
@@ -94,7 +103,7 @@ fn fails_under_cross_backend_tolerance(scratch: &Path, ids: &[&str]) {
     let mut models = Models::new(scratch);
     for id in ids {
         let trace = golden(id);
-        let (run, bundle) = replay_forced(&trace, &mut models).unwrap();
+        let (run, bundle) = replay_forced(&trace, &mut models, false).unwrap();
         for (recorded, replayed) in [("cpu", "cuda"), ("cuda", "cpu")] {
             let tolerance = registry.tolerance(recorded, replayed, model_class(&bundle));
             let check = judge_forced(&trace, &run.scored, tolerance.limits);

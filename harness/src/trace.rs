@@ -194,8 +194,9 @@ pub struct Step {
 impl Step {
     /// Log-probabilities are finite and at most 0, and the best entries are distinct, in the
     /// documented order, and agree with the chosen token's logprob where they list it: what
-    /// any log-softmax gives. A trace that breaks this was corrupted, not recorded.
-    fn validate(&self) -> Result<(), String> {
+    /// any log-softmax gives. A trace that breaks this was corrupted, not recorded (and an
+    /// engine's response that breaks it is refused: [`crate::protocol`]).
+    pub fn validate(&self) -> Result<(), String> {
         let logprob = |what: &str, lp: f32| match lp.is_finite() && lp <= 0.0 {
             true => Ok(()),
             false => Err(format!(

@@ -31,6 +31,13 @@ pub struct CheckArgs {
     /// Print machine-readable JSON instead of tables.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+/// The report files `check` and `judge score` can write besides their output.
+#[derive(Args)]
+pub struct ReportArgs {
     /// Also write the report as one self-contained HTML page.
     #[arg(long, value_name = "FILE")]
     html: Option<PathBuf>,
@@ -55,10 +62,11 @@ pub struct ReplayArgs {
     json: bool,
 }
 
-/// One trace's result: a judgement, or an error that kept it from running.
-struct Checked {
-    trace: Trace,
-    judgement: Result<Judgement, String>,
+/// One trace's result: a judgement, or an error that kept it from running (`verity judge
+/// score` builds them from another engine's answers).
+pub(super) struct Checked {
+    pub(super) trace: Trace,
+    pub(super) judgement: Result<Judgement, String>,
 }
 
 impl Checked {
@@ -317,14 +325,14 @@ fn exit_code(checked: &[Checked]) -> ExitCode {
 
 /// The report files `--html` and `--junit` ask for, checked before any trace runs, and the
 /// `--bench` document read then too.
-struct ReportFiles {
+pub(super) struct ReportFiles {
     html: Option<PathBuf>,
     junit: Option<PathBuf>,
     bench: Option<serde_json::Value>,
 }
 
 impl ReportFiles {
-    fn new(args: &CheckArgs) -> anyhow::Result<ReportFiles> {
+    pub(super) fn new(args: &ReportArgs) -> anyhow::Result<ReportFiles> {
         for (flag, path) in [("--html", &args.html), ("--junit", &args.junit)] {
             if let Some(p) = path {
                 verity_harness::atomic::check_target(p)
@@ -371,7 +379,7 @@ impl ReportFiles {
 }
 
 pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
-    let reports = ReportFiles::new(&args)?;
+    let reports = ReportFiles::new(&args.report)?;
     let root = super::root_or_cwd(args.root)?;
     let backend = device.name();
     let sets = if args.sets.is_empty() {
@@ -395,15 +403,8 @@ pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             continue;
         }
         let checked = run_traces(&paths, &root, backend, args.json)?;
-        let mut suites: BTreeMap<String, Counts> = BTreeMap::new();
-        for c in &checked {
-            suites
-                .entry(c.trace.suite().to_string())
-                .or_default()
-                .add(c.status());
-        }
         let name = dir.strip_prefix(&root).unwrap_or(dir).display().to_string();
-        report.push((name, checked.len(), suites));
+        report.push(set_report(name, &checked));
         all.extend(checked);
     }
     if all.is_empty() {
@@ -412,6 +413,34 @@ pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             None => bail!("no trace files in {}", list(&sets)),
         }
     }
+    print_results("verity check", &report, &all, args.json, backend, &reports)
+}
+
+/// One trace folder's name, trace count and counts per suite.
+pub(super) type SetReport = (String, usize, BTreeMap<String, Counts>);
+
+/// The report of the set `name` whose traces came out as `checked`.
+pub(super) fn set_report(name: String, checked: &[Checked]) -> SetReport {
+    let mut suites: BTreeMap<String, Counts> = BTreeMap::new();
+    for c in checked {
+        suites
+            .entry(c.trace.suite().to_string())
+            .or_default()
+            .add(c.status());
+    }
+    (name, checked.len(), suites)
+}
+
+/// Prints the results of every set (the reports, the suite tables, the deviation table and
+/// the summary, or with `json` one document) and gives the exit code; `verb` heads each table.
+pub(super) fn print_results(
+    verb: &str,
+    report: &[SetReport],
+    all: &[Checked],
+    json: bool,
+    backend: &str,
+    reports: &ReportFiles,
+) -> anyhow::Result<ExitCode> {
     let failed = all.iter().filter(|c| c.status() == Status::Fail).count();
     let doc = json!({
         "mlx_version": mlx::version(),
@@ -421,19 +450,19 @@ pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         "failed": failed,
     });
     reports.write(&doc)?;
-    if args.json {
+    if json {
         println!("{}", serde_json::to_string_pretty(&doc)?);
-        return Ok(exit_code(&all));
+        return Ok(exit_code(all));
     }
-    print_reports(&all);
-    for (name, traces, suites) in &report {
+    print_reports(all);
+    for (name, traces, suites) in report {
         println!(
-            "verity check: {traces} traces from {name} (MLX {}, {backend})\n",
+            "{verb}: {traces} traces from {name} (MLX {}, {backend})\n",
             mlx::version()
         );
         println!("{}", suite_table(suites));
     }
-    print!("{}", deviation_table(&all));
+    print!("{}", deviation_table(all));
     let count = |s: Status| all.iter().filter(|c| c.status() == s).count();
     let (explained, tier_c) = (count(Status::Explained), count(Status::TierC));
     if failed == 0 {
@@ -444,7 +473,7 @@ pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             all.len()
         );
     }
-    Ok(exit_code(&all))
+    Ok(exit_code(all))
 }
 
 fn list(dirs: &[PathBuf]) -> String {

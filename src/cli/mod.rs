@@ -1,5 +1,5 @@
-//! Command-line verbs. Errors reach `main` as anyhow errors and exit with code 2; `check` and
-//! `replay` exit 1 when a trace diverges.
+//! Command-line verbs. Errors reach `main` as anyhow errors and exit with code 2; `check`,
+//! `replay` and `judge score` exit 1 when a trace diverges.
 
 mod accept;
 mod bench;
@@ -11,6 +11,7 @@ mod check;
 mod draft_args;
 mod generate;
 mod grammar;
+mod judge;
 mod serve;
 
 use std::path::PathBuf;
@@ -64,6 +65,9 @@ enum Command {
     Check(check::CheckArgs),
     /// Replay the given trace files and explain each divergence.
     Replay(check::ReplayArgs),
+    /// Hold any engine to the goldens through files: export requests, score responses.
+    #[command(subcommand)]
+    Judge(judge::Judge),
     /// Generate text from a model folder, like mlx_lm.generate.
     Generate(Box<generate::GenerateArgs>),
     /// Process a prompt once and save its caches (mlx-lm's prompt cache format).
@@ -92,6 +96,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Check(a) => check::check(a, device),
         Command::Replay(a) => check::replay(a, device),
+        Command::Judge(a) => judge::run(a, device),
         Command::Generate(a) => generate::generate(*a),
         Command::CachePrompt(a) => cache_prompt::cache_prompt_cmd(a),
         Command::Accept(a) => accept::accept(a),

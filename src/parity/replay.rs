@@ -118,17 +118,21 @@ fn start(
 }
 
 /// A teacher-forced replay: the engine's view of every step with the oracle's tokens fed
-/// back, and for a greedy speculative trace without processors, how many emitted tokens the
-/// draft model would have supplied over the same tokens.
+/// back, and where asked, the draft model's greedy choice at every emitted position over the
+/// same tokens (for `verity_harness::forced::replayed_from_draft`).
 pub struct ForcedRun {
     /// Per step: the oracle's token, the engine's logprob of it, the engine's best entries.
     pub scored: Vec<Step>,
-    /// The replayed `from_draft` count (see `verity_harness::forced::replayed_from_draft`).
-    pub from_draft: Option<usize>,
+    pub draft_choice: Option<Vec<u32>>,
 }
 
-/// Replays a trace teacher-forced (tier B across backends).
-pub fn replay_forced(trace: &Trace, models: &mut Models) -> Result<(ForcedRun, Rc<ModelBundle>)> {
+/// Replays a trace teacher-forced (tier B across backends); with `drafts` (see
+/// `verity_harness::judge::scores_drafts`), its draft model scores the same tokens too.
+pub fn replay_forced(
+    trace: &Trace,
+    models: &mut Models,
+    drafts: bool,
+) -> Result<(ForcedRun, Rc<ModelBundle>)> {
     let bundle = models.get(&trace.model)?;
     recorded_tokens(trace, bundle.model().vocab_size()).map_err(|e| e.context(&trace.id))?;
     let params = params(trace, bundle.eos_token_ids.clone()).map_err(|e| e.context(&trace.id))?;
@@ -150,15 +154,8 @@ pub fn replay_forced(trace: &Trace, models: &mut Models) -> Result<(ForcedRun, R
         },
     )
     .map_err(|e| e.context(&trace.id))?;
-    let greedy = params.sampler.temp == 0.0 && params.processors.logit_bias.is_empty();
-    let plain = params.processors.repetition_penalty.is_none()
-        && params.processors.presence_penalty.is_none()
-        && params.processors.frequency_penalty.is_none();
-    let from_draft = match &trace.draft {
-        Some(Draft::Model {
-            model,
-            num_draft_tokens,
-        }) if greedy && plain => {
+    let draft_choice = match &trace.draft {
+        Some(Draft::Model { model, .. }) if drafts => {
             let draft = models.get(model)?;
             let draft_params = GenerateParams {
                 eos_token_ids: draft.eos_token_ids.clone(),
@@ -178,15 +175,17 @@ pub fn replay_forced(trace: &Trace, models: &mut Models) -> Result<(ForcedRun, R
                 },
             )
             .map_err(|e| e.context(format!("{} (draft)", trace.id)))?;
-            Some(verity_harness::forced::replayed_from_draft(
-                trace,
-                &choice,
-                *num_draft_tokens,
-            ))
+            Some(choice)
         }
         _ => None,
     };
-    Ok((ForcedRun { scored, from_draft }, bundle))
+    Ok((
+        ForcedRun {
+            scored,
+            draft_choice,
+        },
+        bundle,
+    ))
 }
 
 /// Replays one trace with the engine; returns the run and the target's bundle (for reports).
