@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Regenerates everything under golden/ from the pinned oracle venv, except the trained weights
-# (oracles/train.sh): fixtures and SHA256SUMS, the ops golden, and every trace in
-# golden/MANIFEST.toml (mlx-lm and mlx-vlm). Deterministic: on a clean checkout `git status` shows no change.
+# Regenerates everything under golden/ that the pinned oracle venv records on the CPU: fixtures
+# and SHA256SUMS, the ops golden, every trace in golden/MANIFEST.toml (mlx-lm and mlx-vlm), the
+# acceptance suites with the oracles' own acceptance, and the mlx_lm.server exchanges. Not here:
+# the trained weights (oracles/train.sh), the CUDA and Metal sets (recorded on those machines;
+# docs/goldens.md) and what verity itself measures (acceptance baselines, the MaskBench outcome).
+# Deterministic: on a clean checkout `git status` shows no change.
 # Usage: bash oracles/venv.sh && bash oracles/regen.sh
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -16,3 +19,7 @@ echo "== traces"
 "$py" "$here/record.py"
 echo "== mlx-vlm traces"
 "$py" "$here/record_vlm.py"
+echo "== acceptance suites"
+"$py" "$here/make_accept_suite.py"
+echo "== mlx_lm.server exchanges"
+"$py" "$here/record_server.py"
