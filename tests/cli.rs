@@ -3,13 +3,13 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use serde_json::Value;
 
 mod support;
 
-use support::root;
+use support::{root, verity_cpu as verity};
 
 /// A fresh scratch folder laid out like a repository root.
 struct Scratch(PathBuf);
@@ -45,16 +45,6 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = fs::remove_dir_all(&self.0);
     }
-}
-
-/// Runs the CLI on the CPU: these tests check its exact output against the CPU golden set.
-fn verity(args: &[&str]) -> Output {
-    mlx::jit::isolate_per_test_slot();
-    Command::new(env!("CARGO_BIN_EXE_verity"))
-        .args(["--device", "cpu"])
-        .args(args)
-        .output()
-        .unwrap()
 }
 
 fn root_arg() -> String {

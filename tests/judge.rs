@@ -13,17 +13,7 @@ use serde_json::{json, Value};
 
 mod support;
 
-use support::root;
-
-/// Runs the CLI on the CPU, where the CPU golden set is bit-exact.
-fn verity(args: &[&str]) -> Output {
-    mlx::jit::isolate_per_test_slot();
-    Command::new(env!("CARGO_BIN_EXE_verity"))
-        .args(["--device", "cpu"])
-        .args(args)
-        .output()
-        .unwrap()
-}
+use support::{root, verity_cpu as verity};
 
 /// A scratch folder for one test's files.
 struct Scratch(PathBuf);

@@ -21,6 +21,16 @@ pub fn on_cpu() {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
 }
 
+/// Runs the `verity` binary on the CPU, where the CPU golden set is bit-exact.
+pub fn verity_cpu(args: &[&str]) -> std::process::Output {
+    mlx::jit::isolate_per_test_slot();
+    std::process::Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args(["--device", "cpu"])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
 /// The repository root (fixtures ship with the repo; a missing one is a failure).
 pub fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
