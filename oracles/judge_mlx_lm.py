@@ -13,12 +13,10 @@ positioned sampler keys) and the tier C cases, whose known oracle bug is in mlx-
 case mlx-lm raises on is answered unsupported with the error.
 """
 
-import argparse
 import json
 import sys
-from pathlib import Path
 
-from common import write_text  # first: it keeps every oracle off the network
+import common  # noqa: F401  (first: it keeps every oracle off the network)
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm import load, stream_generate  # noqa: E402
@@ -27,11 +25,8 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache  # noqa: E4
 from mlx_lm.sample_utils import make_logits_processors, make_sampler  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from judge_protocol import Unsupported, answer_all  # noqa: E402
 from record import ROOT, top_entries  # noqa: E402
-
-
-class Unsupported(Exception):
-    """A case this adapter cannot answer with mlx-lm, and why."""
 
 
 MODELS = {}
@@ -169,24 +164,8 @@ def answer(req):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("requests", type=Path)
-    ap.add_argument("responses", type=Path)
-    args = ap.parse_args()
     mx.set_default_device(mx.cpu)
-    requests = [json.loads(line) for line in args.requests.read_text().splitlines() if line.strip()]
-    lines = []
-    for req in tqdm(requests, desc="mlx-lm answering", unit="case"):
-        if req["mode"] == "skip":
-            continue
-        try:
-            response = {"id": req["id"], **answer(req)}
-        except Unsupported as e:
-            response = {"id": req["id"], "unsupported": str(e)}
-        except Exception as e:  # noqa: BLE001 - any mlx-lm failure is this case's answer
-            response = {"id": req["id"], "unsupported": f"mlx-lm raised {type(e).__name__}: {e}"}
-        lines.append(json.dumps(response))
-    write_text(args.responses, "".join(line + "\n" for line in lines))
+    answer_all(__doc__, "mlx-lm", answer, progress=lambda cases: tqdm(cases, desc="mlx-lm answering", unit="case"))
 
 
 if __name__ == "__main__":

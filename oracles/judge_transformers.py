@@ -15,7 +15,6 @@ a rotating KV window that the case fills, mlx's 4-bit affine weights, and any fo
 transformers raises on (the error is the answer).
 """
 
-import argparse
 import json
 import os
 import sys
@@ -32,16 +31,14 @@ from safetensors.numpy import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
+from judge_protocol import Unsupported, answer_all  # noqa: E402
+
 logging.disable_progress_bar()
 
 ROOT = Path(__file__).resolve().parent.parent
 # RMSNorm weights mlx-lm stores as the factor itself; transformers' qwen3_next computes x * (1 + w).
 PLUS_ONE_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                   ".q_norm.weight", ".k_norm.weight")
-
-
-class Unsupported(Exception):
-    """A case this adapter cannot answer with transformers, and why."""
 
 
 def hf_weights(folder, config, names):
@@ -180,26 +177,8 @@ def answer(req):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("requests", type=Path)
-    ap.add_argument("responses", type=Path)
-    args = ap.parse_args()
     torch.manual_seed(0)
-    requests = [json.loads(line) for line in args.requests.read_text().splitlines() if line.strip()]
-    lines = []
-    for req in requests:
-        if req["mode"] == "skip":
-            continue
-        try:
-            response = {"id": req["id"], **answer(req)}
-        except Unsupported as e:
-            response = {"id": req["id"], "unsupported": str(e)}
-        except Exception as e:  # noqa: BLE001 - any transformers failure is this case's answer
-            response = {"id": req["id"], "unsupported": f"transformers raised {type(e).__name__}: {e}"}
-        lines.append(json.dumps(response))
-    tmp = args.responses.with_name(f".{args.responses.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, args.responses)
+    answer_all(__doc__, "transformers", answer)
 
 
 if __name__ == "__main__":
