@@ -1998,6 +1998,19 @@ fn bisect_cases() -> Vec<Case> {
             &["--repo", "not a git repository"],
             no_setup(),
         ),
+        bisect(
+            "target-dir-of-the-repo",
+            &[
+                "--good",
+                "HEAD~1",
+                "--bad",
+                "HEAD",
+                "--target-dir",
+                "{S}/repo/target",
+            ],
+            &["--target-dir", "the repository's own target folder"],
+            bisect_repo(|s| fs::create_dir(s.join("repo/target")).unwrap()),
+        ),
         baseline(
             "not-json",
             "not json".into(),

@@ -118,6 +118,8 @@ struct Plan {
     suite: Suite,
     /// --baseline, read and checked against the suite.
     baseline: Option<(PathBuf, Baseline)>,
+    /// Where the probes build (not created yet).
+    target_dir: PathBuf,
 }
 
 fn plan(a: &BisectArgs) -> anyhow::Result<Plan> {
@@ -157,6 +159,26 @@ fn plan(a: &BisectArgs) -> anyhow::Result<Plan> {
         }
         None => None,
     };
+    let target_dir = a
+        .target_dir
+        .clone()
+        .unwrap_or_else(|| repo.join("target/bisect"));
+    // Cargo names a path crate's artifacts by its path within the workspace, so in the
+    // repository's own target folder a probe's build of another commit would replace the
+    // repository's own build and be taken for it.
+    if let (Ok(dir), Ok(own)) = (
+        target_dir.canonicalize(),
+        repo.join("target").canonicalize(),
+    ) {
+        if dir == own {
+            bail!(
+                "--target-dir {}: the repository's own target folder, where a probe's build of \
+                 another commit would pass for the repository's own (the default is \
+                 <repo>/target/bisect)",
+                target_dir.display()
+            );
+        }
+    }
     let good = commit(&repo, "--good", &a.good)?;
     let bad = commit(&repo, "--bad", &a.bad)?;
     if good == bad {
@@ -190,6 +212,7 @@ fn plan(a: &BisectArgs) -> anyhow::Result<Plan> {
         suite_path,
         suite,
         baseline,
+        target_dir,
     })
 }
 
@@ -500,10 +523,7 @@ pub fn bisect(a: BisectArgs) -> anyhow::Result<ExitCode> {
     let plan = plan(&a)?;
     let start = Instant::now();
     let repo = &plan.repo;
-    let target_dir = a
-        .target_dir
-        .clone()
-        .unwrap_or_else(|| repo.join("target/bisect"));
+    let target_dir = plan.target_dir;
     std::fs::create_dir_all(&target_dir)
         .with_context(|| format!("--target-dir {}", target_dir.display()))?;
     let target_dir = target_dir.canonicalize()?;
