@@ -2,7 +2,9 @@
 //! commits, the middle one an off-by-one in the draft model's cache rewind that lowers
 //! acceptance (output stays correct). Bisect must name exactly that commit. It runs in the
 //! nextest `e2e` profile. The probes build into one target folder kept under target/tmp, so
-//! after the first run every probe is an incremental build.
+//! after the first run only the clone's own crates are rebuilt. It is not this checkout's target
+//! folder: cargo names a path crate's artifacts by its path within the workspace, so the clone's
+//! builds would take the place of this checkout's own and be taken for them.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -80,6 +82,8 @@ fn bisect_names_the_commit_that_lowered_acceptance() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
+    // The probes' progress, for `--success-output immediate` and CI logs.
+    eprintln!("{stderr}");
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(
         stdout.contains(&format!(
