@@ -2168,6 +2168,187 @@ fn other_cases() -> Vec<Case> {
     ]
 }
 
+/// A git repository at `<scratch>/repo` holding the acceptance suites, in two commits (the
+/// second empty), then `extra` run on the scratch folder. `bisect` must refuse before it adds a
+/// worktree or a target folder to it, which the check for files left behind would see.
+fn bisect_repo(extra: impl Fn(&Path) + Send + Sync + 'static) -> Setup {
+    Box::new(move |s| {
+        let repo = s.join("repo");
+        let suites = repo.join("golden/accept");
+        fs::create_dir_all(&suites).unwrap();
+        for suite in ["trained-pair", "noisy-draft"] {
+            for file in [format!("{suite}.toml"), format!("{suite}.baseline.json")] {
+                fs::copy(root().join("golden/accept").join(&file), suites.join(&file)).unwrap();
+            }
+        }
+        let git = |args: &[&str]| {
+            let out = Command::new("git")
+                .arg("-C")
+                .arg(&repo)
+                .args([
+                    "-c",
+                    "user.name=bad input",
+                    "-c",
+                    "user.email=bad@verity.invalid",
+                ])
+                .args(["-c", "commit.gpgsign=false"])
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "git {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        git(&["init", "-q"]);
+        git(&["add", "."]);
+        git(&["commit", "-qm", "suites"]);
+        git(&["commit", "-q", "--allow-empty", "-m", "later"]);
+        extra(s);
+    })
+}
+
+/// `bisect` refuses a bad revision, range, suite or baseline at once, exit 2, before it builds
+/// anything: found after the first build, each would cost minutes.
+fn bisect_cases() -> Vec<Case> {
+    let bisect = |name: &str, extra: &[&str], needles: &[&str], setup: Setup| {
+        let mut args = vec!["bisect", "--repo", "{S}/repo"];
+        args.extend(extra);
+        case(&format!("bisect/{name}"), &args, 2, needles, setup)
+    };
+    let baseline = |name: &str, text: String, needles: &[&str]| {
+        bisect(
+            &format!("baseline-{name}"),
+            &[
+                "--good",
+                "HEAD~1",
+                "--bad",
+                "HEAD",
+                "--suite",
+                "golden/accept/noisy-draft.toml",
+                "--baseline",
+                "{S}/b.json",
+            ],
+            needles,
+            bisect_repo(move |s| fs::write(s.join("b.json"), &text).unwrap()),
+        )
+    };
+    let suite = |name: &str, text: String, needles: &[&str]| {
+        bisect(
+            &format!("suite-{name}"),
+            &[
+                "--good",
+                "HEAD~1",
+                "--bad",
+                "HEAD",
+                "--suite",
+                "golden/accept/broken.toml",
+            ],
+            needles,
+            bisect_repo(move |s| {
+                fs::write(s.join("repo/golden/accept/broken.toml"), &text).unwrap()
+            }),
+        )
+    };
+    vec![
+        bisect(
+            "good-typo",
+            &["--good", "zzz", "--bad", "HEAD"],
+            &["--good zzz: no such commit in"],
+            bisect_repo(|_| {}),
+        ),
+        bisect(
+            "bad-typo",
+            &["--good", "HEAD~1", "--bad", "zzz"],
+            &["--bad zzz: no such commit in"],
+            bisect_repo(|_| {}),
+        ),
+        bisect(
+            "good-past-the-first-commit",
+            &["--good", "HEAD~20", "--bad", "HEAD"],
+            &["--good HEAD~20: no such commit in"],
+            bisect_repo(|_| {}),
+        ),
+        bisect(
+            "good-is-bad",
+            &["--good", "HEAD", "--bad", "HEAD"],
+            &["--good HEAD and --bad HEAD are the same commit"],
+            bisect_repo(|_| {}),
+        ),
+        bisect(
+            "good-after-bad",
+            &["--good", "HEAD", "--bad", "HEAD~1"],
+            &["--good HEAD is not an ancestor of --bad HEAD~1"],
+            bisect_repo(|_| {}),
+        ),
+        case(
+            "bisect/repo-not-git",
+            &[
+                "bisect", "--repo", "{S}", "--good", "HEAD~1", "--bad", "HEAD",
+            ],
+            2,
+            &["--repo", "not a git repository"],
+            no_setup(),
+        ),
+        bisect(
+            "target-dir-of-the-repo",
+            &[
+                "--good",
+                "HEAD~1",
+                "--bad",
+                "HEAD",
+                "--target-dir",
+                "{S}/repo/target",
+            ],
+            &["--target-dir", "the repository's own target folder"],
+            bisect_repo(|s| fs::create_dir(s.join("repo/target")).unwrap()),
+        ),
+        baseline(
+            "not-json",
+            "not json".into(),
+            &["--baseline", "b.json", "expected"],
+        ),
+        baseline(
+            "of-another-suite",
+            fs::read_to_string(root().join("golden/accept/trained-pair.baseline.json")).unwrap(),
+            &[
+                "--baseline",
+                "b.json",
+                "is the baseline of suite \"trained-pair\", not \"noisy-draft\"",
+            ],
+        ),
+        baseline(
+            "wrong-k",
+            baseline_with(|b| {
+                let row = b["acceptance"]["3"].clone();
+                b["acceptance"]["5"] = row;
+            }),
+            &["--baseline", "has rows for num_draft_tokens [3, 5]"],
+        ),
+        baseline(
+            "old-format",
+            baseline_with(|b| b["format"] = json!("verity-accept-baseline/2")),
+            &["--baseline", "verity-accept-baseline/2"],
+        ),
+        suite(
+            "not-toml",
+            "not toml".into(),
+            &["--suite golden/accept/broken.toml"],
+        ),
+        suite(
+            "no-prompts",
+            suite_with(|s| {
+                s.insert("prompts".into(), toml::Value::Array(Vec::new()));
+            }),
+            &[
+                "--suite golden/accept/broken.toml",
+                "prompts must be non-empty",
+            ],
+        ),
+    ]
+}
+
 fn all_cases() -> Vec<Case> {
     let mut cases = generate_cases();
     cases.extend(model_folder_cases());
@@ -2175,6 +2356,7 @@ fn all_cases() -> Vec<Case> {
     cases.extend(trace_cases());
     cases.extend(accept_cases());
     cases.extend(other_cases());
+    cases.extend(bisect_cases());
     cases
 }
 

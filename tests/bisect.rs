@@ -2,7 +2,9 @@
 //! commits, the middle one an off-by-one in the draft model's cache rewind that lowers
 //! acceptance (output stays correct). Bisect must name exactly that commit. It runs in the
 //! nextest `e2e` profile. The probes build into one target folder kept under target/tmp, so
-//! after the first run every probe is an incremental build.
+//! after the first run only the clone's own crates are rebuilt. It is not this checkout's target
+//! folder: cargo names a path crate's artifacts by its path within the workspace, so the clone's
+//! builds would take the place of this checkout's own and be taken for them.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -79,16 +81,35 @@ fn bisect_names_the_commit_that_lowered_acceptance() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // The probes' progress, for `--success-output immediate` and CI logs.
+    eprintln!("{stderr}");
+    assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(
         stdout.contains(&format!(
-            "first bad commit: {culprit} speculative: trim the draft cache differently"
+            "first bad commit: {culprit} speculative: trim the draft cache differently\n"
         )),
         "{stdout}"
     );
+    // The verdict says by how much, overall and at the positions past the tolerance.
+    let verdict = stdout
+        .lines()
+        .find(|l| l.starts_with("suite noisy-draft, k=3: acceptance "))
+        .unwrap_or_else(|| panic!("no verdict line: {stdout}"));
+    assert!(
+        verdict.contains(" -> ") && verdict.contains("(position "),
+        "{verdict}"
+    );
+    // Each probe is reported as it goes: the commit, its build, its acceptance.
+    let short = git(&repo, &["rev-parse", "--short", &culprit]);
+    for line in [
+        format!(": {short} speculative: trim the draft cache differently"),
+        "  building (cargo build --release)".to_string(),
+        "  regressed: k=3: acceptance ".to_string(),
+        "  good: k=3: acceptance ".to_string(),
+    ] {
+        assert!(stderr.contains(&line), "no {line:?} in\n{stderr}");
+    }
+    assert!(stderr.lines().any(|l| l.starts_with("probe 1")), "{stderr}");
     std::fs::remove_dir_all(&scratch).unwrap();
 }

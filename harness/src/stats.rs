@@ -1,6 +1,8 @@
 //! Speculative acceptance as baselines keep it (per draft position, in the project's one
 //! vocabulary: docs/DESIGN.md, "Speculation statistics"), and the comparison with a baseline
-//! that `verity accept` (and so `git bisect run`) is driven by.
+//! that `verity accept` and `verity bisect` judge a run by.
+
+use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
@@ -131,23 +133,62 @@ impl Default for Tolerance {
     }
 }
 
-/// Why a run counts as a regression against its baseline; empty means it does not.
-pub fn regressions(baseline: &Acceptance, run: &Acceptance, tol: &Tolerance) -> Vec<String> {
+/// One way a run fell below its baseline past the tolerance: what `verity accept` prints (its
+/// `Display`) and `verity bisect` reports figure by figure.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Regression {
+    /// The overall acceptance rate fell more than `rtol` (relative) below the baseline's.
+    Overall { baseline: f64, run: f64, rtol: f64 },
+    /// Draft position `pos` (0-based) fell more than `floor` (absolute) below the baseline's.
+    Position {
+        pos: usize,
+        baseline: f64,
+        run: f64,
+        floor: f64,
+    },
+}
+
+impl fmt::Display for Regression {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Regression::Overall { baseline, run, rtol } => write!(
+                f,
+                "acceptance rate {run:.4} is below the baseline {baseline:.4} by more than {:.0}%",
+                rtol * 100.0
+            ),
+            Regression::Position {
+                pos,
+                baseline,
+                run,
+                floor,
+            } => write!(
+                f,
+                "position {pos}: acceptance {run:.4} is below the baseline {baseline:.4} - {floor:.2}"
+            ),
+        }
+    }
+}
+
+/// How a run regressed against its baseline; empty means it does not.
+pub fn regressions(baseline: &Acceptance, run: &Acceptance, tol: &Tolerance) -> Vec<Regression> {
     let mut out = Vec::new();
     let (b, r) = (baseline.rate(), run.rate());
     if r < b * (1.0 - tol.overall_rtol) {
-        out.push(format!(
-            "acceptance rate {r:.4} is below the baseline {b:.4} by more than {:.0}%",
-            tol.overall_rtol * 100.0
-        ));
+        out.push(Regression::Overall {
+            baseline: b,
+            run: r,
+            rtol: tol.overall_rtol,
+        });
     }
     for pos in 0..baseline.drafted_by_pos.len() {
         let (b, r) = (baseline.rate_at(pos), run.rate_at(pos));
         if r < b - tol.per_position_floor {
-            out.push(format!(
-                "position {pos}: acceptance {r:.4} is below the baseline {b:.4} - {:.2}",
-                tol.per_position_floor
-            ));
+            out.push(Regression::Position {
+                pos,
+                baseline: b,
+                run: r,
+                floor: tol.per_position_floor,
+            });
         }
     }
     out
@@ -194,12 +235,20 @@ mod tests {
         let worse = acceptance(&[(4, 2), (4, 1), (4, 1), (4, 0)]);
         let found = regressions(&base, &worse, &Tolerance::default());
         assert!(
-            found.iter().any(|m| m.contains("acceptance rate")),
+            found
+                .iter()
+                .any(|m| matches!(m, Regression::Overall { .. })),
             "{found:?}"
         );
         assert!(
-            found.iter().any(|m| m.starts_with("position 0")),
+            found
+                .iter()
+                .any(|m| matches!(m, Regression::Position { pos: 0, .. })),
             "{found:?}"
+        );
+        assert_eq!(
+            found[0].to_string(),
+            "acceptance rate 0.2500 is below the baseline 0.6250 by more than 5%"
         );
     }
 }

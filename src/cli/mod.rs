@@ -74,7 +74,7 @@ enum Command {
     CachePrompt(cache_prompt::CachePromptArgs),
     /// Run the acceptance suites and compare with their baselines (exit 0 / 1 / 125).
     Accept(accept::AcceptArgs),
-    /// Find the commit that lowered acceptance, with git bisect run.
+    /// Find the commit that lowered acceptance: git bisect, each probed commit built and measured.
     Bisect(bisect::BisectArgs),
     /// Run a MaskBench-format schema corpus and diff with the expected outcome.
     GrammarCorpus(grammar::CorpusArgs),
