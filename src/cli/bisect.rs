@@ -579,7 +579,11 @@ pub fn bisect(a: BisectArgs) -> anyhow::Result<ExitCode> {
             baseline
         }
         None => {
-            eprintln!("baseline: --good {}", describe(repo, &plan.good)?);
+            eprintln!(
+                "baseline: measured at --good {} ({})",
+                a.good,
+                describe(repo, &plan.good)?
+            );
             match probe.measure()? {
                 Measurement::Done { acceptance, oracle } if oracle.is_empty() => acceptance,
                 Measurement::Done { oracle, .. } => bail!(
