@@ -1,6 +1,7 @@
 //! `verity bisect` end to end on a throwaway repository: a clone of this one with three new
 //! commits, the middle one an off-by-one in the draft model's cache rewind that lowers
-//! acceptance (output stays correct). Bisect must name exactly that commit. It runs in the
+//! acceptance (output stays correct). Bisect measures the baseline at the clone's first commit and
+//! must name exactly that commit. It runs in the
 //! nextest `e2e` profile. The probes build into one target folder kept under target/tmp, so
 //! after the first run only the clone's own crates are rebuilt. It is not this checkout's target
 //! folder: cargo names a path crate's artifacts by its path within the workspace, so the clone's
@@ -74,8 +75,6 @@ fn bisect_names_the_commit_that_lowered_acceptance() {
             "bisect", "--good", &good, "--bad", &bad, "--suite", suite, "--repo",
         ])
         .arg(&repo)
-        .arg("--baseline")
-        .arg(repo.join("golden/accept/noisy-draft.baseline.json"))
         .arg("--target-dir")
         .arg(tmp.join("bisect-demo-target"))
         .output()
@@ -111,5 +110,14 @@ fn bisect_names_the_commit_that_lowered_acceptance() {
         assert!(stderr.contains(&line), "no {line:?} in\n{stderr}");
     }
     assert!(stderr.lines().any(|l| l.starts_with("probe 1")), "{stderr}");
+    // The baseline is measured at --good, in a scratch file that is not worth naming.
+    let good_short = git(&repo, &["rev-parse", "--short", &good]);
+    assert!(
+        stderr.contains(&format!(
+            "baseline: measured at --good {good} ({good_short} "
+        )),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("verity-bisect-"), "{stderr}");
     std::fs::remove_dir_all(&scratch).unwrap();
 }

@@ -41,7 +41,7 @@ pub struct BisectArgs {
     #[arg(long, default_value = "golden/accept/trained-pair.toml")]
     suite: PathBuf,
     /// Cargo target directory for the probes' release builds [default: <repo>/target/bisect];
-    /// reusing one keeps them incremental.
+    /// reusing one keeps them incremental. Not the repository's own target folder.
     #[arg(long)]
     target_dir: Option<PathBuf>,
     /// Compare with this baseline instead of measuring one at --good (e.g. the suite's
@@ -363,6 +363,9 @@ impl Probe<'_> {
                 .args(["build", "--release", "--quiet", "--bin", "verity"])
                 .arg("--target-dir")
                 .arg(self.target_dir)
+                // A probed commit differs little from the last one: incremental builds of the
+                // repository's own crates (dependencies never are) save most of each rebuild.
+                .env("CARGO_INCREMENTAL", "1")
                 .stdin(Stdio::null())
                 .output()
         });
@@ -576,7 +579,11 @@ pub fn bisect(a: BisectArgs) -> anyhow::Result<ExitCode> {
             baseline
         }
         None => {
-            eprintln!("baseline: --good {}", describe(repo, &plan.good)?);
+            eprintln!(
+                "baseline: measured at --good {} ({})",
+                a.good,
+                describe(repo, &plan.good)?
+            );
             match probe.measure()? {
                 Measurement::Done { acceptance, oracle } if oracle.is_empty() => acceptance,
                 Measurement::Done { oracle, .. } => bail!(
@@ -616,7 +623,11 @@ pub fn bisect(a: BisectArgs) -> anyhow::Result<ExitCode> {
         };
         probes += 1;
         let sha = git(&worktree.dir, &["rev-parse", "HEAD"])?;
-        let more = left.map_or(String::new(), |n| format!(" (roughly {n} more after it)"));
+        let more = match left {
+            Some(0) => " (roughly the last)".to_string(),
+            Some(n) => format!(" (roughly {n} more after it)"),
+            None => String::new(),
+        };
         eprintln!("probe {probes}{more}: {}", describe(repo, &sha)?);
         let term = match probe.judge(&baseline)? {
             Outcome::Good(_) => "good",
