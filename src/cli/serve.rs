@@ -97,7 +97,7 @@ async fn drain_on_signal(mut signals: Signals, handle: engine::EngineHandle, tim
         tokio::select! {
             _ = tokio::time::sleep(AFTER_CUT) => {
                 eprintln!("verity serve: responses still open {} s after the cut: exiting", AFTER_CUT.as_secs());
-                std::process::exit(1);
+                exit_at_once(1);
             }
             _ = signals.next() => exit_now(),
         }
@@ -106,7 +106,16 @@ async fn drain_on_signal(mut signals: Signals, handle: engine::EngineHandle, tim
 
 fn exit_now() {
     eprintln!("verity serve: second signal: exiting now");
-    std::process::exit(1);
+    exit_at_once(1);
+}
+
+/// Exits without running the process's static destructors: the engine thread may still be
+/// computing, and MLX's allocator destroyed under it corrupts the heap (a crash instead of the
+/// promised status).
+fn exit_at_once(status: i32) -> ! {
+    let _ = std::io::stdout().flush();
+    // SAFETY: _exit ends the process at once; nothing after it runs.
+    unsafe { libc::_exit(status) }
 }
 
 pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
@@ -123,7 +132,7 @@ pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     );
     let timeout = Duration::from_secs_f64(a.shutdown_timeout);
     let prompt = a.cache.prompt_params();
-    let handle = engine::start(engine::EngineConfig {
+    let (handle, engine_thread) = engine::start(engine::EngineConfig {
         model: a.model.clone(),
         drafter: a.draft.spec(),
         num_draft_tokens: a.draft.num_draft_tokens,
@@ -140,7 +149,7 @@ pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    runtime.block_on(async {
+    let served = runtime.block_on(async {
         let signals = Signals::catch()?;
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port)).await?;
         let addr = listener.local_addr()?;
@@ -150,6 +159,16 @@ pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             .with_graceful_shutdown(drain_on_signal(signals, handle, timeout))
             .await?;
         eprintln!("verity serve: every response is out: exiting");
-        Ok(ExitCode::SUCCESS)
-    })
+        anyhow::Ok(())
+    });
+    // Dropping the runtime drops every task's EngineHandle, which ends the engine thread.
+    drop(runtime);
+    if !engine_thread.join_within(AFTER_CUT) {
+        eprintln!(
+            "verity serve: the engine thread did not end {} s after the last response: exiting",
+            AFTER_CUT.as_secs()
+        );
+        exit_at_once(1);
+    }
+    served.map(|()| ExitCode::SUCCESS)
 }

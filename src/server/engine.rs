@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
 use std::thread;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::Map;
 use tokio::sync::mpsc;
@@ -122,15 +122,34 @@ impl EngineHandle {
     }
 }
 
+/// The engine thread itself. It ends once every [`EngineHandle`] is dropped, freeing the model
+/// as it goes; the process joins it before exiting, since an MLX array freed while the
+/// process's static destructors (MLX's allocator among them) run corrupts the heap.
+pub struct EngineThread(thread::JoinHandle<()>);
+
+impl EngineThread {
+    /// Waits up to `limit` for the engine thread to end; false if it is still running.
+    pub fn join_within(self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while !self.0.is_finished() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+        self.0.join().is_ok()
+    }
+}
+
 /// Starts the engine thread, loads the model (and the draft, refused unless it fits the target)
 /// on it, and returns once it is ready to serve or failed to load.
-pub fn start(config: EngineConfig) -> anyhow::Result<EngineHandle> {
+pub fn start(config: EngineConfig) -> anyhow::Result<(EngineHandle, EngineThread)> {
     let (jobs, queue) = mpsc::channel(config.queue_size);
     let (ready, loaded) = std_mpsc::sync_channel(1);
     let queue_size = config.queue_size;
     let shutdown = Arc::new(AtomicBool::new(false));
     let cut = shutdown.clone();
-    thread::Builder::new()
+    let thread = thread::Builder::new()
         .name("verity-engine".into())
         .spawn(move || {
             let engine = match Engine::load(config, cut) {
@@ -145,13 +164,21 @@ pub fn start(config: EngineConfig) -> anyhow::Result<EngineHandle> {
             };
             engine.serve(queue);
         })?;
-    let model_id = loaded.recv()??;
-    Ok(EngineHandle {
+    let model_id = match loaded.recv()? {
+        Ok(id) => id,
+        Err(e) => {
+            // Whatever the failed load had built is freed before the process exits.
+            let _ = thread.join();
+            return Err(e);
+        }
+    };
+    let handle = EngineHandle {
         jobs,
         model_id,
         queue_size,
         shutdown,
-    })
+    };
+    Ok((handle, EngineThread(thread)))
 }
 
 /// The engine thread's state: the target, its drafter if any, and what every request needs
