@@ -4,7 +4,8 @@
 //! accepts, from its own logits with its own processors, grammar, random keys, caches and stop
 //! conditions, and a speculative row takes its rejected drafts back from its own caches. Rows
 //! join between steps (prefilled alone, their first token coming with the next step) and leave
-//! when they finish or are removed.
+//! when they finish or are removed. Rows that draft with the same draft model draft together,
+//! one packed forward per draft step (crate::speculative::draft_model::draft_together).
 //!
 //! A row emits what its request emits alone through [`crate::decode::decode`], token for token
 //! and logprob bit for bit, wherever the packed forward gives each row its lone bits (on the
@@ -12,8 +13,11 @@
 //! next step before its current token is read (generate_step's pipelining); a batch reads every
 //! row's token at the end of each step, since its rows' next inputs are those tokens.
 
+use std::ptr;
+
 use mlx::Dtype;
 
+use crate::bundle::ModelBundle;
 use crate::cache::{quantize_due, LayerCache};
 use crate::decode::{Request, Start};
 use crate::generate::{
@@ -22,6 +26,7 @@ use crate::generate::{
 };
 use crate::model::{lone_rows, LanguageModel};
 use crate::sample::StepSampler;
+use crate::speculative::draft_model::draft_together;
 use crate::speculative::{DraftSource, Drafter, SpeculationStats, Speculator};
 use crate::{error::contract, Result};
 
@@ -41,6 +46,7 @@ enum Decoder<'m> {
     Speculative {
         speculator: Box<Speculator>,
         source: Box<dyn DraftSource + 'm>,
+        drafter: &'m Drafter,
     },
 }
 
@@ -109,6 +115,7 @@ impl<'m> Batch<'m> {
                 Decoder::Speculative {
                     speculator: Box::new(speculator),
                     source,
+                    drafter,
                 }
             }
             None => {
@@ -152,6 +159,62 @@ impl<'m> Batch<'m> {
         self.rows.len() < before
     }
 
+    /// The next round's drafts of every speculative row whose draft model another row drafts
+    /// with too, each model's rows drafting together; None for the rows that draft alone.
+    fn draft_shared(&mut self) -> Result<Vec<Option<Vec<u32>>>> {
+        let models: Vec<Option<&'m ModelBundle>> = self
+            .rows
+            .iter()
+            .map(|row| match &row.decoder {
+                Decoder::Speculative { drafter, .. } => drafter.draft_model(),
+                Decoder::Plain(_) => None,
+            })
+            .collect();
+        let shared =
+            |m: &ModelBundle| models.iter().flatten().filter(|o| ptr::eq(**o, m)).count() > 1;
+        let mut out = vec![None; self.rows.len()];
+        let mut groups: Vec<(&'m ModelBundle, Vec<usize>, Vec<_>)> = Vec::new();
+        for ((i, row), model) in self.rows.iter_mut().enumerate().zip(&models) {
+            let (
+                Some(model),
+                Decoder::Speculative {
+                    speculator, source, ..
+                },
+            ) = (*model, &mut row.decoder)
+            else {
+                continue;
+            };
+            if !shared(model) {
+                continue;
+            }
+            let Some(stepped) = source.stepped() else {
+                continue;
+            };
+            let Some((want, ctx)) = speculator.draft_request() else {
+                out[i] = Some(Vec::new());
+                continue;
+            };
+            let g = match groups.iter().position(|g| ptr::eq(g.0, model)) {
+                Some(g) => g,
+                None => {
+                    groups.push((model, Vec::new(), Vec::new()));
+                    groups.len() - 1
+                }
+            };
+            groups[g].1.push(i);
+            groups[g].2.push((stepped, ctx, want));
+        }
+        for (model, rows, mut members) in groups {
+            for (i, drafts) in rows
+                .into_iter()
+                .zip(draft_together(model.model(), &mut members)?)
+            {
+                out[i] = Some(drafts);
+            }
+        }
+        Ok(out)
+    }
+
     /// One step of every row: one packed forward over each row's next input, then each row's
     /// tokens handed to `on_token(id, token)` in order. Returns the rows that left: after their
     /// last token (EOS or max_tokens, the finish reason on it) or when their callback answered
@@ -163,14 +226,22 @@ impl<'m> Batch<'m> {
         if self.rows.is_empty() {
             return Ok(Vec::new());
         }
+        let drafted = self.draft_shared()?;
         let inputs: Vec<Vec<u32>> = self
             .rows
             .iter_mut()
-            .map(|row| match &mut row.decoder {
-                Decoder::Plain(p) => Ok(vec![p.next]),
-                Decoder::Speculative { speculator, source } => {
-                    speculator.next_input(source.as_mut())
+            .zip(drafted)
+            .map(|(row, drafts)| match (&mut row.decoder, drafts) {
+                (Decoder::Plain(p), _) => Ok(vec![p.next]),
+                (Decoder::Speculative { speculator, .. }, Some(drafts)) => {
+                    Ok(speculator.open_round(drafts))
                 }
+                (
+                    Decoder::Speculative {
+                        speculator, source, ..
+                    },
+                    None,
+                ) => speculator.next_input(source.as_mut()),
             })
             .collect::<Result<_>>()?;
         let lens: Vec<usize> = inputs.iter().map(Vec::len).collect();
@@ -212,7 +283,9 @@ impl<'m> Batch<'m> {
                     let y = p.sampler.sample(&logprobs)?;
                     sampled.push((y, logprobs.squeeze(&[0])?));
                 }
-                Decoder::Speculative { speculator, source } => {
+                Decoder::Speculative {
+                    speculator, source, ..
+                } => {
                     let hidden = speculator
                         .taps
                         .iter()

@@ -20,7 +20,7 @@ use verity::decode::{decode, Hooks, Request, Start};
 use verity::generate::{Control, FinishReason, GenerateParams, GeneratedToken};
 use verity::grammar::Grammar;
 use verity::model::LanguageModel;
-use verity::speculative::{Drafter, DrafterSpec};
+use verity::speculative::{Drafter, DrafterSpec, SpeculationStats};
 
 /// (token, logprob bits, finish) of each emitted token.
 type Steps = Vec<(u32, Vec<u8>, Option<FinishReason>)>;
@@ -105,6 +105,17 @@ fn alone(
     prompt: &[u32],
     params: &GenerateParams,
 ) -> Steps {
+    alone_with_stats(model, drafter, k, prompt, params).0
+}
+
+/// [`alone`] with the speculation counters.
+fn alone_with_stats(
+    model: &dyn LanguageModel,
+    drafter: Option<&Drafter>,
+    k: Option<usize>,
+    prompt: &[u32],
+    params: &GenerateParams,
+) -> (Steps, Option<SpeculationStats>) {
     let mut steps = Steps::new();
     let mut on_token = |t: &GeneratedToken| {
         record(&mut steps, t);
@@ -116,7 +127,7 @@ fn alone(
         constraint: None,
         num_draft_tokens: k,
     };
-    decode(
+    let decoded = decode(
         model,
         drafter,
         Start::Fresh,
@@ -124,19 +135,26 @@ fn alone(
         Hooks::tokens(&mut on_token),
     )
     .unwrap();
-    steps
+    (steps, decoded.speculation)
 }
 
-/// Runs the schedule as one batch; every row's emitted tokens by row index, and the most rows
-/// that decoded in one step.
+/// A schedule run as one batch: every row's emitted tokens by row index, the speculation
+/// counters of the speculative rows that finished, and the most rows that decoded in one step.
+struct Batched {
+    steps: BTreeMap<usize, Steps>,
+    speculation: BTreeMap<usize, SpeculationStats>,
+    widest: usize,
+}
+
 fn batched<'m>(
     model: &'m dyn LanguageModel,
     drafters: &'m [Drafter],
     rows: &[Row],
     params: &[GenerateParams],
-) -> (BTreeMap<usize, Steps>, usize) {
+) -> Batched {
     let mut batch = Batch::new(model);
     let mut out: BTreeMap<usize, Steps> = BTreeMap::new();
+    let mut speculation = BTreeMap::new();
     let mut widest = 0;
     let mut step = 0;
     while step <= rows.iter().map(|r| r.joins).max().unwrap() || !batch.is_empty() {
@@ -161,15 +179,23 @@ fn batched<'m>(
             batch.remove(i);
         }
         widest = widest.max(batch.ids().len());
-        batch
+        let left = batch
             .step(&mut |i, t| {
                 record(out.get_mut(&i).unwrap(), t);
                 Control::Continue
             })
             .unwrap();
+        speculation.extend(
+            left.into_iter()
+                .filter_map(|l| Some((l.id, l.speculation?))),
+        );
         step += 1;
     }
-    (out, widest)
+    Batched {
+        steps: out,
+        speculation,
+        widest,
+    }
 }
 
 fn check_fixture(fixture: &str, caches: Caches) {
@@ -196,13 +222,18 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
     TestRunner::new(config)
         .run(&rows(vocab, drafters.len()), |rows| {
             let params: Vec<GenerateParams> = rows.iter().map(|r| params(&b, r, caches)).collect();
-            let (got, widest) = batched(model, &drafters, &rows, &params);
+            let Batched {
+                steps: got,
+                speculation,
+                widest,
+            } = batched(model, &drafters, &rows, &params);
             for (i, row) in rows.iter().enumerate() {
                 let (drafter, k) = match row.drafter {
                     Some((d, k)) => (Some(&drafters[d]), k),
                     None => (None, None),
                 };
-                let want = alone(model, drafter, k, &row.prompt, &params[i]);
+                let (want, want_stats) =
+                    alone_with_stats(model, drafter, k, &row.prompt, &params[i]);
                 if drafter.is_some() && row.seed.is_none() {
                     let plain = alone(model, None, None, &row.prompt, &params[i]);
                     prop_assert_eq!(
@@ -221,6 +252,10 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
                     want.iter().map(|s| s.0).collect::<Vec<_>>()
                 );
                 prop_assert!(!whole || got.len() == want.len(), "row {i} stopped early");
+                // Rows that drafted together drafted what each drafts alone.
+                if let Some(stats) = speculation.get(&i) {
+                    prop_assert_eq!(Some(stats), want_stats.as_ref(), "row {}: other drafts", i);
+                }
             }
             if widest > 1 && (drafters.is_empty() || rows.iter().any(|r| r.drafter.is_some())) {
                 shared.set(shared.get() + 1);
@@ -280,6 +315,61 @@ fn qwen3_target_speculative_batch_rows_equal_their_lone_requests() {
             DrafterSpec::Ngram { min: 1, max: 3 },
         ],
     );
+}
+
+/// Rows that draft with one draft model draft together (one packed forward per draft step):
+/// with different prompt lengths, drafts per round, greedy and seeded, joining at different
+/// steps, each row emits what it emits alone and drafts what it drafts alone (its acceptance
+/// counters), and greedy rows emit what plain decoding emits.
+#[test]
+fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
+    support::on_cpu();
+    let b = bundle("qwen3-target");
+    let model = b.model();
+    let drafters =
+        [Drafter::load(&DrafterSpec::Model(support::model_dir("qwen3-draft")), &b).unwrap()];
+    let prompts = [
+        "def fib(n):",
+        "The capital of France is",
+        "1, 2, 3,",
+        "Once upon a time, in a land far",
+    ];
+    let rows: Vec<Row> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Row {
+            prompt: b.tokenizer.encode(p, true).unwrap(),
+            max_tokens: 24,
+            seed: (i == 2).then_some(7),
+            joins: i / 2,
+            cancelled: None,
+            drafter: Some((0, Some(1 + i))),
+        })
+        .collect();
+    let params: Vec<GenerateParams> = rows.iter().map(|r| params(&b, r, Caches::Plain)).collect();
+    let got = batched(model, &drafters, &rows, &params);
+    assert_eq!(got.widest, 4);
+    for (i, row) in rows.iter().enumerate() {
+        let k = row.drafter.unwrap().1;
+        let (want, stats) = alone_with_stats(model, Some(&drafters[0]), k, &row.prompt, &params[i]);
+        assert_eq!(got.steps[&i], want, "row {i}");
+        assert_eq!(
+            got.speculation.get(&i),
+            stats.as_ref(),
+            "row {i}: other drafts"
+        );
+        assert!(
+            stats.unwrap().accepted > 0,
+            "row {i}: the pair accepts drafts"
+        );
+        if row.seed.is_none() {
+            assert_eq!(
+                want,
+                alone(model, None, None, &row.prompt, &params[i]),
+                "row {i}"
+            );
+        }
+    }
 }
 
 /// Every drafter kind on the hybrid: recurrent state rolled back per row, and rows tapping

@@ -2,13 +2,17 @@
 //! prefilled with the prompt minus its last token, drafts with the request's sampler, and after
 //! a round keeps what it fed up to the accepted drafts; when every draft was accepted, the last
 //! one (sampled but never fed) is fed next round together with the target's bonus token.
+//!
+//! In a batch, the rows that draft with the same model draft together ([`draft_together`]):
+//! each draft step is one packed forward over every row's next token, instead of one forward
+//! per row, which on a GPU is what a draft step costs.
 
-use mlx::Array;
+use mlx::{Array, Dtype};
 
 use super::{DraftContext, DraftSource, Verified};
-use crate::cache::{begin_round, end_round, rollback_plan, LayerCache, Rollback};
+use crate::cache::{begin_round, end_round, quantize_due, rollback_plan, LayerCache, Rollback};
 use crate::generate::{forward_tokens, last_logits, prefill, token_array};
-use crate::model::LanguageModel;
+use crate::model::{lone_rows, LanguageModel};
 use crate::{Error, Result};
 
 pub struct DraftModel<'m> {
@@ -51,6 +55,119 @@ impl<'m> DraftModel<'m> {
     }
 }
 
+/// A draft model's round as whoever steps the model opens and closes it ([`draft_together`],
+/// or [`DraftSource::draft`] alone). A trait, so that a batch reaches a row's draft model
+/// through its `dyn DraftSource` ([`DraftSource::stepped`]).
+pub trait SteppedDraft {
+    /// Opens a round of `n` drafts on the draft caches: the tokens to feed first (those still
+    /// pending), or None when the round drafts nothing (`n` is 0, or the caches could not take
+    /// the round back).
+    fn open_round(&mut self, n: usize) -> Option<Vec<u32>>;
+
+    /// The draft model's caches, which each draft step updates.
+    fn caches_mut(&mut self) -> &mut [LayerCache];
+
+    /// The drafts of the round `open_round` opened.
+    fn close_round(&mut self, drafts: &[u32]);
+}
+
+impl SteppedDraft for DraftModel<'_> {
+    fn open_round(&mut self, n: usize) -> Option<Vec<u32>> {
+        let fed = self.pending.len() + n.saturating_sub(1);
+        if n == 0 || matches!(rollback_plan(&self.caches, fed), Rollback::Refuse(_)) {
+            return None;
+        }
+        begin_round(&mut self.caches);
+        self.round = Some((Vec::new(), fed));
+        Some(std::mem::take(&mut self.pending))
+    }
+
+    fn caches_mut(&mut self) -> &mut [LayerCache] {
+        &mut self.caches
+    }
+
+    fn close_round(&mut self, drafts: &[u32]) {
+        if let Some((kept, _)) = &mut self.round {
+            kept.extend_from_slice(drafts);
+        }
+    }
+}
+
+/// Drafts for several requests that draft with the same `model`, each row `(source, its
+/// context, drafts wanted)`: one packed forward per draft step over the rows still drafting
+/// (crate::model::rows, the lone-row kernels on a GPU), each row sampling its draft from its
+/// own logits with its own sampler. Wherever the packed forward gives each row its lone bits
+/// (the CPU), every row drafts what it drafts alone.
+pub fn draft_together(
+    model: &dyn LanguageModel,
+    rows: &mut [(&mut dyn SteppedDraft, DraftContext<'_>, usize)],
+) -> Result<Vec<Vec<u32>>> {
+    // Each row's next input: its pending tokens first, then its last draft.
+    let mut inputs: Vec<Option<Array>> = rows
+        .iter_mut()
+        .map(|(source, _, n)| source.open_round(*n).map(|t| token_array(&t)).transpose())
+        .collect::<mlx::Result<_>>()?;
+    let mut sampled: Vec<Vec<Array>> = vec![Vec::new(); rows.len()];
+    let mut read: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];
+    loop {
+        let live: Vec<usize> = (0..rows.len())
+            .filter(|&r| inputs[r].is_some() && sampled[r].len() < rows[r].2)
+            .collect();
+        if live.is_empty() {
+            break;
+        }
+        let fed: Vec<Array> = live
+            .iter()
+            .map(|&r| {
+                inputs[r]
+                    .as_ref()
+                    .expect("a live row has an input")
+                    .astype(Dtype::Int32)
+            })
+            .collect::<mlx::Result<_>>()?;
+        let lens: Vec<usize> = fed.iter().map(|a| a.dim(0) as usize).collect();
+        let ids = mlx::ops::concatenate(&fed.iter().collect::<Vec<_>>(), 0)?.expand_dims(&[0])?;
+        let logits = {
+            let mut caches: Vec<&mut [LayerCache]> = rows
+                .iter_mut()
+                .enumerate()
+                .filter(|(r, _)| live.contains(r))
+                .map(|(_, (source, _, _))| source.caches_mut())
+                .collect();
+            lone_rows::decode_rows(|| model.forward_rows(&ids, &mut caches, &lens, &[]))?.logits
+        };
+        let mut end = 0;
+        for (&r, &len) in live.iter().zip(&lens) {
+            end += len as i32;
+            let (source, ctx, _) = &mut rows[r];
+            quantize_due(source.caches_mut(), ctx.params.kv_quantization.as_ref())?;
+            let last = logits.slice_axis(1, end - 1, end)?.squeeze(&[1])?;
+            let token = ctx.sample(&last, &read[r])?;
+            if ctx.needs_draft_ids() {
+                read[r].push(token.astype(Dtype::Uint32)?.item::<u32>()?);
+            } else {
+                mlx::async_eval([&token])?;
+            }
+            sampled[r].push(token.clone());
+            inputs[r] = Some(token);
+        }
+    }
+    let mut drafts = Vec::with_capacity(rows.len());
+    for ((source, ctx, _), (sampled, read)) in rows.iter_mut().zip(sampled.into_iter().zip(read)) {
+        let row = if ctx.needs_draft_ids() || sampled.is_empty() {
+            read
+        } else {
+            let sampled: Vec<&Array> = sampled.iter().collect();
+            mlx::ops::concatenate(&sampled, 0)?
+                .astype(Dtype::Uint32)?
+                .to_vec::<u32>()?
+        };
+        source.close_round(&row);
+        drafts.push(row);
+    }
+    Ok(drafts)
+}
+
 impl DraftSource for DraftModel<'_> {
     fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> Result<()> {
         let (last, head) = prompt
@@ -75,18 +192,16 @@ impl DraftSource for DraftModel<'_> {
     }
 
     fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> Result<Vec<u32>> {
-        let fed = self.pending.len() + n.saturating_sub(1);
-        if n == 0 || matches!(rollback_plan(&self.caches, fed), Rollback::Refuse(_)) {
+        let Some(pending) = self.open_round(n) else {
             return Ok(Vec::new());
-        }
-        begin_round(&mut self.caches);
-        let mut input = token_array(&std::mem::take(&mut self.pending))?;
+        };
+        let mut input = token_array(&pending)?;
         let mut drafts = Vec::with_capacity(n);
         if ctx.needs_draft_ids() {
             for _ in 0..n {
                 let logits = self.step(&input, ctx)?;
                 let token = ctx.sample(&logits, &drafts)?;
-                let token = token.astype(mlx::Dtype::Uint32)?.item::<u32>()?;
+                let token = token.astype(Dtype::Uint32)?.item::<u32>()?;
                 drafts.push(token);
                 input = token_array(&[token])?;
             }
@@ -102,10 +217,10 @@ impl DraftSource for DraftModel<'_> {
             }
             let sampled: Vec<&Array> = sampled.iter().collect();
             drafts = mlx::ops::concatenate(&sampled, 0)?
-                .astype(mlx::Dtype::Uint32)?
+                .astype(Dtype::Uint32)?
                 .to_vec::<u32>()?;
         }
-        self.round = Some((drafts.clone(), fed));
+        self.close_round(&drafts);
         Ok(drafts)
     }
 
@@ -132,6 +247,10 @@ impl DraftSource for DraftModel<'_> {
 
     fn draft_model(&self) -> Option<&dyn LanguageModel> {
         Some(self.model)
+    }
+
+    fn stepped(&mut self) -> Option<&mut dyn SteppedDraft> {
+        Some(self)
     }
 
     fn caches(&self) -> Option<&[LayerCache]> {

@@ -220,34 +220,54 @@ impl Speculator {
     /// must take next, `[last, drafts...]` (the last token alone when the source proposes
     /// nothing, or when the caches could not take the drafts back).
     pub fn next_input(&mut self, source: &mut dyn DraftSource) -> Result<Vec<u32>> {
+        let drafts = match self.draft_request() {
+            Some((want, mut ctx)) => source.draft(want, &mut ctx)?,
+            None => Vec::new(),
+        };
+        Ok(self.open_round(drafts))
+    }
+
+    /// What the next round may draft: how many tokens, and the context to draft them in. None
+    /// when it drafts nothing: while seeding, at max_tokens, or when the target caches could
+    /// not take the drafts back (a refused round, counted).
+    pub(crate) fn draft_request(&mut self) -> Option<(usize, DraftContext<'_>)> {
         let seeding = self.seeding.is_some();
-        let want = if seeding {
+        let want = self.draft_budget();
+        let refused = matches!(rollback_plan(&self.caches, want + 1), Rollback::Refuse(_));
+        if refused && !seeding {
+            self.stats.refused_rounds += 1;
+        }
+        if refused || want == 0 {
+            return None;
+        }
+        let ctx = DraftContext {
+            sampler: &mut self.sampler,
+            params: &self.params,
+            last: self.last,
+            anchor: &self.anchor,
+        };
+        Some((want, ctx))
+    }
+
+    /// Drafts the next round may take: none while seeding, else up to num_draft_tokens and
+    /// what max_tokens leaves.
+    fn draft_budget(&self) -> usize {
+        if self.seeding.is_some() {
             0
         } else {
             self.num_draft_tokens
                 .min(self.params.max_tokens - self.emitted)
-        };
-        let refused = matches!(rollback_plan(&self.caches, want + 1), Rollback::Refuse(_));
-        let drafts = if refused || want == 0 {
-            Vec::new()
-        } else {
-            let mut ctx = DraftContext {
-                sampler: &mut self.sampler,
-                params: &self.params,
-                last: self.last,
-                anchor: &self.anchor,
-            };
-            let mut drafts = source.draft(want, &mut ctx)?;
-            drafts.truncate(want);
-            drafts
-        };
-        if refused && !seeding {
-            self.stats.refused_rounds += 1;
         }
+    }
+
+    /// Opens the round on the target caches with `drafts` (from [`Speculator::draft_request`];
+    /// any past its budget dropped): returns `[last, drafts...]`, the target's next input.
+    pub(crate) fn open_round(&mut self, mut drafts: Vec<u32>) -> Vec<u32> {
+        drafts.truncate(self.draft_budget());
         self.input = vec![self.last];
         self.input.extend(&drafts);
         begin_round(&mut self.caches);
-        Ok(self.input.clone())
+        self.input.clone()
     }
 
     /// Closes the round [`Speculator::next_input`] opened, given the target's `logits`

@@ -8,6 +8,7 @@
 
 use mlx::Array;
 
+use super::draft_model::SteppedDraft;
 use crate::cache::LayerCache;
 use crate::generate::GenerateParams;
 use crate::model::LanguageModel;
@@ -127,6 +128,13 @@ pub trait DraftSource {
     /// The draft model's caches, if the source has any (for a prefix cache to keep after the
     /// prefill).
     fn caches(&self) -> Option<&[LayerCache]> {
+        None
+    }
+
+    /// The draft model's rounds, for a source that drafts by stepping its draft model: a batch
+    /// then steps every row's model together ([`super::draft_model::draft_together`]) instead
+    /// of calling `draft` per row.
+    fn stepped(&mut self) -> Option<&mut dyn SteppedDraft> {
         None
     }
 }
