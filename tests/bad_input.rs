@@ -1420,6 +1420,49 @@ fn trace_cases() -> Vec<Case> {
             no_setup(),
         ),
         check(
+            "html-into-a-folder",
+            &["check", "--root", "{R}", "--html", "{S}"],
+            &["--html {S}"],
+            no_setup(),
+        ),
+        check(
+            "accept-without-html",
+            &["check", "--root", "{R}", "--accept", "{S}/a.json"],
+            &["--html"],
+            no_setup(),
+        ),
+        check(
+            "accept-not-an-accept-document",
+            &[
+                "check",
+                "--root",
+                "{R}",
+                "--html",
+                "{S}/r.html",
+                "--accept",
+                "{S}/a.json",
+            ],
+            &[
+                "--accept {S}/a.json",
+                "not a `verity accept --json` document",
+            ],
+            file("a.json", r#"{"rows": []}"#.into()),
+        ),
+        check(
+            "bench-not-json",
+            &[
+                "check",
+                "--root",
+                "{R}",
+                "--html",
+                "{S}/r.html",
+                "--bench",
+                "{S}/b.json",
+            ],
+            &["--bench {S}/b.json"],
+            file("b.json", "{".into()),
+        ),
+        check(
             "duplicate-trace-ids",
             &["check", "--root", "{R}", "--traces", "{S}/set"],
             &["appears twice"],
@@ -1669,6 +1712,21 @@ fn accept_cases() -> Vec<Case> {
                 b["acceptance"] = json!({ "3": row });
                 fs::write(s.join("b.json"), b.to_string()).unwrap();
             }),
+        ),
+        case(
+            "accept/json-into-a-folder",
+            &[
+                "accept",
+                "--root",
+                "{R}",
+                "--suite",
+                "{R}/golden/accept/noisy-draft.toml",
+                "--json",
+                "{S}",
+            ],
+            125,
+            &["--json {S}"],
+            no_setup(),
         ),
         case(
             "accept/baseline-with-two-suites",

@@ -5,7 +5,8 @@
 //! Per trace it shows the oracle's and the engine's text token by token with the first
 //! difference marked, the oracle's top-1/top-2 margin per step as a strip (near-ties in red),
 //! and for teacher-forced traces the |Δ logprob| per step against the tolerance line. A
-//! `bench --json` document adds its rows as bars against mlx-lm (1.0x).
+//! `bench --json` document adds its rows as bars against mlx-lm (1.0x), and a `verity accept
+//! --json` document the acceptance per draft position against its baseline.
 
 use std::fmt::Write;
 
@@ -26,8 +27,9 @@ details{margin:4px 0;border:1px solid #eee;padding:4px 8px}summary{cursor:pointe
 .t span{border-right:1px solid #e3e3e3}.t .d{background:#ffcdd2;outline:1px solid #c62828}.t .a{color:#999}\
 pre{font-size:12px;background:#f6f6f6;padding:6px;overflow:auto}svg{display:block;margin:4px 0}";
 
-/// The page for `check`'s JSON document, with `bench` (a `bench --json` document) as charts.
-pub fn render(doc: &Value, bench: Option<&Value>) -> String {
+/// The page for `check`'s JSON document, with `bench` (a `bench --json` document) and
+/// `accept` (a `verity accept --json` document) as charts.
+pub fn render(doc: &Value, bench: Option<&Value>, accept: Option<&Value>) -> String {
     let traces = doc["traces"].as_array().map(Vec::as_slice).unwrap_or(&[]);
     let failed = doc["failed"].as_u64().unwrap_or(0);
     let mut out = String::new();
@@ -46,6 +48,9 @@ pub fn render(doc: &Value, bench: Option<&Value>) -> String {
     if let Some(bench) = bench {
         bench_chart(&mut out, bench);
     }
+    if let Some(accept) = accept {
+        acceptance_charts(&mut out, accept);
+    }
     out.push_str("<h2>Traces</h2>");
     // Failures first, open; the rest folded, in the document's order.
     let failing = |t: &&Value| t["status"] == "fail";
@@ -55,6 +60,23 @@ pub fn render(doc: &Value, bench: Option<&Value>) -> String {
     for t in traces.iter().filter(|t| !failing(t)) {
         trace(&mut out, t, false);
     }
+    out.push_str("</body></html>\n");
+    out
+}
+
+/// The page for `verity accept --json`'s document alone.
+pub fn render_acceptance(doc: &Value) -> String {
+    let verdict = if doc["regressed"] == true {
+        "regressed"
+    } else {
+        "within tolerance"
+    };
+    let mut out = format!(
+        "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>verity accept: {verdict}\
+         </title><style>{STYLE}</style></head><body><h1>verity accept: {verdict}</h1><p>MLX {}</p>",
+        esc(doc["mlx_version"].as_str().unwrap_or("?"))
+    );
+    acceptance_charts(&mut out, doc);
     out.push_str("</body></html>\n");
     out
 }
@@ -273,6 +295,119 @@ fn bench_chart(out: &mut String, bench: &Value) {
     );
 }
 
+/// Per suite and num_draft_tokens, the acceptance rate at each draft position as a bar (red
+/// where it fell below the baseline by more than the per-position floor), the baseline as a
+/// black tick and the tolerated band below it in grey; then what regressed, if anything.
+fn acceptance_charts(out: &mut String, doc: &Value) {
+    let floor = doc["tolerance"]["per_position_floor"]
+        .as_f64()
+        .unwrap_or(0.0);
+    for suite in doc["suites"].as_array().into_iter().flatten() {
+        let _ = write!(
+            out,
+            "<h2>acceptance: {} ({} with {}, {} prompts x {} tokens)</h2><p>baseline {}</p>",
+            esc(suite["name"].as_str().unwrap_or("?")),
+            esc(suite["target"].as_str().unwrap_or("?")),
+            esc(suite["source"].as_str().unwrap_or("?")),
+            suite["prompts"],
+            suite["max_tokens"],
+            esc(suite["baseline"]
+                .as_str()
+                .unwrap_or("none (written by this run)")),
+        );
+        for row in suite["rows"].as_array().into_iter().flatten() {
+            position_chart(out, row, floor);
+        }
+        let problems: Vec<&str> = suite["problems"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect();
+        if !problems.is_empty() {
+            let _ = write!(
+                out,
+                "<pre class=\"regressed\">{}</pre>",
+                esc(&problems.join("\n"))
+            );
+        }
+    }
+}
+
+/// accepted_by_pos[i] / drafted_by_pos[i] of one `Acceptance` document.
+fn rates(counts: &Value) -> Vec<f64> {
+    let get = |key: &str| -> Vec<f64> {
+        counts[key]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|v| v.as_f64().unwrap_or(0.0))
+            .collect()
+    };
+    let (drafted, accepted) = (get("drafted_by_pos"), get("accepted_by_pos"));
+    drafted
+        .iter()
+        .zip(&accepted)
+        .map(|(d, a)| if *d > 0.0 { a / d } else { 0.0 })
+        .collect()
+}
+
+fn position_chart(out: &mut String, row: &Value, floor: f64) {
+    let measured = rates(&row["measured"]);
+    let baseline = rates(&row["baseline"]);
+    let (slot, h, top) = (56.0, 100.0, 16.0);
+    let y = |rate: f64| top + (1.0 - rate.clamp(0.0, 1.0)) * h;
+    let width = measured.len() as f64 * slot + 8.0;
+    let _ = write!(
+        out,
+        "<svg class=\"chart acceptance\" width=\"{width}\" height=\"{}\"><title>k={}: \
+         acceptance per draft position against the baseline</title>",
+        top + h + 18.0,
+        row["k"]
+    );
+    for (i, rate) in measured.iter().enumerate() {
+        let x = i as f64 * slot + 8.0;
+        let base = baseline.get(i).copied();
+        if let Some(b) = base {
+            let _ = write!(
+                out,
+                "<rect x=\"{x}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"#e0e0e0\"/>",
+                y(b),
+                slot - 8.0,
+                y(b - floor) - y(b)
+            );
+        }
+        let colour = match base {
+            Some(b) if *rate < b - floor => "#c62828",
+            Some(_) => "#2e7d32",
+            None => "#5c6bc0",
+        };
+        let _ = write!(
+            out,
+            "<rect class=\"rate\" x=\"{:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"{colour}\"/>\
+             <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\">{rate:.2}</text>\
+             <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\">pos {i}</text>",
+            x + 8.0,
+            y(*rate),
+            slot - 24.0,
+            top + h - y(*rate),
+            x + 6.0,
+            y(*rate) - 3.0,
+            x + 6.0,
+            top + h + 14.0
+        );
+        if let Some(b) = base {
+            let _ = write!(
+                out,
+                "<line x1=\"{x}\" x2=\"{:.1}\" y1=\"{yb:.1}\" y2=\"{yb:.1}\" stroke=\"#000\" stroke-width=\"2\"/>",
+                x + slot - 8.0,
+                yb = y(b)
+            );
+        }
+    }
+    out.push_str("</svg>");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -296,7 +431,7 @@ mod tests {
 
     #[test]
     fn a_failing_trace_comes_first_open_with_its_difference_marked() {
-        let page = render(&doc(), None);
+        let page = render(&doc(), None, None);
         let fail = page.find("b/&lt;y&gt;").unwrap();
         assert!(fail < page.find("a/x").unwrap());
         assert_eq!(page.matches("<details class=\"trace\" open>").count(), 1);
@@ -314,8 +449,32 @@ mod tests {
         d["traces"][0]["forced"] = json!({"deviations": [1e-7, 2e-6], "tolerance_step": 1e-5});
         let bench = json!({"model": "m", "device": "cpu", "rows": [
             {"row": "decode", "ratio": 1.2}, {"row": "prefill", "ratio": 0.8}, {"row": "x", "ratio": null}]});
-        let page = render(&d, Some(&bench));
+        let page = render(&d, Some(&bench), None);
         assert_eq!(page.matches("<rect ").count(), 2);
         assert_eq!(page.matches("class=\"chart deviations\"").count(), 1);
+    }
+
+    #[test]
+    fn a_position_below_its_baselines_band_is_drawn_red() {
+        let counts = |d: [u32; 2], a: [u32; 2]| json!({"drafted_by_pos": d, "accepted_by_pos": a, "generated": 10, "from_draft": 1});
+        let accept = json!({"mlx_version": "0.0", "regressed": true,
+            "tolerance": {"overall_rtol": 0.05, "per_position_floor": 0.1},
+            "suites": [{"name": "s", "target": "t", "source": "m", "prompts": 1, "max_tokens": 8,
+                "baseline": "s.baseline.json", "problems": ["k=2: position 1 fell"],
+                "rows": [{"k": 2, "measured": counts([10, 5], [9, 1]),
+                          "baseline": counts([10, 8], [9, 6])}]}]});
+        for page in [
+            render(&doc(), None, Some(&accept)),
+            render_acceptance(&accept),
+        ] {
+            assert_eq!(page.matches("class=\"chart acceptance\"").count(), 1);
+            assert_eq!(page.matches("class=\"rate\"").count(), 2);
+            assert_eq!(
+                page.matches("fill=\"#c62828\"").count(),
+                1,
+                "position 1 only"
+            );
+            assert_eq!(page.matches("<pre class=\"regressed\">").count(), 1);
+        }
     }
 }

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
+use serde_json::json;
 use verity::parity::acceptance::{acceptance, run_suite};
 use verity::parity::Models;
 use verity::speculative::SpeculationStats;
@@ -28,6 +29,13 @@ pub struct AcceptArgs {
     /// Repository root that suite paths are relative to [default: current directory].
     #[arg(long)]
     root: Option<PathBuf>,
+    /// Also write the results (per suite and k, measured and baseline counts per draft
+    /// position) as JSON, for `check --html --accept`.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Also write the acceptance per draft position against the baseline as an HTML page.
+    #[arg(long, value_name = "FILE")]
+    html: Option<PathBuf>,
 }
 
 /// The exit code git bisect reads as "skip this commit".
@@ -44,6 +52,7 @@ pub fn accept(a: AcceptArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn run(a: AcceptArgs) -> anyhow::Result<bool> {
+    let reports = AcceptReports::new(&a)?;
     let root = super::root_or_cwd(a.root)?;
     let mut suites = a.suites;
     if suites.is_empty() {
@@ -80,6 +89,7 @@ fn run(a: AcceptArgs) -> anyhow::Result<bool> {
     }
     let mut models = Models::new(&root);
     let mut regressed = false;
+    let mut doc = Vec::new();
     for (path, suite, baseline_path, baseline) in jobs {
         let stats = run_suite(&suite, &mut models)?;
         print!("{}", table(&path, &suite, &stats));
@@ -102,38 +112,96 @@ fn run(a: AcceptArgs) -> anyhow::Result<bool> {
             regressed = true;
             println!("DIFFERS from the oracle:\n  {}\n", parity.join("\n  "));
         }
-        let Some(baseline) = baseline else {
-            Baseline::new(Suite::name(&path), measured).save(&baseline_path)?;
-            println!("wrote {}\n", baseline_path.display());
-            continue;
-        };
         let mut problems = Vec::new();
-        for (k, base) in &baseline.acceptance {
-            match measured.get(k) {
-                Some(now) => problems.extend(
-                    regressions(base, now, &Tolerance::default())
-                        .into_iter()
-                        .map(|m| format!("k={k}: {m}")),
-                ),
-                None => problems.push(format!("k={k}: in the baseline but not measured")),
+        match &baseline {
+            None => {
+                Baseline::new(Suite::name(&path), measured.clone()).save(&baseline_path)?;
+                println!("wrote {}\n", baseline_path.display());
+            }
+            Some(baseline) => {
+                for (k, base) in &baseline.acceptance {
+                    match measured.get(k) {
+                        Some(now) => problems.extend(
+                            regressions(base, now, &Tolerance::default())
+                                .into_iter()
+                                .map(|m| format!("k={k}: {m}")),
+                        ),
+                        None => problems.push(format!("k={k}: in the baseline but not measured")),
+                    }
+                }
+                if problems.is_empty() {
+                    println!(
+                        "{} rows within tolerance of {}\n",
+                        baseline.acceptance.len(),
+                        baseline_path.display()
+                    );
+                } else {
+                    regressed = true;
+                    println!(
+                        "REGRESSED against {}:\n  {}\n",
+                        baseline_path.display(),
+                        problems.join("\n  ")
+                    );
+                }
             }
         }
-        if problems.is_empty() {
-            println!(
-                "{} rows within tolerance of {}\n",
-                baseline.acceptance.len(),
-                baseline_path.display()
-            );
-        } else {
-            regressed = true;
-            println!(
-                "REGRESSED against {}:\n  {}\n",
-                baseline_path.display(),
-                problems.join("\n  ")
-            );
-        }
+        doc.push(json!({
+            "name": Suite::name(&path),
+            "target": suite.target,
+            "source": format!("{:?}", suite.source),
+            "max_tokens": suite.max_tokens,
+            "prompts": suite.prompts.len(),
+            "baseline": baseline.as_ref().map(|_| baseline_path.display().to_string()),
+            "rows": measured.iter().map(|(k, m)| json!({
+                "k": k,
+                "measured": m,
+                "baseline": baseline.as_ref().and_then(|b| b.acceptance.get(k)),
+            })).collect::<Vec<_>>(),
+            "problems": parity.iter().chain(&problems).collect::<Vec<_>>(),
+        }));
     }
+    reports.write(&json!({
+        "mlx_version": mlx::version(),
+        "tolerance": Tolerance::default(),
+        "suites": doc,
+        "regressed": regressed,
+    }))?;
     Ok(regressed)
+}
+
+/// The files `--json` and `--html` ask for, checked before any suite runs.
+struct AcceptReports {
+    json: Option<PathBuf>,
+    html: Option<PathBuf>,
+}
+
+impl AcceptReports {
+    fn new(a: &AcceptArgs) -> anyhow::Result<AcceptReports> {
+        for (flag, path) in [("--json", &a.json), ("--html", &a.html)] {
+            if let Some(p) = path {
+                verity_harness::atomic::check_target(p)
+                    .with_context(|| format!("{flag} {}", p.display()))?;
+            }
+        }
+        Ok(AcceptReports {
+            json: a.json.clone(),
+            html: a.html.clone(),
+        })
+    }
+
+    fn write(&self, doc: &serde_json::Value) -> anyhow::Result<()> {
+        if let Some(p) = &self.json {
+            let text = serde_json::to_string_pretty(doc)? + "\n";
+            verity_harness::atomic::write(p, text.as_bytes())
+                .with_context(|| format!("--json {}", p.display()))?;
+        }
+        if let Some(p) = &self.html {
+            let page = verity_harness::html::render_acceptance(doc);
+            verity_harness::atomic::write(p, page.as_bytes())
+                .with_context(|| format!("--html {}", p.display()))?;
+        }
+        Ok(())
+    }
 }
 
 /// The per-k table, with per-position acceptance and mlx-lm's from_draft fraction.

@@ -47,6 +47,10 @@ pub struct ReportArgs {
     /// A `verity bench --json` document to draw in the HTML report.
     #[arg(long, value_name = "FILE", requires = "html")]
     bench: Option<PathBuf>,
+    /// A `verity accept --json` document to draw in the HTML report (acceptance per draft
+    /// position against the baseline).
+    #[arg(long, value_name = "FILE", requires = "html")]
+    accept: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -324,11 +328,30 @@ fn exit_code(checked: &[Checked]) -> ExitCode {
 }
 
 /// The report files `--html` and `--junit` ask for, checked before any trace runs, and the
-/// `--bench` document read then too.
+/// `--bench` and `--accept` documents read then too.
 pub(super) struct ReportFiles {
     html: Option<PathBuf>,
     junit: Option<PathBuf>,
     bench: Option<serde_json::Value>,
+    accept: Option<serde_json::Value>,
+}
+
+/// The JSON document `path` names (for `flag`), refused unless it has the array `key`, which
+/// every document of `verb` has.
+fn read_document(
+    flag: &str,
+    path: &Path,
+    key: &str,
+    verb: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let what = || format!("{flag} {}", path.display());
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).with_context(what)?)
+            .with_context(what)?;
+    if !doc[key].is_array() {
+        bail!("{}: not a `{verb} --json` document (no {key})", what());
+    }
+    Ok(doc)
 }
 
 impl ReportFiles {
@@ -339,23 +362,21 @@ impl ReportFiles {
                     .with_context(|| format!("{flag} {}", p.display()))?;
             }
         }
-        let bench = match &args.bench {
-            None => None,
-            Some(p) => {
-                let what = || format!("--bench {}", p.display());
-                let doc: serde_json::Value =
-                    serde_json::from_str(&std::fs::read_to_string(p).with_context(what)?)
-                        .with_context(what)?;
-                if !doc["rows"].is_array() {
-                    bail!("{}: not a `verity bench --json` document (no rows)", what());
-                }
-                Some(doc)
-            }
-        };
+        let bench = args
+            .bench
+            .as_deref()
+            .map(|p| read_document("--bench", p, "rows", "verity bench"))
+            .transpose()?;
+        let accept = args
+            .accept
+            .as_deref()
+            .map(|p| read_document("--accept", p, "suites", "verity accept"))
+            .transpose()?;
         Ok(ReportFiles {
             html: args.html.clone(),
             junit: args.junit.clone(),
             bench,
+            accept,
         })
     }
 
@@ -364,7 +385,7 @@ impl ReportFiles {
             (
                 "--html",
                 &self.html,
-                verity_harness::html::render(doc, self.bench.as_ref()),
+                verity_harness::html::render(doc, self.bench.as_ref(), self.accept.as_ref()),
             ),
             ("--junit", &self.junit, verity_harness::junit::render(doc)),
         ];
