@@ -76,6 +76,33 @@ fn the_html_report_renders_tables_a_diff_and_charts_in_chromium() {
     let cuda = root().join("golden/traces-cuda/qwen3-target/greedy/code.json");
     fs::copy(cuda, other.join("code.json")).unwrap();
 
+    // An acceptance run against a baseline its last draft position fell below.
+    let mut baseline: Value = serde_json::from_str(
+        &fs::read_to_string(root().join("golden/accept/noisy-draft.baseline.json")).unwrap(),
+    )
+    .unwrap();
+    let row = &mut baseline["acceptance"]["3"]["accepted_by_pos"];
+    row[2] = row[1].clone();
+    fs::write(scratch.join("baseline.json"), baseline.to_string()).unwrap();
+    let accept = scratch.join("accept.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args(["--device", "cpu", "accept", "--root"])
+        .arg(root())
+        .arg("--suite")
+        .arg(root().join("golden/accept/noisy-draft.toml"))
+        .arg("--baseline")
+        .arg(scratch.join("baseline.json"))
+        .arg("--json")
+        .arg(&accept)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "the last position regressed: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
     let page = scratch.join("report.html");
     let out = Command::new(env!("CARGO_BIN_EXE_verity"))
         .args(["--device", "cpu", "check", "--root"])
@@ -86,6 +113,8 @@ fn the_html_report_renders_tables_a_diff_and_charts_in_chromium() {
         .arg(&other)
         .arg("--html")
         .arg(&page)
+        .arg("--accept")
+        .arg(&accept)
         .output()
         .unwrap();
     assert_eq!(
@@ -113,6 +142,14 @@ fn the_html_report_renders_tables_a_diff_and_charts_in_chromium() {
     );
     assert_eq!(count("class=\"chart margins\""), 4);
     assert_eq!(count("class=\"chart deviations\""), 1);
+    assert_eq!(count("class=\"chart acceptance\""), 1);
+    assert_eq!(count("class=\"rate\""), 3, "one bar per draft position");
+    assert_eq!(
+        count("fill=\"#c62828\""),
+        1,
+        "the regressed position alone is red"
+    );
+    assert_eq!(count("<pre class=\"regressed\">"), 1);
 
     let shot = scratch.join("report.png");
     chromium(

@@ -33,6 +33,20 @@ pub enum Source {
     },
 }
 
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Model { model } => write!(f, "draft model {model}"),
+            Source::Ngram { min, max } => write!(f, "prompt lookup, n-grams of {min}..={max}"),
+            Source::Mtp => write!(f, "the target's MTP head"),
+            Source::Dflash { model, chain } => {
+                let pass = if *chain { ", one pass per draft" } else { "" };
+                write!(f, "DFlash drafter {model}{pass}")
+            }
+        }
+    }
+}
+
 #[derive(Clone, Debug, Deserialize)]
 pub struct Suite {
     pub format: String,

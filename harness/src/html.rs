@@ -305,7 +305,9 @@ fn acceptance_charts(out: &mut String, doc: &Value) {
     for suite in doc["suites"].as_array().into_iter().flatten() {
         let _ = write!(
             out,
-            "<h2>acceptance: {} ({} with {}, {} prompts x {} tokens)</h2><p>baseline {}</p>",
+            "<h2>acceptance: {} ({} with {}, {} prompts x {} tokens)</h2><p>baseline {}. Bars: \
+             acceptance per draft position; black: the baseline's; grey: the {floor:.2} it may \
+             fall; red: fell further.</p>",
             esc(suite["name"].as_str().unwrap_or("?")),
             esc(suite["target"].as_str().unwrap_or("?")),
             esc(suite["source"].as_str().unwrap_or("?")),
@@ -361,8 +363,10 @@ fn position_chart(out: &mut String, row: &Value, floor: f64) {
     let _ = write!(
         out,
         "<svg class=\"chart acceptance\" width=\"{width}\" height=\"{}\"><title>k={}: \
-         acceptance per draft position against the baseline</title>",
+         acceptance per draft position against the baseline</title><text x=\"0\" y=\"11\" \
+         font-size=\"11\">k={}</text>",
         top + h + 18.0,
+        row["k"],
         row["k"]
     );
     for (i, rate) in measured.iter().enumerate() {

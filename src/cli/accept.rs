@@ -148,7 +148,7 @@ fn run(a: AcceptArgs) -> anyhow::Result<bool> {
         doc.push(json!({
             "name": Suite::name(&path),
             "target": suite.target,
-            "source": format!("{:?}", suite.source),
+            "source": suite.source.to_string(),
             "max_tokens": suite.max_tokens,
             "prompts": suite.prompts.len(),
             "baseline": baseline.as_ref().map(|_| baseline_path.display().to_string()),
@@ -212,7 +212,7 @@ fn table(path: &Path, suite: &Suite, stats: &BTreeMap<usize, SpeculationStats>) 
     let prompts = suite.prompts.len();
     let _ = writeln!(
         out,
-        "suite {name}: {target} with {source:?}, {prompts} prompts x {max} tokens, greedy"
+        "suite {name}: {target} with {source}, {prompts} prompts x {max} tokens, greedy"
     );
     let _ = writeln!(out, "  k  rounds  drafted  accepted  accept  mean-len  tok/fwd  from_draft  oracle  by position");
     for (k, s) in stats {
