@@ -1428,7 +1428,7 @@ fn trace_cases() -> Vec<Case> {
         check(
             "accept-without-html",
             &["check", "--root", "{R}", "--accept", "{S}/a.json"],
-            &["--html"],
+            &["required arguments were not provided"],
             no_setup(),
         ),
         check(

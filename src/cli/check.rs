@@ -19,20 +19,73 @@ use verity_harness::trace::{find_traces, Trace};
 
 #[derive(Args)]
 pub struct CheckArgs {
+    #[command(flatten)]
+    traces: TraceArgs,
+    /// Print machine-readable JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+/// Which traces a verb takes (`check`, `judge export`).
+#[derive(Args)]
+pub struct TraceArgs {
     /// Repository root that trace model paths are relative to [default: current directory].
     #[arg(long)]
     root: Option<PathBuf>,
     /// Trace folders [default: every golden set, <root>/golden/traces and traces-<backend>].
     #[arg(long = "traces")]
     sets: Vec<PathBuf>,
-    /// Only traces whose id contains this.
+    /// Only traces whose path contains this.
     #[arg(long)]
     only: Option<String>,
-    /// Print machine-readable JSON instead of tables.
-    #[arg(long)]
-    json: bool,
-    #[command(flatten)]
-    report: ReportArgs,
+}
+
+/// The traces [`TraceArgs`] select: the root, and each trace folder with its trace files.
+pub(super) struct Selected {
+    pub root: PathBuf,
+    pub sets: Vec<(PathBuf, Vec<PathBuf>)>,
+}
+
+impl TraceArgs {
+    /// Finds the trace files (`--only` applied; folders left without any dropped), refusing a
+    /// selection of none.
+    pub(super) fn select(self) -> anyhow::Result<Selected> {
+        let root = super::root_or_cwd(self.root)?;
+        let dirs = if self.sets.is_empty() {
+            golden_sets(&root).with_context(|| {
+                format!(
+                    "no golden traces under {} (run from the repository root or pass --root)",
+                    root.join("golden").display()
+                )
+            })?
+        } else {
+            self.sets
+        };
+        let mut sets = Vec::new();
+        for dir in &dirs {
+            let mut paths = find_traces(dir).with_context(|| format!("{}", dir.display()))?;
+            if let Some(only) = &self.only {
+                paths.retain(|p| p.to_string_lossy().contains(only.as_str()));
+            }
+            if !paths.is_empty() {
+                sets.push((dir.clone(), paths));
+            }
+        }
+        if sets.is_empty() {
+            let list = dirs
+                .iter()
+                .map(|d| d.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
+            match &self.only {
+                Some(only) => bail!("no trace path contains {only:?} in {list}"),
+                None => bail!("no trace files in {list}"),
+            }
+        }
+        Ok(Selected { root, sets })
+    }
 }
 
 /// The report files `check` and `judge score` can write besides their output.
@@ -401,38 +454,15 @@ impl ReportFiles {
 
 pub fn check(args: CheckArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     let reports = ReportFiles::new(&args.report)?;
-    let root = super::root_or_cwd(args.root)?;
     let backend = device.name();
-    let sets = if args.sets.is_empty() {
-        golden_sets(&root).with_context(|| {
-            format!(
-                "no golden traces under {} (run from the repository root or pass --root)",
-                root.join("golden").display()
-            )
-        })?
-    } else {
-        args.sets
-    };
+    let Selected { root, sets } = args.traces.select()?;
     let mut report = Vec::new();
     let mut all = Vec::new();
-    for dir in &sets {
-        let mut paths = find_traces(dir).with_context(|| format!("{}", dir.display()))?;
-        if let Some(only) = &args.only {
-            paths.retain(|p| p.to_string_lossy().contains(only.as_str()));
-        }
-        if paths.is_empty() {
-            continue;
-        }
-        let checked = run_traces(&paths, &root, backend, args.json)?;
+    for (dir, paths) in &sets {
+        let checked = run_traces(paths, &root, backend, args.json)?;
         let name = dir.strip_prefix(&root).unwrap_or(dir).display().to_string();
         report.push(set_report(name, &checked));
         all.extend(checked);
-    }
-    if all.is_empty() {
-        match &args.only {
-            Some(only) => bail!("no trace id contains {only:?} in {}", list(&sets)),
-            None => bail!("no trace files in {}", list(&sets)),
-        }
     }
     print_results("verity check", &report, &all, args.json, backend, &reports)
 }
@@ -495,13 +525,6 @@ pub(super) fn print_results(
         );
     }
     Ok(exit_code(all))
-}
-
-fn list(dirs: &[PathBuf]) -> String {
-    dirs.iter()
-        .map(|d| d.display().to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 pub fn replay(args: ReplayArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {

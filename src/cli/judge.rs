@@ -13,7 +13,7 @@ use anyhow::{anyhow, bail, Context};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use verity::parity::judge::{model_class, Judged, Judgement};
-use verity::parity::replay::{golden_sets, replay, replay_forced};
+use verity::parity::replay::{replay, replay_forced};
 use verity::parity::Models;
 use verity_harness::atomic;
 use verity_harness::judge::{plan, Plan};
@@ -21,9 +21,11 @@ use verity_harness::protocol::{
     judge_answer, pair_responses, parse_requests, validate, Mode, Request, Response,
 };
 use verity_harness::registry::Registry;
-use verity_harness::trace::{find_traces, Trace};
+use verity_harness::trace::Trace;
 
-use super::check::{print_results, set_report, Checked, ReportArgs, ReportFiles};
+use super::check::{
+    print_results, set_report, Checked, ReportArgs, ReportFiles, Selected, TraceArgs,
+};
 
 #[derive(Subcommand)]
 pub enum Judge {
@@ -37,15 +39,8 @@ pub enum Judge {
 
 #[derive(Args)]
 pub struct ExportArgs {
-    /// Repository root that trace model paths are relative to [default: current directory].
-    #[arg(long)]
-    root: Option<PathBuf>,
-    /// Trace folders [default: every golden set, as `verity check`].
-    #[arg(long = "traces")]
-    sets: Vec<PathBuf>,
-    /// Only traces whose path contains this.
-    #[arg(long)]
-    only: Option<String>,
+    #[command(flatten)]
+    traces: TraceArgs,
     /// The backend the engine runs on: cpu, cuda or metal [default: this run's device]. It
     /// decides which cases are generated and which teacher-forced, as for `verity check`.
     #[arg(long)]
@@ -126,27 +121,13 @@ fn export(args: ExportArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             BACKENDS.join(", ")
         );
     }
-    let root = super::root_or_cwd(args.root)?;
+    let Selected { root, sets } = args.traces.select()?;
     let root = std::fs::canonicalize(&root).with_context(|| format!("{}", root.display()))?;
-    let sets = if args.sets.is_empty() {
-        golden_sets(&root).with_context(|| {
-            format!(
-                "no golden traces under {} (run from the repository root or pass --root)",
-                root.join("golden").display()
-            )
-        })?
-    } else {
-        args.sets
-    };
     let registry = registry(&root)?;
     let mut models = Models::new(&root);
     let (mut lines, mut modes, mut cases) = (String::new(), Vec::new(), BTreeSet::new());
-    for dir in &sets {
-        let mut paths = find_traces(dir).with_context(|| format!("{}", dir.display()))?;
-        if let Some(only) = &args.only {
-            paths.retain(|p| p.to_string_lossy().contains(only.as_str()));
-        }
-        let set = relative(dir, &root)?;
+    for (dir, paths) in sets {
+        let set = relative(&dir, &root)?;
         for path in paths {
             let trace = Trace::load(&path)?;
             let bundle = models
@@ -168,13 +149,6 @@ fn export(args: ExportArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             modes.push(request.mode);
             lines.push_str(&serde_json::to_string(&request)?);
             lines.push('\n');
-        }
-    }
-    if modes.is_empty() {
-        let sets: Vec<String> = sets.iter().map(|d| d.display().to_string()).collect();
-        match &args.only {
-            Some(only) => bail!("no trace id contains {only:?} in {}", sets.join(", ")),
-            None => bail!("no trace files in {}", sets.join(", ")),
         }
     }
     atomic::write(&args.out, lines.as_bytes())
