@@ -270,7 +270,8 @@ impl<'m> Batch<'m> {
             lone_rows::decode_rows(|| self.model.forward_rows(&ids, &mut caches, &lens, &taps))?
         };
         let mut sampled = Vec::new();
-        let mut leaving = Vec::new();
+        let mut pending = Vec::new();
+        let mut rounds = Vec::new();
         let mut start = 0;
         for (row, &len) in self.rows.iter_mut().zip(&lens) {
             let end = start + len as i32;
@@ -283,9 +284,7 @@ impl<'m> Batch<'m> {
                     let y = p.sampler.sample(&logprobs)?;
                     sampled.push((y, logprobs.squeeze(&[0])?));
                 }
-                Decoder::Speculative {
-                    speculator, source, ..
-                } => {
+                Decoder::Speculative { speculator, .. } => {
                     let hidden = speculator
                         .taps
                         .iter()
@@ -294,20 +293,34 @@ impl<'m> Batch<'m> {
                             out.hidden[at].slice_axis(1, start, end)
                         })
                         .collect::<mlx::Result<Vec<_>>>()?;
-                    let mut stopped = false;
-                    speculator.settle(source.as_mut(), &logits, &hidden, &mut |t| {
-                        let control = on_token(row.id, t);
-                        stopped |= control == Control::Stop;
-                        control
-                    })?;
-                    if stopped || speculator.is_done() {
-                        leaving.push(row.id);
-                    }
+                    pending.extend(speculator.enqueue_verdict(&logits)?);
+                    rounds.push((logits, hidden));
                 }
             }
             start = end;
         }
-        mlx::eval(sampled.iter().flat_map(|(y, lp)| [y, lp]))?;
+        // Every row's tokens at once: the host waits for the device once per step.
+        mlx::eval(sampled.iter().flat_map(|(y, lp)| [y, lp]).chain(&pending))?;
+        let mut leaving = Vec::new();
+        let mut rounds = rounds.into_iter();
+        for row in &mut self.rows {
+            let Decoder::Speculative {
+                speculator, source, ..
+            } = &mut row.decoder
+            else {
+                continue;
+            };
+            let (logits, hidden) = rounds.next().expect("one round per speculative row");
+            let mut stopped = false;
+            speculator.settle(source.as_mut(), &logits, &hidden, &mut |t| {
+                let control = on_token(row.id, t);
+                stopped |= control == Control::Stop;
+                control
+            })?;
+            if stopped || speculator.is_done() {
+                leaving.push(row.id);
+            }
+        }
         let mut sampled = sampled.into_iter();
         for row in &mut self.rows {
             let Decoder::Plain(p) = &mut row.decoder else {

@@ -137,6 +137,7 @@ pub fn draft_together(
             lone_rows::decode_rows(|| model.forward_rows(&ids, &mut caches, &lens, &[]))?.logits
         };
         let mut end = 0;
+        let mut enqueued = Vec::new();
         for (&r, &len) in live.iter().zip(&lens) {
             end += len as i32;
             let (source, ctx, _) = &mut rows[r];
@@ -146,10 +147,14 @@ pub fn draft_together(
             if ctx.needs_draft_ids() {
                 read[r].push(token.astype(Dtype::Uint32)?.item::<u32>()?);
             } else {
-                mlx::async_eval([&token])?;
+                enqueued.push(token.clone());
             }
             sampled[r].push(token.clone());
             inputs[r] = Some(token);
+        }
+        // One enqueue per draft step for every row's draft.
+        if !enqueued.is_empty() {
+            mlx::async_eval(&enqueued)?;
         }
     }
     let mut drafts = Vec::with_capacity(rows.len());

@@ -118,6 +118,9 @@ pub struct Speculator {
     anchor: Vec<Array>,
     /// The round in flight: `[last, drafts...]`.
     input: Vec<u32>,
+    /// The round's verdict, enqueued by [`Speculator::enqueue_verdict`]: the sampled tokens and
+    /// the logprobs at every position.
+    verdict: Option<(Array, Array)>,
     done: bool,
 }
 
@@ -207,6 +210,7 @@ impl Speculator {
             seeding,
             anchor: Vec::new(),
             input: Vec::new(),
+            verdict: None,
             done: false,
         })
     }
@@ -268,6 +272,22 @@ impl Speculator {
         self.input.extend(&drafts);
         begin_round(&mut self.caches);
         self.input.clone()
+    }
+
+    /// Enqueues the round's verdict over the target's `logits` (1, n, V) when it is one
+    /// computation (no processors, no grammar: the others are judged position by position),
+    /// returning what to evaluate; [`Speculator::settle`] then reads it. A batch evaluates every
+    /// row's verdict at once instead of waiting for each row in turn.
+    pub(crate) fn enqueue_verdict(&mut self, logits: &Array) -> Result<Vec<Array>> {
+        if self.sampler.has_processors() || self.sampler.is_constrained() {
+            return Ok(Vec::new());
+        }
+        let logits = logits.squeeze(&[0])?;
+        let lp = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+        let sampled = self.sampler.sample(&lp)?.astype(Dtype::Uint32)?;
+        let pending = vec![sampled.clone(), lp.clone()];
+        self.verdict = Some((sampled, lp));
+        Ok(pending)
     }
 
     /// Closes the round [`Speculator::next_input`] opened, given the target's `logits`
@@ -389,17 +409,18 @@ impl Speculator {
     /// advanced over the walk so far, and stops at the first rejected draft, an EOS, or a
     /// finished grammar.
     fn judge(&mut self, input: &[u32], logits: &Array) -> Result<(Vec<u32>, Vec<Array>)> {
-        let logits = logits.squeeze(&[0])?;
+        if self.verdict.is_none() {
+            self.enqueue_verdict(logits)?;
+        }
         let positions = input.len() as i32;
-        if !self.sampler.has_processors() && !self.sampler.is_constrained() {
-            let lp = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
-            let sampled = self.sampler.sample(&lp)?.astype(Dtype::Uint32)?;
+        if let Some((sampled, lp)) = self.verdict.take() {
             mlx::eval([&sampled, &lp])?;
             let rows = (0..positions)
                 .map(|i| lp.slice_axis(0, i, i + 1).and_then(|r| r.squeeze(&[0])))
                 .collect::<mlx::Result<Vec<_>>>()?;
             return Ok((sampled.to_vec::<u32>()?, rows));
         }
+        let logits = logits.squeeze(&[0])?;
         let (mut tokens, mut rows) = (Vec::new(), Vec::new());
         for i in 0..positions {
             let row = logits.slice_axis(0, i, i + 1)?;
