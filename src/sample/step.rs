@@ -62,6 +62,11 @@ impl StepSampler {
         !self.processors.is_empty()
     }
 
+    /// Whether it samples by argmax (temperature 0), drawing no keys.
+    pub fn is_greedy(&self) -> bool {
+        self.sampler.is_greedy()
+    }
+
     /// Whether the grammar is complete (only EOS may follow).
     pub fn grammar_stopped(&self) -> bool {
         self.constraint.as_ref().is_some_and(Constraint::is_stopped)

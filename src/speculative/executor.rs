@@ -99,6 +99,17 @@ struct Seeding {
     context: Vec<Array>,
 }
 
+/// A round's verdict as enqueued, before the host reads it.
+enum Verdict {
+    /// No processors and no grammar: every position sampled in one draw, (n,) tokens and
+    /// (n, V) logprobs.
+    Whole(Array, Array),
+    /// Greedy with logits processors: each position processed with the history it has when
+    /// the walk reaches it (the drafts before it, which the walk has accepted by then), one
+    /// token and (V,) logprobs per position; the walk stops where plain judging would.
+    Walk(Vec<(Array, Array)>),
+}
+
 /// One speculative request between rounds: its target caches, sampler and counters, and where
 /// its rounds stand. Its draft source is the caller's, passed to every call.
 pub struct Speculator {
@@ -118,9 +129,8 @@ pub struct Speculator {
     anchor: Vec<Array>,
     /// The round in flight: `[last, drafts...]`.
     input: Vec<u32>,
-    /// The round's verdict, enqueued by [`Speculator::enqueue_verdict`]: the sampled tokens and
-    /// the logprobs at every position.
-    verdict: Option<(Array, Array)>,
+    /// The round's verdict, enqueued by [`Speculator::enqueue_verdict`].
+    verdict: Option<Verdict>,
     done: bool,
 }
 
@@ -274,19 +284,38 @@ impl Speculator {
         self.input.clone()
     }
 
-    /// Enqueues the round's verdict over the target's `logits` (1, n, V) when it is one
-    /// computation (no processors, no grammar: the others are judged position by position),
-    /// returning what to evaluate; [`Speculator::settle`] then reads it. A batch evaluates every
+    /// Enqueues the round's verdict over the target's `logits` (1, n, V) when it needs no token
+    /// read between positions (no grammar, and greedy when there are processors: the others
+    /// are judged position by position), returning what to evaluate; [`Speculator::settle`] then reads it. A batch evaluates every
     /// row's verdict at once instead of waiting for each row in turn.
     pub(crate) fn enqueue_verdict(&mut self, logits: &Array) -> Result<Vec<Array>> {
-        if self.sampler.has_processors() || self.sampler.is_constrained() {
+        let processors = self.sampler.has_processors();
+        if self.sampler.is_constrained() || (processors && !self.sampler.is_greedy()) {
             return Ok(Vec::new());
         }
         let logits = logits.squeeze(&[0])?;
-        let lp = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
-        let sampled = self.sampler.sample(&lp)?.astype(Dtype::Uint32)?;
-        let pending = vec![sampled.clone(), lp.clone()];
-        self.verdict = Some((sampled, lp));
+        if !processors {
+            let lp = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+            let sampled = self.sampler.sample(&lp)?.astype(Dtype::Uint32)?;
+            let pending = vec![sampled.clone(), lp.clone()];
+            self.verdict = Some(Verdict::Whole(sampled, lp));
+            return Ok(pending);
+        }
+        let mut walk = Vec::with_capacity(self.input.len());
+        for i in 0..self.input.len() {
+            let row = logits.slice_axis(0, i as i32, i as i32 + 1)?;
+            let processed = self
+                .sampler
+                .process(&row, &self.input[..=i], Masking::Grammar)?;
+            let lp = processed.subtract(&processed.logsumexp(&[-1], true)?)?;
+            let t = self.sampler.sample(&lp)?.astype(Dtype::Uint32)?;
+            walk.push((t, lp.squeeze(&[0])?));
+        }
+        let pending = walk
+            .iter()
+            .flat_map(|(t, lp)| [t.clone(), lp.clone()])
+            .collect();
+        self.verdict = Some(Verdict::Walk(walk));
         Ok(pending)
     }
 
@@ -302,6 +331,9 @@ impl Speculator {
         on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
     ) -> Result<()> {
         quantize_due(&mut self.caches, self.params.kv_quantization.as_ref())?;
+        if self.verdict.is_none() {
+            self.enqueue_verdict(logits)?;
+        }
         let input = std::mem::take(&mut self.input);
         let (tokens, logprobs) = self.judge(&input, logits)?;
         let drafts = &input[1..];
@@ -409,16 +441,29 @@ impl Speculator {
     /// advanced over the walk so far, and stops at the first rejected draft, an EOS, or a
     /// finished grammar.
     fn judge(&mut self, input: &[u32], logits: &Array) -> Result<(Vec<u32>, Vec<Array>)> {
-        if self.verdict.is_none() {
-            self.enqueue_verdict(logits)?;
-        }
         let positions = input.len() as i32;
-        if let Some((sampled, lp)) = self.verdict.take() {
-            mlx::eval([&sampled, &lp])?;
-            let rows = (0..positions)
-                .map(|i| lp.slice_axis(0, i, i + 1).and_then(|r| r.squeeze(&[0])))
-                .collect::<mlx::Result<Vec<_>>>()?;
-            return Ok((sampled.to_vec::<u32>()?, rows));
+        match self.verdict.take() {
+            Some(Verdict::Whole(sampled, lp)) => {
+                mlx::eval([&sampled, &lp])?;
+                let rows = (0..positions)
+                    .map(|i| lp.slice_axis(0, i, i + 1).and_then(|r| r.squeeze(&[0])))
+                    .collect::<mlx::Result<Vec<_>>>()?;
+                return Ok((sampled.to_vec::<u32>()?, rows));
+            }
+            Some(Verdict::Walk(walk)) => {
+                mlx::eval(walk.iter().flat_map(|(t, lp)| [t, lp]))?;
+                let (mut tokens, mut rows) = (Vec::new(), Vec::new());
+                for (i, (t, lp)) in walk.into_iter().enumerate() {
+                    let t = t.item::<u32>()?;
+                    tokens.push(t);
+                    rows.push(lp);
+                    if input.get(i + 1) != Some(&t) || self.params.eos_token_ids.contains(&t) {
+                        break;
+                    }
+                }
+                return Ok((tokens, rows));
+            }
+            None => {}
         }
         let logits = logits.squeeze(&[0])?;
         let (mut tokens, mut rows) = (Vec::new(), Vec::new());
