@@ -319,8 +319,8 @@ fn qwen3_target_speculative_batch_rows_equal_their_lone_requests() {
 
 /// Rows that draft with one draft model draft together (one packed forward per draft step):
 /// with different prompt lengths, drafts per round, greedy and seeded, joining at different
-/// steps, each row emits what it emits alone and drafts what it drafts alone (its acceptance
-/// counters), and greedy rows emit what plain decoding emits.
+/// steps, with and without logits processors, each row emits what it emits alone and drafts what
+/// it drafts alone (its acceptance counters), and greedy rows emit what plain decoding emits.
 #[test]
 fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
     support::on_cpu();
@@ -346,7 +346,13 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
             drafter: Some((0, Some(1 + i))),
         })
         .collect();
-    let params: Vec<GenerateParams> = rows.iter().map(|r| params(&b, r, Caches::Plain)).collect();
+    let mut params: Vec<GenerateParams> =
+        rows.iter().map(|r| params(&b, r, Caches::Plain)).collect();
+    // Processors that read the drafts, on a greedy row and on the seeded one.
+    for i in [1, 2] {
+        params[i].processors.repetition_penalty = Some(1.3);
+        params[i].processors.repetition_context_size = 20;
+    }
     let got = batched(model, &drafters, &rows, &params);
     assert_eq!(got.widest, 4);
     for (i, row) in rows.iter().enumerate() {

@@ -137,24 +137,28 @@ pub fn draft_together(
             lone_rows::decode_rows(|| model.forward_rows(&ids, &mut caches, &lens, &[]))?.logits
         };
         let mut end = 0;
-        let mut enqueued = Vec::new();
+        let mut step = Vec::with_capacity(live.len());
         for (&r, &len) in live.iter().zip(&lens) {
             end += len as i32;
             let (source, ctx, _) = &mut rows[r];
             quantize_due(source.caches_mut(), ctx.params.kv_quantization.as_ref())?;
             let last = logits.slice_axis(1, end - 1, end)?.squeeze(&[1])?;
             let token = ctx.sample(&last, &read[r])?;
-            if ctx.needs_draft_ids() {
-                read[r].push(token.astype(Dtype::Uint32)?.item::<u32>()?);
-            } else {
-                enqueued.push(token.clone());
-            }
             sampled[r].push(token.clone());
-            inputs[r] = Some(token);
+            inputs[r] = Some(token.clone());
+            step.push(token);
         }
-        // One enqueue per draft step for every row's draft.
-        if !enqueued.is_empty() {
-            mlx::async_eval(&enqueued)?;
+        // One enqueue per draft step for every row's draft; the rows whose processors read the
+        // drafts read theirs after one wait for all.
+        if live.iter().any(|&r| rows[r].1.needs_draft_ids()) {
+            mlx::eval(&step)?;
+            for (&r, token) in live.iter().zip(&step) {
+                if rows[r].1.needs_draft_ids() {
+                    read[r].push(token.astype(Dtype::Uint32)?.item::<u32>()?);
+                }
+            }
+        } else {
+            mlx::async_eval(&step)?;
         }
     }
     let mut drafts = Vec::with_capacity(rows.len());
