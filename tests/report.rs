@@ -56,6 +56,26 @@ fn inked_share(path: &Path) -> f64 {
     inked as f64 / (pixels.len() / channels) as f64
 }
 
+/// Runs verity's `verb args...` on the CPU against the repository root; it must exit 1 (`why`).
+fn exits_1(args: &[&std::ffi::OsStr], why: &str) {
+    let (verb, rest) = args.split_first().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args(["--device", "cpu"])
+        .arg(verb)
+        .arg("--root")
+        .arg(root())
+        .args(rest)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{why}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn the_html_report_renders_tables_a_diff_and_charts_in_chromium() {
     let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("report");
@@ -85,43 +105,35 @@ fn the_html_report_renders_tables_a_diff_and_charts_in_chromium() {
     row[2] = row[1].clone();
     fs::write(scratch.join("baseline.json"), baseline.to_string()).unwrap();
     let accept = scratch.join("accept.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_verity"))
-        .args(["--device", "cpu", "accept", "--root"])
-        .arg(root())
-        .arg("--suite")
-        .arg(root().join("golden/accept/noisy-draft.toml"))
-        .arg("--baseline")
-        .arg(scratch.join("baseline.json"))
-        .arg("--json")
-        .arg(&accept)
-        .output()
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "the last position regressed: {}",
-        String::from_utf8_lossy(&out.stdout)
+    let suite = root().join("golden/accept/noisy-draft.toml");
+    let edited = scratch.join("baseline.json");
+    exits_1(
+        &[
+            "accept".as_ref(),
+            "--suite".as_ref(),
+            suite.as_os_str(),
+            "--baseline".as_ref(),
+            edited.as_os_str(),
+            "--json".as_ref(),
+            accept.as_os_str(),
+        ],
+        "the last position regressed",
     );
 
     let page = scratch.join("report.html");
-    let out = Command::new(env!("CARGO_BIN_EXE_verity"))
-        .args(["--device", "cpu", "check", "--root"])
-        .arg(root())
-        .arg("--traces")
-        .arg(&here)
-        .arg("--traces")
-        .arg(&other)
-        .arg("--html")
-        .arg(&page)
-        .arg("--accept")
-        .arg(&accept)
-        .output()
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "one trace diverges: {}",
-        String::from_utf8_lossy(&out.stderr)
+    exits_1(
+        &[
+            "check".as_ref(),
+            "--traces".as_ref(),
+            here.as_os_str(),
+            "--traces".as_ref(),
+            other.as_os_str(),
+            "--html".as_ref(),
+            page.as_os_str(),
+            "--accept".as_ref(),
+            accept.as_os_str(),
+        ],
+        "one trace diverges",
     );
 
     let dom =
