@@ -286,8 +286,9 @@ impl Speculator {
 
     /// Enqueues the round's verdict over the target's `logits` (1, n, V) when it needs no token
     /// read between positions (no grammar, and greedy when there are processors: the others
-    /// are judged position by position), returning what to evaluate; [`Speculator::settle`] then reads it. A batch evaluates every
-    /// row's verdict at once instead of waiting for each row in turn.
+    /// are judged position by position), returning what to evaluate; [`Speculator::settle`]
+    /// then reads it. A batch evaluates every row's verdict at once instead of waiting for
+    /// each row in turn.
     pub(crate) fn enqueue_verdict(&mut self, logits: &Array) -> Result<Vec<Array>> {
         let processors = self.sampler.has_processors();
         if self.sampler.is_constrained() || (processors && !self.sampler.is_greedy()) {
