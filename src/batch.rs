@@ -3,8 +3,8 @@
 //! drafts...]` (its drafts proposed by its own source). Each row then samples, or verifies and
 //! accepts, from its own logits with its own processors, grammar, random keys, caches and stop
 //! conditions, and a speculative row takes its rejected drafts back from its own caches. Rows
-//! join between steps (prefilled alone, their first token coming with the next step) and leave
-//! when they finish or are removed. Rows that draft with the same draft model draft together,
+//! join between steps (prefilled alone, the running rows stepping between its chunks; their
+//! first token comes with the next step) and leave when they finish or are removed. Rows that draft with the same draft model draft together,
 //! one packed forward per draft step (crate::speculative::draft_model::draft_together).
 //!
 //! A row emits what its request emits alone through [`crate::decode::decode`], token for token
@@ -63,6 +63,10 @@ pub struct Left {
     pub speculation: Option<SpeculationStats>,
 }
 
+/// Called after each prefill chunk of a joining row with the batch and the prompt tokens
+/// prefilled so far ([`Batch::add`]).
+pub type BetweenChunks<'a, 'm> = &'a mut dyn FnMut(&mut Batch<'m>, usize) -> Control;
+
 /// The rows decoding together on one model.
 pub struct Batch<'m> {
     model: &'m dyn LanguageModel,
@@ -79,39 +83,44 @@ impl<'m> Batch<'m> {
 
     /// Validates `request`, prefills its prompt but the last token alone, and adds it as row
     /// `id` (unique among the rows), speculative when `drafter` (loaded for this model) is
-    /// given; its first token comes with the next [`Batch::step`]. `on_chunk` sees the prompt
-    /// tokens prefilled after each chunk (`Stop` cancels with [`crate::Error::Cancelled`]);
-    /// `on_prefilled` the caches once prefilled.
+    /// given; its first token comes with the next [`Batch::step`]. `between_chunks` is called
+    /// after each prefill chunk with the batch (its running rows, not yet this one) and the
+    /// prompt tokens prefilled so far: there a caller steps the running rows, so that a long
+    /// prompt joining does not stall them (the chunks are the lone request's, so are the
+    /// bits); `Stop` cancels with [`crate::Error::Cancelled`]. `on_prefilled` sees the caches
+    /// once prefilled.
     pub fn add(
         &mut self,
         id: usize,
         drafter: Option<&'m Drafter>,
         start: Start,
         request: Request<'_>,
-        on_chunk: Option<&mut dyn FnMut(usize) -> Control>,
+        between_chunks: Option<BetweenChunks<'_, 'm>>,
         on_prefilled: Option<OnPrefilled<'_>>,
     ) -> Result<()> {
         if self.rows.iter().any(|r| r.id == id) {
             return Err(contract(format!("row {id} is already in the batch")));
         }
+        let model = self.model;
         let (caches, draft_caches, cached) =
-            start.into_caches(self.model, drafter.is_some(), request.params)?;
-        let (mut go_on, mut keep_nothing) = (
-            |_: usize| Control::Continue,
-            |_: &[LayerCache], _: Option<&[LayerCache]>| {},
-        );
+            start.into_caches(model, drafter.is_some(), request.params)?;
+        let mut keep_nothing = |_: &[LayerCache], _: Option<&[LayerCache]>| {};
+        let mut between_chunks = between_chunks;
+        let mut on_chunk = |done: usize| match between_chunks.as_mut() {
+            Some(between) => between(self, done),
+            None => Control::Continue,
+        };
         let resume = Resume {
             caches,
             cached,
             on_prefilled: on_prefilled.unwrap_or(&mut keep_nothing),
-            on_chunk: on_chunk.unwrap_or(&mut go_on),
+            on_chunk: &mut on_chunk,
         };
         let decoder = match drafter {
             Some(drafter) => {
-                let mut source = drafter.source(self.model, draft_caches.map(|c| (c, cached)))?;
+                let mut source = drafter.source(model, draft_caches.map(|c| (c, cached)))?;
                 let speculation = request.speculation(drafter);
-                let speculator =
-                    Speculator::start(self.model, source.as_mut(), resume, speculation)?;
+                let speculator = Speculator::start(model, source.as_mut(), resume, speculation)?;
                 Decoder::Speculative {
                     speculator: Box::new(speculator),
                     source,
@@ -124,7 +133,7 @@ impl<'m> Batch<'m> {
                     sampler,
                     last,
                 } = prefill_request(
-                    self.model,
+                    model,
                     resume,
                     request.prompt,
                     request.params,

@@ -484,3 +484,91 @@ fn a_grammar_row_beside_a_plain_row_equals_both_alone() {
         "the grammar changed nothing: the test would not see a shared mask"
     );
 }
+
+/// A long prompt joining in chunks while a plain and a speculative row decode: the running rows
+/// step once after each of its chunks (so they are not stalled by its prefill), and every row,
+/// the joiner included, still emits what its request emits alone.
+#[test]
+fn running_rows_step_between_a_joining_prompts_chunks_and_every_row_equals_alone() {
+    support::on_cpu();
+    let b = bundle("qwen3-target");
+    let model = b.model();
+    let short = b.tokenizer.encode("Once upon a time", true).unwrap();
+    let long: Vec<u32> = b
+        .tokenizer
+        .encode(
+            &"the quick brown fox jumps over the lazy dog ".repeat(4),
+            true,
+        )
+        .unwrap();
+    let mut params = GenerateParams::greedy(16, b.eos_token_ids.clone());
+    params.prefill_step_size = 8;
+    let chunks = (long.len() - 1).div_ceil(params.prefill_step_size);
+    assert!(chunks >= 4, "a prompt of {} tokens", long.len());
+    let drafter = Drafter::load(&DrafterSpec::Ngram { min: 1, max: 3 }, &b).unwrap();
+    let request = |prompt| Request {
+        prompt,
+        params: &params,
+        constraint: None,
+        num_draft_tokens: None,
+    };
+    let mut batch = Batch::new(model);
+    batch
+        .add(0, None, Start::Fresh, request(&short), None, None)
+        .unwrap();
+    batch
+        .add(
+            1,
+            Some(&drafter),
+            Start::Fresh,
+            request(&short[1..]),
+            None,
+            None,
+        )
+        .unwrap();
+    let mut got = [Steps::new(), Steps::new(), Steps::new()];
+    let (mut calls, mut prefilled) = (0, Vec::new());
+    let mut between = |batch: &mut Batch, done: usize| {
+        calls += 1;
+        prefilled.push(done);
+        batch
+            .step(&mut |i, t| {
+                record(&mut got[i], t);
+                Control::Continue
+            })
+            .unwrap();
+        Control::Continue
+    };
+    batch
+        .add(
+            2,
+            None,
+            Start::Fresh,
+            request(&long),
+            Some(&mut between),
+            None,
+        )
+        .unwrap();
+    assert_eq!(calls, chunks);
+    assert_eq!(prefilled.last(), Some(&(long.len() - 1)));
+    assert_eq!(got[0].len(), chunks, "the plain row steps once per chunk");
+    assert!(
+        got[1].len() >= chunks,
+        "the speculative row steps once per chunk"
+    );
+    assert!(got[2].is_empty());
+    while !batch.is_empty() {
+        batch
+            .step(&mut |i, t| {
+                record(&mut got[i], t);
+                Control::Continue
+            })
+            .unwrap();
+    }
+    assert_eq!(got[0], alone(model, None, None, &short, &params));
+    assert_eq!(
+        got[1],
+        alone(model, Some(&drafter), None, &short[1..], &params)
+    );
+    assert_eq!(got[2], alone(model, None, None, &long, &params));
+}

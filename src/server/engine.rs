@@ -256,8 +256,9 @@ impl Engine {
         }
     }
 
-    /// Continuous batching: requests join the batch between steps (each prefilled alone), up
-    /// to `max_num_seqs` at a time, and leave it when they finish or their client goes away;
+    /// Continuous batching: requests join the batch between steps (each prefilled alone, the
+    /// running rows stepping between its chunks), up to `max_num_seqs` at a time, and leave it
+    /// when they finish or their client goes away;
     /// every step runs one forward over each row's next token (a speculative row's round:
     /// its last token and its drafts).
     fn serve_batched(&self, mut queue: mpsc::Receiver<Job>) {
@@ -278,11 +279,10 @@ impl Engine {
                     }
                 };
                 let events = job.events.clone();
-                let joined =
-                    panic::catch_unwind(AssertUnwindSafe(|| self.join(&mut batch, next_id, job)))
-                        .unwrap_or_else(|_| {
-                            Err(ApiError::internal("the request panicked in the engine"))
-                        });
+                let joined = panic::catch_unwind(AssertUnwindSafe(|| {
+                    self.join(&mut batch, &mut lanes, next_id, job)
+                }))
+                .unwrap_or_else(|_| Err(ApiError::internal("the request panicked in the engine")));
                 match joined {
                     Ok(Ok(lane)) => {
                         lanes.insert(next_id, lane);
@@ -296,33 +296,39 @@ impl Engine {
                 mlx::memory::clear_cache();
                 continue;
             }
-            let width = lanes.len();
-            for lane in lanes.values_mut() {
-                lane.batch_rows = lane.batch_rows.max(width);
-            }
-            let target = &self.target;
-            let mut on_token = |id: usize, step: &GeneratedToken| match lanes.get_mut(&id) {
-                Some(lane) => lane.on_token(target, step),
-                None => Control::Stop,
-            };
-            let stepped = panic::catch_unwind(AssertUnwindSafe(|| batch.step(&mut on_token)))
-                .unwrap_or_else(|_| Err(crate::Error::Contract("a batch step panicked".into())));
-            let left = match stepped {
-                Ok(left) => left,
-                Err(e) => {
-                    // MLX state of the rows is unknown after a failed step: every row fails.
-                    let e = refusal(e);
-                    for (_, lane) in lanes.drain() {
-                        self.report(Err(e.clone()), &lane.events);
-                    }
-                    batch = Batch::new(self.target.model());
-                    continue;
+            self.step(&mut batch, &mut lanes);
+        }
+    }
+
+    /// One step of every row in `batch`, each lane told its tokens; the lanes whose requests
+    /// ended are reported and removed. A failed step fails every row and empties the batch.
+    fn step<'s>(&'s self, batch: &mut Batch<'s>, lanes: &mut HashMap<usize, Lane>) {
+        let width = lanes.len();
+        for lane in lanes.values_mut() {
+            lane.batch_rows = lane.batch_rows.max(width);
+        }
+        let target = &self.target;
+        let mut on_token = |id: usize, step: &GeneratedToken| match lanes.get_mut(&id) {
+            Some(lane) => lane.on_token(target, step),
+            None => Control::Stop,
+        };
+        let stepped = panic::catch_unwind(AssertUnwindSafe(|| batch.step(&mut on_token)))
+            .unwrap_or_else(|_| Err(crate::Error::Contract("a batch step panicked".into())));
+        match stepped {
+            Ok(left) => {
+                for left in left {
+                    let lane = lanes.remove(&left.id).expect("a row is a lane");
+                    let events = lane.events.clone();
+                    self.report(lane.outcome(left.speculation.as_ref()), &events);
                 }
-            };
-            for left in left {
-                let lane = lanes.remove(&left.id).expect("a row is a lane");
-                let events = lane.events.clone();
-                self.report(lane.outcome(left.speculation.as_ref()), &events);
+            }
+            Err(e) => {
+                // MLX state of the rows is unknown after a failed step: every row fails.
+                let e = refusal(e);
+                for (_, lane) in lanes.drain() {
+                    self.report(Err(e.clone()), &lane.events);
+                }
+                *batch = Batch::new(self.target.model());
             }
         }
     }
@@ -444,10 +450,12 @@ impl Engine {
             .insert(&self.namespace, head, target, draft)
     }
 
-    /// Admits `job` and prefills it into `batch` as row `id`.
+    /// Admits `job` and prefills it into `batch` as row `id`, the running rows (`lanes`)
+    /// stepping once after each prefill chunk.
     fn join<'s>(
         &'s self,
         batch: &mut Batch<'s>,
+        lanes: &mut HashMap<usize, Lane>,
         id: usize,
         job: Job,
     ) -> Result<Result<Lane, Outcome>, ApiError> {
@@ -462,7 +470,12 @@ impl Engine {
             constraint,
             start,
         } = admitted;
-        let mut gone = |_| lane.gone();
+        let mut between_chunks = |batch: &mut Batch<'s>, _| {
+            if !lanes.is_empty() {
+                self.step(batch, lanes);
+            }
+            lane.gone()
+        };
         let mut keep = |target: &[LayerCache], draft: Option<&[LayerCache]>| {
             self.keep_prefix(&prompt, target, draft)
         };
@@ -478,7 +491,7 @@ impl Engine {
             drafter,
             start,
             request,
-            Some(&mut gone),
+            Some(&mut between_chunks),
             Some(&mut keep),
         );
         Ok(match checked(added)? {
