@@ -19,6 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import mlx.core as mx
 from mlx_lm import load, stream_generate
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors
 from reproducers import run
 
@@ -54,6 +55,21 @@ def speculative_processors_hide_the_prompt():
     plain = tokens("qwen3-target", logits_processors=procs)
     spec = tokens("qwen3-target", "qwen3-draft", logits_processors=procs, num_draft_tokens=3)
     return plain != spec
+
+
+def batch_rotating_cache_drops_keep():
+    """qwen3 with max_kv_size 24, a batch of one row: BatchGenerator's tokens differ from
+    stream_generate's with the same max_kv_size once the window fills."""
+    model, tok = load(str(MODELS / "qwen3"))
+    ids = tok.encode(CODE)
+    alone = [r.token for r in stream_generate(model, tok, ids, max_tokens=16, max_kv_size=24)]
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in tok.eos_token_ids], max_kv_size=24)
+    gen.insert([ids], [16])
+    batched = []
+    while responses := gen.next_generated():
+        batched.extend(int(r.token) for r in responses)
+    gen.close()
+    return batched != alone
 
 
 class Server:
