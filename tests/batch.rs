@@ -1,5 +1,6 @@
 //! Batch ≡ single: every row of a batch emits, token for token and logprob bit for bit, what
-//! the same request emits alone, on the CPU. A property over random schedules (prompts of
+//! the same request emits alone, on the CPU (and, under the nextest `gpu` profile, on the GPU
+//! through the lone-row kernels). A property over random schedules (prompts of
 //! different lengths, greedy and seeded rows, rows joining between steps, finishing at
 //! different times and being cancelled), for every fixture architecture and cache kind: KV,
 //! rotating (a sliding window, and --max-kv-size), quantized KV, recurrent, 4-bit weights;
@@ -205,7 +206,7 @@ fn check_fixture(fixture: &str, caches: Caches) {
 /// The property on `fixture`, its rows speculative or plain at random, each speculative one
 /// with one of `drafters`.
 fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterSpec]) {
-    support::on_cpu();
+    support::on_invariant_device();
     let b = bundle(fixture);
     let model = b.model();
     let drafters: Vec<Drafter> = drafters
@@ -323,7 +324,7 @@ fn qwen3_target_speculative_batch_rows_equal_their_lone_requests() {
 /// it drafts alone (its acceptance counters), and greedy rows emit what plain decoding emits.
 #[test]
 fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
-    support::on_cpu();
+    support::on_invariant_device();
     let b = bundle("qwen3-target");
     let model = b.model();
     let drafters =
@@ -412,7 +413,7 @@ fn gemma3_speculative_batch_rows_equal_their_lone_requests() {
 /// speculation is grammar-only.
 #[test]
 fn a_grammar_row_beside_a_plain_row_equals_both_alone() {
-    support::on_cpu();
+    support::on_invariant_device();
     let b = bundle("qwen3-target");
     let model = b.model();
     let prompt = b.tokenizer.encode("The answer is", true).unwrap();
@@ -490,7 +491,7 @@ fn a_grammar_row_beside_a_plain_row_equals_both_alone() {
 /// the joiner included, still emits what its request emits alone.
 #[test]
 fn running_rows_step_between_a_joining_prompts_chunks_and_every_row_equals_alone() {
-    support::on_cpu();
+    support::on_invariant_device();
     let b = bundle("qwen3-target");
     let model = b.model();
     let short = b.tokenizer.encode("Once upon a time", true).unwrap();

@@ -21,6 +21,18 @@ pub fn on_cpu() {
     mlx::set_default_device(mlx::Device::Cpu).unwrap();
 }
 
+/// Pins the device of the batch and lone-row invariants: the GPU under the nextest `gpu` profile
+/// (there they must hold through the lone-row kernels, which a GPU decode forward takes), else
+/// the CPU, whose kernels give every row its lone bits.
+pub fn on_invariant_device() {
+    mlx::jit::isolate_per_test_slot();
+    let device = match std::env::var("NEXTEST_PROFILE").as_deref() {
+        Ok("gpu") => mlx::Device::Gpu,
+        _ => mlx::Device::Cpu,
+    };
+    mlx::set_default_device(device).unwrap();
+}
+
 /// Runs the `verity` binary on the CPU, where the CPU golden set is bit-exact.
 pub fn verity_cpu(args: &[&str]) -> std::process::Output {
     mlx::jit::isolate_per_test_slot();
