@@ -30,6 +30,16 @@ fn record(steps: &mut Steps, t: &GeneratedToken) {
     steps.push((t.token, t.logprobs.to_bytes().unwrap(), t.finish));
 }
 
+/// One step of `batch`, each row's tokens recorded under its id in `got`.
+fn step_into(batch: &mut Batch, got: &mut [Steps]) {
+    batch
+        .step(&mut |i, t| {
+            record(&mut got[i], t);
+            Control::Continue
+        })
+        .unwrap();
+}
+
 /// One request of a schedule.
 #[derive(Clone, Debug)]
 struct Row {
@@ -469,12 +479,7 @@ fn a_grammar_row_beside_a_plain_row_equals_both_alone() {
         .unwrap();
     let mut got = [Steps::new(), Steps::new(), Steps::new()];
     while !batch.is_empty() {
-        batch
-            .step(&mut |i, t| {
-                record(&mut got[i], t);
-                Control::Continue
-            })
-            .unwrap();
+        step_into(&mut batch, &mut got);
     }
     assert_eq!(got[0], want_grammar);
     assert_eq!(got[1], want_plain);
@@ -532,12 +537,7 @@ fn running_rows_step_between_a_joining_prompts_chunks_and_every_row_equals_alone
     let mut between = |batch: &mut Batch, done: usize| {
         calls += 1;
         prefilled.push(done);
-        batch
-            .step(&mut |i, t| {
-                record(&mut got[i], t);
-                Control::Continue
-            })
-            .unwrap();
+        step_into(batch, &mut got);
         Control::Continue
     };
     batch
@@ -559,12 +559,7 @@ fn running_rows_step_between_a_joining_prompts_chunks_and_every_row_equals_alone
     );
     assert!(got[2].is_empty());
     while !batch.is_empty() {
-        batch
-            .step(&mut |i, t| {
-                record(&mut got[i], t);
-                Control::Continue
-            })
-            .unwrap();
+        step_into(&mut batch, &mut got);
     }
     assert_eq!(got[0], alone(model, None, None, &short, &params));
     assert_eq!(
