@@ -4,8 +4,9 @@
 //! accepts, from its own logits with its own processors, grammar, random keys, caches and stop
 //! conditions, and a speculative row takes its rejected drafts back from its own caches. Rows
 //! join between steps (prefilled alone, the running rows stepping between its chunks; their
-//! first token comes with the next step) and leave when they finish or are removed. Rows that draft with the same draft model draft together,
-//! one packed forward per draft step (crate::speculative::draft_model::draft_together).
+//! first token comes with the next step) and leave when they finish or are removed. Rows that
+//! draft with the same draft model draft together, one packed forward per draft step
+//! (crate::speculative::draft_model::draft_together).
 //!
 //! A row emits what its request emits alone through [`crate::decode::decode`], token for token
 //! and logprob bit for bit, wherever the packed forward gives each row its lone bits (on the

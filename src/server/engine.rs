@@ -258,9 +258,8 @@ impl Engine {
 
     /// Continuous batching: requests join the batch between steps (each prefilled alone, the
     /// running rows stepping between its chunks), up to `max_num_seqs` at a time, and leave it
-    /// when they finish or their client goes away;
-    /// every step runs one forward over each row's next token (a speculative row's round:
-    /// its last token and its drafts).
+    /// when they finish or their client goes away; every step runs one forward over each row's
+    /// next token (a speculative row's round: its last token and its drafts).
     fn serve_batched(&self, mut queue: mpsc::Receiver<Job>) {
         let mut batch = Batch::new(self.target.model());
         let mut lanes: HashMap<usize, Lane> = HashMap::new();
