@@ -96,7 +96,7 @@ impl<'m> Batch<'m> {
         drafter: Option<&'m Drafter>,
         start: Start,
         request: Request<'_>,
-        between_chunks: Option<BetweenChunks<'_, 'm>>,
+        mut between_chunks: Option<BetweenChunks<'_, 'm>>,
         on_prefilled: Option<OnPrefilled<'_>>,
     ) -> Result<()> {
         if self.rows.iter().any(|r| r.id == id) {
@@ -106,7 +106,6 @@ impl<'m> Batch<'m> {
         let (caches, draft_caches, cached) =
             start.into_caches(model, drafter.is_some(), request.params)?;
         let mut keep_nothing = |_: &[LayerCache], _: Option<&[LayerCache]>| {};
-        let mut between_chunks = between_chunks;
         let mut on_chunk = |done: usize| match between_chunks.as_mut() {
             Some(between) => between(self, done),
             None => Control::Continue,
