@@ -15,6 +15,7 @@
 //! row's token at the end of each step, since its rows' next inputs are those tokens.
 
 use std::ptr;
+use std::time::{Duration, Instant};
 
 use mlx::Dtype;
 
@@ -68,10 +69,26 @@ pub struct Left {
 /// prefilled so far ([`Batch::add`]).
 pub type BetweenChunks<'a, 'm> = &'a mut dyn FnMut(&mut Batch<'m>, usize) -> Control;
 
+/// Where the batch's steps spent their time, summed over steps: what to make cheaper next
+/// (on a GPU a step is bound by the host, which builds and launches every row's ops).
+#[derive(Clone, Debug, Default)]
+pub struct StepSplit {
+    pub steps: usize,
+    /// Drafting the speculative rows' next rounds (draft models run their forwards here).
+    pub draft: Duration,
+    /// Building the step's graph: the packed forward and every row's sampling or verdict.
+    pub build: Duration,
+    /// The one evaluation of every row's tokens: launching the graph and waiting for it.
+    pub eval: Duration,
+    /// Reading each row's tokens back, acceptance, rollback, and the callbacks.
+    pub settle: Duration,
+}
+
 /// The rows decoding together on one model.
 pub struct Batch<'m> {
     model: &'m dyn LanguageModel,
     rows: Vec<Row<'m>>,
+    split: StepSplit,
 }
 
 impl<'m> Batch<'m> {
@@ -79,6 +96,7 @@ impl<'m> Batch<'m> {
         Batch {
             model,
             rows: Vec::new(),
+            split: StepSplit::default(),
         }
     }
 
@@ -161,6 +179,11 @@ impl<'m> Batch<'m> {
         self.rows.is_empty()
     }
 
+    /// The time split of every step so far.
+    pub fn split(&self) -> &StepSplit {
+        &self.split
+    }
+
     /// Takes row `id` out (its request was cancelled); false when there is no such row.
     pub fn remove(&mut self, id: usize) -> bool {
         let before = self.rows.len();
@@ -235,6 +258,7 @@ impl<'m> Batch<'m> {
         if self.rows.is_empty() {
             return Ok(Vec::new());
         }
+        let started = Instant::now();
         let drafted = self.draft_shared()?;
         let inputs: Vec<Vec<u32>> = self
             .rows
@@ -253,6 +277,7 @@ impl<'m> Batch<'m> {
                 ) => speculator.next_input(source.as_mut()),
             })
             .collect::<Result<_>>()?;
+        let drafted_at = Instant::now();
         let lens: Vec<usize> = inputs.iter().map(Vec::len).collect();
         let mut taps: Vec<usize> = self
             .rows
@@ -309,7 +334,9 @@ impl<'m> Batch<'m> {
             start = end;
         }
         // Every row's tokens at once: the host waits for the device once per step.
+        let built_at = Instant::now();
         mlx::eval(sampled.iter().flat_map(|(y, lp)| [y, lp]).chain(&pending))?;
+        let evaluated_at = Instant::now();
         let mut leaving = Vec::new();
         let mut rounds = rounds.into_iter();
         for row in &mut self.rows {
@@ -353,6 +380,12 @@ impl<'m> Batch<'m> {
             }
             p.next = token;
         }
+        let split = &mut self.split;
+        split.steps += 1;
+        split.draft += drafted_at - started;
+        split.build += built_at - drafted_at;
+        split.eval += evaluated_at - built_at;
+        split.settle += evaluated_at.elapsed();
         let mut left = Vec::with_capacity(leaving.len());
         self.rows.retain(|row| {
             if !leaving.contains(&row.id) {

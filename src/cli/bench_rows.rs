@@ -12,7 +12,7 @@ use std::time::Instant;
 use clap::Args;
 use indicatif::ProgressBar;
 use serde_json::json;
-use verity::batch::Batch;
+use verity::batch::{Batch, StepSplit};
 use verity::bundle::ModelBundle;
 use verity::decode::{decode, Hooks, Request, Start};
 use verity::generate::{Control, GeneratedToken};
@@ -78,10 +78,25 @@ struct Outcome {
     first_token_difference: Option<usize>,
     /// Wall time per target forward (a round or a batch step).
     ms_per_forward: f64,
+    /// A batch case's step split in the median run: ms per step drafting, building, evaluating
+    /// and settling ([`StepSplit`]).
+    split: Option<[f64; 4]>,
+}
+
+/// A split's phases in milliseconds per step.
+fn ms_per_step(s: &StepSplit) -> [f64; 4] {
+    let per = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.steps.max(1) as f64;
+    [per(s.draft), per(s.build), per(s.eval), per(s.settle)]
 }
 
 impl Outcome {
-    fn new(case: String, kernels: &'static str, got: &[Steps], want: &[Steps], ms: f64) -> Self {
+    fn new(
+        case: String,
+        kernels: &'static str,
+        got: &[Steps],
+        want: &[Steps],
+        timed: Timed,
+    ) -> Self {
         let mut o = Outcome {
             case,
             kernels,
@@ -90,7 +105,8 @@ impl Outcome {
             bits_equal: 0,
             steps: 0,
             first_token_difference: None,
-            ms_per_forward: ms,
+            ms_per_forward: timed.ms,
+            split: timed.split.as_ref().map(ms_per_step),
         };
         for (g, w) in got.iter().zip(want) {
             o.steps += w.len();
@@ -110,6 +126,12 @@ impl Outcome {
         }
         o
     }
+}
+
+/// One run's time per target forward, and a batch's step split.
+struct Timed {
+    ms: f64,
+    split: Option<StepSplit>,
 }
 
 pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
@@ -170,7 +192,9 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             }
             forwards += 1;
         }
-        anyhow::Ok((out, start.elapsed().as_secs_f64() * 1e3 / forwards as f64))
+        let ms = start.elapsed().as_secs_f64() * 1e3 / forwards as f64;
+        let split = Some(batch.split().clone());
+        anyhow::Ok((out, Timed { ms, split }))
     };
     let reference: Vec<Steps> = prompts
         .iter()
@@ -189,7 +213,7 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         true,
     ));
     // One case's rows and its time per target forward.
-    let run = |k: Option<usize>, in_batch: bool| -> anyhow::Result<(Vec<Steps>, f64)> {
+    let run = |k: Option<usize>, in_batch: bool| -> anyhow::Result<(Vec<Steps>, Timed)> {
         if in_batch {
             return batched(k);
         }
@@ -200,7 +224,8 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             got.push(steps);
             forwards += n;
         }
-        Ok((got, start.elapsed().as_secs_f64() * 1e3 / forwards as f64))
+        let ms = start.elapsed().as_secs_f64() * 1e3 / forwards as f64;
+        Ok((got, Timed { ms, split: None }))
     };
     let bar = ProgressBar::new((2 * cases.len() * (a.runs + 1)) as u64);
     let mut outcomes = Vec::new();
@@ -221,8 +246,8 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
                 ms.push(t);
                 bar.inc(1);
             }
-            ms.sort_by(f64::total_cmp);
-            let median = ms[ms.len() / 2];
+            ms.sort_by(|a: &Timed, b| a.ms.total_cmp(&b.ms));
+            let median = ms.swap_remove(ms.len() / 2);
             outcomes.push(Outcome::new(
                 case.clone(),
                 kernels,
@@ -246,7 +271,9 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
                 json!({"case": o.case, "kernels": o.kernels, "rows_equal": o.rows_equal,
                        "rows": o.rows, "bits_equal": o.bits_equal, "steps": o.steps,
                        "first_token_difference": o.first_token_difference,
-                       "ms_per_forward": o.ms_per_forward})
+                       "ms_per_forward": o.ms_per_forward,
+                       "step_split_ms": o.split.map(|[d, b, e, s]| json!({
+                           "draft": d, "build": b, "eval": e, "settle": s}))})
             })
             .collect();
         println!(
@@ -279,6 +306,15 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
                 first,
                 o.ms_per_forward
             );
+        }
+        println!("batch steps, ms per step: draft / build / eval / settle");
+        for o in &outcomes {
+            if let Some([d, b, e, s]) = o.split {
+                println!(
+                    "{:<34} {:<9} {d:.2} / {b:.2} / {e:.2} / {s:.2}",
+                    o.case, o.kernels
+                );
+            }
         }
     }
     let exact = outcomes
