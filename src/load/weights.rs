@@ -122,6 +122,11 @@ impl Weights {
         self.tensors.remove(key)
     }
 
+    /// Adds a tensor a sanitize step built (e.g. per-expert weights stacked into one).
+    pub fn insert(&mut self, key: String, a: Array) {
+        self.tensors.insert(key, a);
+    }
+
     /// Renames every tensor with `f`, dropping those it maps to None (sanitize steps).
     pub fn rename(&mut self, f: impl Fn(&str) -> Option<String>) {
         let old = std::mem::take(&mut self.tensors);
