@@ -973,7 +973,11 @@ fn model_folder_cases() -> Vec<Case> {
         ),
         folder(
             "moe-missing-quantized-expert-scales",
-            &["model.layers.2.mlp.switch_mlp.up_proj.scales", "missing"],
+            &[
+                "model.layers.2.mlp.switch_mlp.up_proj.weight",
+                "Uint32",
+                ".scales beside it, which is missing",
+            ],
             without_tensor(
                 "qwen3_moe-4bit",
                 "model.layers.2.mlp.switch_mlp.up_proj.scales",
