@@ -20,6 +20,13 @@ already sanitized and would then skip the +1 shift of the zero-centred mtp.* nor
 then copied back over the ones convert re-saves (P2), and convert's README.md (it embeds the
 absolute source path) is dropped.
 
+qwen3_moe is written in Hugging Face layout too, one tensor per expert
+(model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight), so that mlx-lm's sanitize (which stacks
+them into switch_mlp.*) runs on it; its expert weights get the same x2 gain as the 2-D projections.
+Its -4bit copy keeps mlx-lm's own quant_predicate (the router gate at 8 bits, group 64) and puts the
+experts of its last MoE layer at 8 bits as well (QWEN3_MOE_8BIT), so one small folder has 4-bit and
+8-bit gather_qmm experts.
+
 Usage: make_models.py [NAME ...] [--no-quant]      (default: all random fixtures)
 """
 
@@ -68,6 +75,17 @@ _QWEN35_VISION = dict(
     hidden_act="gelu_pytorch_tanh",
 )
 
+# Three layers: MoE, dense (mlp_only_layers), MoE; 8 experts, 2 per token, renormalised.
+_QWEN3_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=64,
+    num_hidden_layers=3, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=32, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
+    moe_intermediate_size=64, norm_topk_prob=True, rms_norm_eps=1e-6, vocab_size=VOCAB,
+    max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=EOS,
+)
+# The experts the -4bit copy quantizes at 8 bits (besides mlx-lm's router gates): layer 2's.
+QWEN3_MOE_8BIT = "model.layers.2.mlp.switch_mlp."
+
 # name -> (seed, config). Every dimension a quantized Linear sees as input is a multiple of 64
 # (P11) and head_dim 32 is divisible by kv_group_size 32.
 SPECS = {
@@ -97,6 +115,7 @@ SPECS = {
         text_config=_QWEN35_TEXT, vision_config=_QWEN35_VISION, image_token_id=248056,
         video_token_id=248057, vision_start_token_id=248053, vision_end_token_id=248054,
         tie_word_embeddings=False, eos_token_id=EOS)),
+    "qwen3_moe": (7, _QWEN3_MOE),
 }
 
 # Norm weights that HF stores zero-centred and the oracles shift by +1 when loading a Qwen3.5 HF
@@ -183,6 +202,31 @@ def build_qwen3_5_hf(cfg: dict, seed: int) -> dict:
     return weights
 
 
+def build_qwen3_moe_hf(cfg: dict, seed: int) -> dict:
+    """mlx_lm's qwen3_moe under the usual tweaks, its stacked experts scaled like the 2-D
+    projections and split into the per-expert tensors of a Hugging Face checkpoint."""
+    weights = build_mlx_lm(cfg, seed)
+    out = {}
+    for k, v in weights.items():
+        stem, sep, proj = k.rpartition(".mlp.switch_mlp.")
+        if not sep:
+            out[k] = v
+            continue
+        v = v * LINEAR_GAIN
+        name = proj.removesuffix(".weight")
+        for e in range(v.shape[0]):
+            out[f"{stem}.mlp.experts.{e}.{name}.weight"] = v[e]
+    return out
+
+
+def qwen3_moe_predicate(path, module, config=None):
+    """mlx-lm's qwen3_moe quant_predicate (router gates at 8 bits, group 64) plus the experts of
+    the QWEN3_MOE_8BIT layer at 8 bits; everything else at the convert's 4 bits."""
+    if path.endswith(".mlp.gate") or path.startswith(QWEN3_MOE_8BIT):
+        return {"group_size": 64, "bits": 8}
+    return True
+
+
 def save(name: str, cfg: dict, weights: dict, fmt: str = "mlx") -> Path:
     out = fresh_dir(MODELS / name)
     weights = {k: weights[k].astype(mx.float32) if mx.issubdtype(weights[k].dtype, mx.floating)
@@ -196,14 +240,15 @@ def save(name: str, cfg: dict, weights: dict, fmt: str = "mlx") -> Path:
     return out
 
 
-def quantize_copy(src: Path, dst: Path) -> Path:
-    """mlx_lm convert -q --q-bits 4 --q-group-size 64 (affine), then restore the tokenizer files."""
+def quantize_copy(src: Path, dst: Path, quant_predicate=None) -> Path:
+    """mlx_lm convert -q --q-bits 4 --q-group-size 64 (affine), then restore the tokenizer files.
+    `quant_predicate` replaces the model class's own (mlx_lm.convert's argument)."""
     from mlx_lm.convert import convert
 
     if dst.exists():
         shutil.rmtree(dst)
     convert(hf_path=str(src), mlx_path=str(dst), quantize=True, q_group_size=64, q_bits=4,
-            q_mode="affine")
+            q_mode="affine", quant_predicate=quant_predicate)
     (dst / "README.md").unlink(missing_ok=True)  # model card with the absolute source path
     for p in dst.iterdir():
         if p.name not in ("config.json", "model.safetensors", "model.safetensors.index.json"):
@@ -223,12 +268,16 @@ def main():
             die(f"unknown fixture {name!r}; known: {', '.join(SPECS)}")
     for name in args.names or SPECS:
         seed, cfg = SPECS[name]
+        predicate = None
         if name == "qwen3_5":
             src = save(name, cfg, build_qwen3_5_hf(cfg, seed), fmt="pt")
+        elif name == "qwen3_moe":
+            src = save(name, cfg, build_qwen3_moe_hf(cfg, seed))
+            predicate = qwen3_moe_predicate
         else:
             src = save(name, cfg, build_mlx_lm(cfg, seed))
         if not args.no_quant:
-            quantize_copy(src, MODELS / f"{name}-4bit")
+            quantize_copy(src, MODELS / f"{name}-4bit", predicate)
 
 
 if __name__ == "__main__":

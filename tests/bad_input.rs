@@ -123,6 +123,37 @@ fn write_safetensors(path: &Path, header: &Map<String, Value>, data: &[u8]) {
     fs::write(path, out).unwrap();
 }
 
+/// A copy of fixture `name` at `<scratch>/m` without the tensor `tensor` (its bytes dropped
+/// and the other tensors' offsets moved up, so the file stays well formed).
+fn without_tensor(name: &'static str, tensor: &'static str) -> Setup {
+    Box::new(move |s| {
+        let path = copy_model(s, name).join("model.safetensors");
+        let (mut header, data) = read_safetensors(&path);
+        header.remove(tensor).unwrap();
+        let span = |entry: &Value| {
+            let offsets = &entry["data_offsets"];
+            (
+                offsets[0].as_u64().unwrap() as usize,
+                offsets[1].as_u64().unwrap() as usize,
+            )
+        };
+        let mut keys: Vec<String> = header
+            .keys()
+            .filter(|k| *k != "__metadata__")
+            .cloned()
+            .collect();
+        keys.sort_by_key(|k| span(&header[k]).0);
+        let mut packed = Vec::new();
+        for key in keys {
+            let (start, end) = span(&header[&key]);
+            let at = packed.len();
+            packed.extend_from_slice(&data[start..end]);
+            header[&key]["data_offsets"] = json!([at, packed.len()]);
+        }
+        write_safetensors(&path, &header, &packed);
+    })
+}
+
 /// A copy of qwen3 at `<scratch>/m` whose (f32) tensor `tensor` starts with the value `bits`.
 fn poisoned_tensor(tensor: &'static str, bits: u32) -> Setup {
     Box::new(move |s| {
@@ -907,6 +938,50 @@ fn model_folder_cases() -> Vec<Case> {
             "full-attention-interval-zero",
             &["full_attention_interval"],
             config_value("qwen3_next", "full_attention_interval", json!(0)),
+        ),
+        folder(
+            "moe-more-experts-per-token-than-experts",
+            &[
+                "config.json",
+                "num_experts_per_tok is 9",
+                "between 1 and num_experts (8)",
+            ],
+            config_value("qwen3_moe", "num_experts_per_tok", json!(9)),
+        ),
+        folder(
+            "moe-no-experts",
+            &["config.json", "num_experts is 0", "at least 1"],
+            config_value("qwen3_moe", "num_experts", json!(0)),
+        ),
+        folder(
+            "moe-sparse-step-zero",
+            &["config.json", "decoder_sparse_step is 0", "at least 1"],
+            config_value("qwen3_moe", "decoder_sparse_step", json!(0)),
+        ),
+        folder(
+            "moe-dense-layer-past-the-layers",
+            &["mlp_only_layers lists layer 3", "layers 0 to 2"],
+            config_value("qwen3_moe", "mlp_only_layers", json!([1, 3])),
+        ),
+        folder(
+            "moe-missing-expert-tensor",
+            &[
+                "missing tensor",
+                "model.layers.2.mlp.experts.5.down_proj.weight",
+            ],
+            without_tensor("qwen3_moe", "model.layers.2.mlp.experts.5.down_proj.weight"),
+        ),
+        folder(
+            "moe-missing-quantized-expert-scales",
+            &[
+                "model.layers.2.mlp.switch_mlp.up_proj.weight",
+                "Uint32",
+                ".scales beside it, which is missing",
+            ],
+            without_tensor(
+                "qwen3_moe-4bit",
+                "model.layers.2.mlp.switch_mlp.up_proj.scales",
+            ),
         ),
         folder(
             "quantization-group-zero",

@@ -310,6 +310,19 @@ fn qwen3_5_batch_rows_equal_their_lone_requests() {
     check_fixture("qwen3_5", Caches::Plain);
 }
 
+/// Mixture of experts: a packed prefill of several rows can reach SwitchGLU's 64 (token, expert)
+/// pairs, where it sorts them by expert, while each row alone (at most 24 tokens, 48 pairs) does
+/// not.
+#[test]
+fn qwen3_moe_batch_rows_equal_their_lone_requests() {
+    check_fixture("qwen3_moe", Caches::Plain);
+}
+
+#[test]
+fn qwen3_moe_4bit_batch_rows_equal_their_lone_requests() {
+    check_fixture("qwen3_moe-4bit", Caches::Plain);
+}
+
 #[test]
 fn qwen3_4bit_quantized_kv_batch_rows_equal_their_lone_requests() {
     check_fixture("qwen3-4bit", Caches::QuantizedKv);

@@ -26,7 +26,14 @@ fn bits(a: &Array) -> Vec<u8> {
     a.to_bytes().unwrap()
 }
 
-const ARCHITECTURES: [&str; 5] = ["llama", "qwen3", "gemma3", "qwen3_next", "qwen3_5"];
+const ARCHITECTURES: [&str; 6] = [
+    "llama",
+    "qwen3",
+    "gemma3",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_moe",
+];
 
 #[test]
 fn taps_are_the_plain_forward_bit_for_bit() {

@@ -207,6 +207,11 @@ fn qwen3_5_rollback_equals_a_fresh_run() {
 }
 
 #[test]
+fn qwen3_moe_rollback_equals_a_fresh_run() {
+    check_architecture("qwen3_moe", None);
+}
+
+#[test]
 fn qwen3_4bit_with_quantized_kv_rollback_equals_a_fresh_run() {
     check_architecture(
         "qwen3-4bit",

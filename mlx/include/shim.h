@@ -105,7 +105,9 @@ ArrayPtr quantized_matmul(const Array& x, const Array& w, const Array& scales, c
                           bool transpose, int32_t group_size, int32_t bits, rust::Str mode);
 ArrayPtr gather_qmm(const Array& x, const Array& w, const Array& scales, const Array* biases,
                     const Array& rhs_indices, bool transpose, int32_t group_size, int32_t bits,
-                    rust::Str mode);
+                    rust::Str mode, bool sorted_indices);
+ArrayPtr gather_mm(const Array& a, const Array& b, const Array& rhs_indices,
+                   bool sorted_indices);
 
 ArrayPtr rms_norm(const Array& x, const Array* weight, float eps);
 ArrayPtr layer_norm(const Array& x, const Array* weight, const Array* bias, float eps);

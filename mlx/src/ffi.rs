@@ -246,6 +246,13 @@ pub(crate) mod bridge {
             group_size: i32,
             bits: i32,
             mode: &str,
+            sorted_indices: bool,
+        ) -> Result<UniquePtr<Array>>;
+        fn gather_mm(
+            a: &Array,
+            b: &Array,
+            rhs_indices: &Array,
+            sorted_indices: bool,
         ) -> Result<UniquePtr<Array>>;
 
         // mx::fast.

@@ -319,7 +319,8 @@ pub fn quantized_matmul(
 }
 
 /// `mx.gather_qmm(x, w, scales, biases, rhs_indices=rhs_indices, transpose, group_size, bits,
-/// mode)`: batch entry i of `x` times the matrix `w[rhs_indices[i]]`.
+/// mode, sorted_indices)`: batch entry i of `x` times the matrix `w[rhs_indices[i]]`;
+/// `sorted_indices` promises the indices ascend (mlx-lm's SwitchGLU sorts them for many tokens).
 #[allow(clippy::too_many_arguments)]
 pub fn gather_qmm(
     x: &Array,
@@ -331,6 +332,7 @@ pub fn gather_qmm(
     group_size: i32,
     bits: i32,
     mode: &str,
+    sorted_indices: bool,
 ) -> Result<Array> {
     // SAFETY: the pointer is null or borrowed from a live array for the call's duration.
     wrap(unsafe {
@@ -344,8 +346,20 @@ pub fn gather_qmm(
             group_size,
             bits,
             mode,
+            sorted_indices,
         )
     })
+}
+
+/// `mx.gather_mm(a, b, rhs_indices=rhs_indices, sorted_indices)`: batch entry i of `a` times
+/// the matrix `b[rhs_indices[i]]` (mlx-lm's SwitchLinear).
+pub fn gather_mm(a: &Array, b: &Array, rhs_indices: &Array, sorted_indices: bool) -> Result<Array> {
+    wrap(ffi::gather_mm(
+        a.ffi(),
+        b.ffi(),
+        rhs_indices.ffi(),
+        sorted_indices,
+    ))
 }
 
 impl Array {

@@ -407,9 +407,14 @@ ArrayPtr quantized_matmul(const Array& x, const Array& w, const Array& scales, c
 
 ArrayPtr gather_qmm(const Array& x, const Array& w, const Array& scales, const Array* biases,
                     const Array& rhs_indices, bool transpose, int32_t group_size, int32_t bits,
-                    rust::Str mode) {
+                    rust::Str mode, bool sorted_indices) {
   return wrap(mx::gather_qmm(x.inner, w.inner, scales.inner, opt(biases), std::nullopt,
-                             rhs_indices.inner, transpose, group_size, bits, std::string(mode)));
+                             rhs_indices.inner, transpose, group_size, bits, std::string(mode),
+                             std::nullopt, sorted_indices));
+}
+ArrayPtr gather_mm(const Array& a, const Array& b, const Array& rhs_indices,
+                   bool sorted_indices) {
+  return wrap(mx::gather_mm(a.inner, b.inner, std::nullopt, rhs_indices.inner, sorted_indices));
 }
 
 ArrayPtr rms_norm(const Array& x, const Array* weight, float eps) {

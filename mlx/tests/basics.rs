@@ -76,3 +76,20 @@ fn dtype_names_match_python() {
 fn version_is_the_pinned_one() {
     assert_eq!(mlx::version(), mlx::PINNED_VERSION);
 }
+
+#[test]
+fn gather_mm_multiplies_each_row_by_its_indexed_matrix() {
+    let a = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 1, 2]).unwrap();
+    // Matrix 0 is the identity, matrix 1 swaps the two columns.
+    let b = Array::from_slice(&[1.0f32, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0], &[2, 2, 2]).unwrap();
+    // Indices in any order, then ascending (the promise `sorted_indices` makes).
+    for (indices, sorted, expected) in [
+        ([1u32, 0, 1], false, [2.0f32, 1.0, 3.0, 4.0, 6.0, 5.0]),
+        ([0u32, 1, 1], true, [1.0f32, 2.0, 4.0, 3.0, 6.0, 5.0]),
+    ] {
+        let indices = Array::from_slice(&indices, &[3]).unwrap();
+        let out = mlx::ops::gather_mm(&a, &b, &indices, sorted).unwrap();
+        assert_eq!(out.shape(), vec![3, 1, 2]);
+        assert_eq!(out.to_vec::<f32>().unwrap(), expected.to_vec());
+    }
+}

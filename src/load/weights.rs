@@ -122,6 +122,11 @@ impl Weights {
         self.tensors.remove(key)
     }
 
+    /// Adds a tensor a sanitize step built (e.g. per-expert weights stacked into one).
+    pub fn insert(&mut self, key: String, a: Array) {
+        self.tensors.insert(key, a);
+    }
+
     /// Renames every tensor with `f`, dropping those it maps to None (sanitize steps).
     pub fn rename(&mut self, f: impl Fn(&str) -> Option<String>) {
         let old = std::mem::take(&mut self.tensors);
@@ -201,10 +206,13 @@ fn check_dtypes(dir: &Path, tensors: &BTreeMap<String, Array>) -> Result<(), Loa
                 folder: dir.to_path_buf(),
                 key: key.clone(),
                 dtype: format!("{:?}", a.dtype()),
-                allowed: if packed {
-                    "uint32 (a quantized weight: it has .scales)"
-                } else {
-                    "float16, bfloat16 or float32"
+                allowed: match (packed, a.dtype()) {
+                    (true, _) => "uint32 (a quantized weight: it has .scales)",
+                    (false, Uint32) => {
+                        "float16, bfloat16 or float32 (a uint32 weight is packed by quantization \
+                         and needs its .scales beside it, which is missing)"
+                    }
+                    (false, _) => "float16, bfloat16 or float32",
                 },
             });
         }

@@ -132,6 +132,7 @@ pub fn quantized(
             group_size,
             bits,
             mode,
+            false,
         )?);
     }
     let out = ops::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?;

@@ -8,6 +8,7 @@ pub mod lone_rows;
 pub mod mtp;
 pub mod qwen3;
 pub mod qwen3_5;
+pub mod qwen3_moe;
 pub mod qwen3_next;
 pub mod row_blocks;
 pub mod rows;
@@ -97,6 +98,7 @@ pub const MODEL_TYPES: &[&str] = &[
     "gemma3_text",
     "qwen3_next",
     "qwen3_5",
+    "qwen3_moe",
 ];
 
 /// Loads a model folder's config and weights (evaluated once, as mlx-lm does unless lazy)
@@ -112,6 +114,7 @@ pub fn load(dir: &Path) -> LoadResult<(Box<dyn LanguageModel>, Config)> {
         "gemma3_text" => Box::new(gemma3_text::Model::load(&config, &mut weights, &quant)?),
         "qwen3_next" => Box::new(qwen3_next::Model::load(&config, &mut weights, &quant)?),
         "qwen3_5" => Box::new(qwen3_5::load(&config, &mut weights, &quant)?),
+        "qwen3_moe" => Box::new(qwen3_moe::Model::load(&config, &mut weights, &quant)?),
         other => {
             return Err(LoadError::UnknownModelType {
                 path: config.path.clone(),

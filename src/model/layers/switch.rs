@@ -1,0 +1,165 @@
+//! mlx-lm's switch_layers.py: SwitchLinear (one weight matrix per expert; each token is
+//! multiplied by the matrices of the experts it picked, through `gather_mm` or `gather_qmm`) and
+//! SwitchGLU over three of them, with the sort by expert that mlx-lm does for many tokens.
+
+use mlx::{compiled, ops, Array, Result};
+
+use crate::load::{LoadResult, QuantConfig, QuantParams, Weights};
+
+/// SwitchGLU sorts the (token, expert) pairs by expert once there are this many
+/// (`indices.size >= 64`); fewer are gathered in token order.
+const SORT_FROM: usize = 64;
+
+/// The stacked expert weights of a SwitchLinear, as stored or packed by mlx-lm's quantization.
+enum ExpertWeights {
+    /// (experts, out_dims, in_dims).
+    Dense(Array),
+    Packed {
+        weight: Array,
+        scales: Array,
+        biases: Option<Array>,
+        params: QuantParams,
+    },
+}
+
+/// switch_layers.SwitchLinear / QuantizedSwitchLinear without a bias (SwitchGLU's default).
+pub struct SwitchLinear {
+    weights: ExpertWeights,
+}
+
+impl SwitchLinear {
+    /// Loads `<path>.weight` (experts x out_dims x in_dims, or its packed form with `.scales` and
+    /// `.biases`), each shape checked against the config.
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        experts: i32,
+        in_dims: i32,
+        out_dims: i32,
+    ) -> LoadResult<SwitchLinear> {
+        let weights = match q.for_module(path, in_dims, w)? {
+            Some(params) => {
+                let groups = [experts, out_dims, in_dims / params.group_size];
+                let words = [experts, out_dims, in_dims * params.bits / 32];
+                let biases = if w.contains(&format!("{path}.biases")) {
+                    Some(w.take_shaped(&format!("{path}.biases"), &groups)?)
+                } else {
+                    None
+                };
+                ExpertWeights::Packed {
+                    weight: w.take_shaped(&format!("{path}.weight"), &words)?,
+                    scales: w.take_shaped(&format!("{path}.scales"), &groups)?,
+                    biases,
+                    params,
+                }
+            }
+            None => ExpertWeights::Dense(
+                w.take_shaped(&format!("{path}.weight"), &[experts, out_dims, in_dims])?,
+            ),
+        };
+        Ok(SwitchLinear { weights })
+    }
+
+    /// `x` (..., 1, in_dims) times the matrix of expert `indices[...]`, broadcasting `x`'s batch
+    /// axes against the indices'; `sorted` tells MLX the indices ascend.
+    pub fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
+        match &self.weights {
+            ExpertWeights::Dense(w) => {
+                ops::gather_mm(x, &w.transpose(&[0, 2, 1])?, indices, sorted)
+            }
+            ExpertWeights::Packed {
+                weight,
+                scales,
+                biases,
+                params,
+            } => ops::gather_qmm(
+                x,
+                weight,
+                scales,
+                biases.as_ref(),
+                indices,
+                true,
+                params.group_size,
+                params.bits,
+                &params.mode,
+                sorted,
+            ),
+        }
+    }
+}
+
+/// switch_layers.SwitchGLU with its SwiGLU activation: `down(swiglu(gate(x), up(x)))` per picked
+/// expert.
+pub struct SwitchGlu {
+    pub gate_proj: SwitchLinear,
+    pub up_proj: SwitchLinear,
+    pub down_proj: SwitchLinear,
+}
+
+impl SwitchGlu {
+    /// Loads `<path>.{gate,up,down}_proj` for `experts` experts of `hidden` units over `dims`.
+    pub fn load(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        dims: i32,
+        hidden: i32,
+        experts: i32,
+    ) -> LoadResult<SwitchGlu> {
+        let proj = |w: &mut Weights, name: &str, i: i32, o: i32| {
+            SwitchLinear::load(w, q, &format!("{path}.{name}"), experts, i, o)
+        };
+        Ok(SwitchGlu {
+            gate_proj: proj(w, "gate_proj", dims, hidden)?,
+            up_proj: proj(w, "up_proj", dims, hidden)?,
+            down_proj: proj(w, "down_proj", hidden, dims)?,
+        })
+    }
+
+    /// Every token of `x` (..., dims) through each of its experts `indices` (..., k): returns
+    /// (..., k, dims), SwitchGLU.__call__ op for op.
+    pub fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
+        let mut x = x.expand_dims(&[-2, -3])?;
+        let indices = indices.stop_gradient()?;
+        let do_sort = indices.size() >= SORT_FROM;
+        let mut idx = indices.clone();
+        let mut inv_order = None;
+        if do_sort {
+            (x, idx, inv_order) = gather_sort(&x, &indices)?;
+        }
+        let x_up = self.up_proj.forward(&x, &idx, do_sort)?;
+        let x_gate = self.gate_proj.forward(&x, &idx, do_sort)?;
+        let mut x = self
+            .down_proj
+            .forward(&compiled::swiglu(&x_gate, &x_up)?, &idx, do_sort)?;
+        if let Some(inv_order) = inv_order {
+            x = scatter_unsort(&x, &inv_order, &indices.shape())?;
+        }
+        x.squeeze(&[-2])
+    }
+}
+
+/// switch_layers._gather_sort: the (token, expert) pairs in expert order, each with its token's
+/// row of `x`, and the permutation that restores token order.
+fn gather_sort(x: &Array, indices: &Array) -> Result<(Array, Array, Option<Array>)> {
+    let m = indices.dim(-1);
+    let indices = indices.flatten(0, -1)?;
+    let order = ops::argsort(&indices, -1)?;
+    let inv_order = ops::argsort(&order, -1)?;
+    let rows = order.floor_divide(&Array::scalar_int(i64::from(m), order.dtype())?)?;
+    Ok((
+        x.flatten(0, -3)?.take(&rows, 0)?,
+        indices.take(&order, 0)?,
+        Some(inv_order),
+    ))
+}
+
+/// switch_layers._scatter_unsort: rows back in token order, the leading axis unflattened to
+/// the indices' `shape`.
+fn scatter_unsort(x: &Array, inv_order: &Array, shape: &[i32]) -> Result<Array> {
+    let x = x.take(inv_order, 0)?;
+    let mut unflattened = shape.to_vec();
+    unflattened.extend(&x.shape()[1..]);
+    x.reshape(&unflattened)
+}
