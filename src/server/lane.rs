@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use tokio::sync::mpsc;
+use tracing::Span;
 
 use super::api::{ApiError, GenRequest};
 use super::engine::Event;
@@ -148,6 +149,8 @@ pub(super) struct Lane {
     /// Set by the server's shutdown (`EngineHandle::cut_running`): the lane ends at its next
     /// token, with its held-back text released.
     pub(super) shutdown: Arc<AtomicBool>,
+    /// The request's log span.
+    pub(super) span: Span,
     /// Ended by the shutdown.
     pub(super) cut: bool,
     pub(super) cancelled: bool,

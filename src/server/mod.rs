@@ -9,6 +9,7 @@ pub mod api;
 pub mod engine;
 mod lane;
 pub mod prefix_cache;
+mod request_log;
 pub mod response;
 pub mod sse;
 pub mod stop;
@@ -20,8 +21,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tracing::{Instrument, Span};
 
-use api::{ApiError, Defaults, Endpoint};
+use api::{ApiError, Defaults, Endpoint, GenRequest};
 use engine::{EngineHandle, Event};
 use response::Meta;
 
@@ -60,38 +63,72 @@ async fn models(State(app): State<App>) -> Json<Value> {
 }
 
 async fn chat(State(app): State<App>, body: Bytes) -> Response {
-    generate(app, Endpoint::Chat, body)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
+    let span = request_log::span(Endpoint::Chat);
+    generate(app, Endpoint::Chat, body).instrument(span).await
 }
 
 async fn completions(State(app): State<App>, body: Bytes) -> Response {
+    let span = request_log::span(Endpoint::Completion);
     generate(app, Endpoint::Completion, body)
+        .instrument(span)
         .await
-        .unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Reads the body, queues the request, and answers once the engine has accepted or refused
 /// it: refusals come before any 200, so a stream never starts for a bad request.
-async fn generate(app: App, endpoint: Endpoint, body: Bytes) -> Result<Response, ApiError> {
-    let value: Value = serde_json::from_slice(&body).map_err(|e| {
+async fn generate(app: App, endpoint: Endpoint, body: Bytes) -> Response {
+    let answered = match start(&app, endpoint, &body).await {
+        Ok((request, events)) => {
+            let meta = Meta::new(&request);
+            if request.stream {
+                return sse::respond(events, meta, request);
+            }
+            whole(events, meta, request).await
+        }
+        Err(e) => Err(e),
+    };
+    match answered {
+        Ok(body) => Json(body).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The request parsed, queued and started by the engine.
+async fn start(
+    app: &App,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<(GenRequest, mpsc::UnboundedReceiver<Event>), ApiError> {
+    let (request, mut events) = queue(app, endpoint, body).inspect_err(request_log::refused)?;
+    match events.recv().await {
+        Some(Event::Started { .. }) => Ok((request, events)),
+        Some(Event::Failed(e)) => Err(e),
+        _ => Err(ApiError::internal(
+            "the engine stopped before the request started",
+        )),
+    }
+}
+
+/// The request parsed and queued, or the HTTP side's own refusal (the engine logs its own).
+fn queue(
+    app: &App,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<(GenRequest, mpsc::UnboundedReceiver<Event>), ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::invalid("body", format!("the request body is not valid JSON: {e}"))
     })?;
     let request = api::parse(endpoint, &value, &app.defaults)?;
-    let mut events = app.engine.submit(request.clone())?;
-    match events.recv().await {
-        Some(Event::Started { .. }) => {}
-        Some(Event::Failed(e)) => return Err(e),
-        _ => {
-            return Err(ApiError::internal(
-                "the engine stopped before the request started",
-            ))
-        }
-    }
-    let meta = Meta::new(&request);
-    if request.stream {
-        return Ok(sse::respond(events, meta, request));
-    }
+    let events = app.engine.submit(request.clone(), Span::current())?;
+    Ok((request, events))
+}
+
+/// A non-streaming answer's body, once the request has ended.
+async fn whole(
+    mut events: mpsc::UnboundedReceiver<Event>,
+    meta: Meta,
+    request: GenRequest,
+) -> Result<Value, ApiError> {
     let (mut text, mut tokens) = (String::new(), Vec::new());
     loop {
         match events.recv().await {
@@ -103,7 +140,7 @@ async fn generate(app: App, endpoint: Endpoint, body: Bytes) -> Result<Response,
                 tokens.extend(ts);
             }
             Some(Event::Done(summary)) => {
-                return Ok(Json(meta.complete(&request, &text, &tokens, &summary)).into_response())
+                return Ok(meta.complete(&request, &text, &tokens, &summary));
             }
             Some(Event::Failed(e)) => return Err(e),
             Some(Event::Started { .. }) => {}
