@@ -22,6 +22,7 @@ use tracing::{info, Span};
 use super::api::{ApiError, GenRequest, Prompt};
 use super::lane::{refusal, Lane, Outcome};
 pub use super::lane::{Finish, RequestStats, SpeculationReport, Summary, TokenInfo, TopLogprob};
+use super::metrics::Metrics;
 use super::prefix_cache::PrefixCache;
 use super::request_log;
 use super::stop::StopMatcher;
@@ -100,6 +101,7 @@ pub struct EngineHandle {
     pub model_id: String,
     pub queue_size: usize,
     shutdown: Arc<AtomicBool>,
+    pub metrics: Arc<Metrics>,
 }
 
 impl EngineHandle {
@@ -132,6 +134,11 @@ impl EngineHandle {
             })?;
         Ok(rx)
     }
+
+    /// Requests waiting in the queue.
+    pub fn queued(&self) -> usize {
+        self.jobs.max_capacity() - self.jobs.capacity()
+    }
 }
 
 /// The engine thread itself. It ends once every [`EngineHandle`] is dropped, freeing the model
@@ -161,10 +168,12 @@ pub fn start(config: EngineConfig) -> anyhow::Result<(EngineHandle, EngineThread
     let queue_size = config.queue_size;
     let shutdown = Arc::new(AtomicBool::new(false));
     let cut = shutdown.clone();
+    let metrics = Arc::new(Metrics::new(config.drafter.as_ref()));
+    let engine_metrics = metrics.clone();
     let thread = thread::Builder::new()
         .name("verity-engine".into())
         .spawn(move || {
-            let engine = match Engine::load(config, cut) {
+            let engine = match Engine::load(config, cut, engine_metrics) {
                 Ok(engine) => {
                     let _ = ready.send(Ok(engine.model_id.clone()));
                     engine
@@ -189,6 +198,7 @@ pub fn start(config: EngineConfig) -> anyhow::Result<(EngineHandle, EngineThread
         model_id,
         queue_size,
         shutdown,
+        metrics,
     };
     Ok((handle, EngineThread(thread)))
 }
@@ -211,10 +221,15 @@ struct Engine {
     namespace: String,
     /// [`EngineHandle::cut_running`]'s flag.
     shutdown: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
 }
 
 impl Engine {
-    fn load(config: EngineConfig, shutdown: Arc<AtomicBool>) -> anyhow::Result<Engine> {
+    fn load(
+        config: EngineConfig,
+        shutdown: Arc<AtomicBool>,
+        metrics: Arc<Metrics>,
+    ) -> anyhow::Result<Engine> {
         mlx::set_default_device(config.device)?;
         let target = ModelBundle::load(&config.model)?;
         let drafter = config
@@ -236,6 +251,7 @@ impl Engine {
         };
         Ok(Engine {
             shutdown,
+            metrics,
             model_id: config.model.display().to_string(),
             prefix: RefCell::new(PrefixCache::new(prompt_cache_bytes)),
             namespace: config.namespace(),
@@ -344,7 +360,7 @@ impl Engine {
         }
     }
 
-    /// Logs how a request ended (in its span) and tells its client.
+    /// Logs how a request ended (in its span), counts it, and tells its client.
     fn report(
         &self,
         outcome: Result<Outcome, ApiError>,
@@ -356,6 +372,7 @@ impl Engine {
             Ok(Outcome::Done(s)) => {
                 let prefix = self.prefix.borrow();
                 request_log::finished(&s, prefix.len(), prefix.bytes());
+                self.metrics.finished(&s);
                 let _ = events.send(Event::Done(s));
             }
             Ok(Outcome::Cancelled { tokens }) => info!(tokens, "cancelled by the client"),
@@ -428,6 +445,7 @@ impl Engine {
         }
         let hit = self.prefix.borrow_mut().lookup(&self.namespace, &prompt);
         let cached = hit.as_ref().map_or(0, |h| h.cached);
+        self.metrics.prefix_lookup(cached);
         let start = match hit {
             Some(h) => Start::Prefix {
                 caches: h.target,
@@ -449,6 +467,7 @@ impl Engine {
             batch_rows: 1,
             finish: None,
             shutdown: self.shutdown.clone(),
+            _running: self.metrics.running(),
             span,
             cut: false,
             cancelled: false,
@@ -466,9 +485,9 @@ impl Engine {
     /// Stores the caches of `prompt` but its last token in the prefix cache.
     fn keep_prefix(&self, prompt: &[u32], target: &[LayerCache], draft: Option<&[LayerCache]>) {
         let head = &prompt[..prompt.len() - 1];
-        self.prefix
-            .borrow_mut()
-            .insert(&self.namespace, head, target, draft)
+        let mut prefix = self.prefix.borrow_mut();
+        prefix.insert(&self.namespace, head, target, draft);
+        self.metrics.prefix_held(prefix.len(), prefix.bytes());
     }
 
     /// Admits `job` and prefills it into `batch` as row `id`, the running rows (`lanes`)
