@@ -609,11 +609,10 @@ fn a_disconnected_stream_is_cancelled_and_the_next_request_equals_a_cold_run() {
     let cold_long = fresh.ok("/v1/chat/completions", &short);
     assert_eq!(content(&resumed), content(&cold_long));
     assert_eq!(counts(&resumed["usage"]), counts(&cold_long["usage"]));
-    let log = s.log_when(|l| l.contains("request cancelled by the client after "));
+    let log = s.log_when(|l| l.contains("cancelled by the client tokens="));
     let cancelled: usize = log
         .lines()
-        .find_map(|l| l.strip_prefix("verity serve: request cancelled by the client after "))
-        .and_then(|l| l.split(' ').next())
+        .find_map(|l| l.split("cancelled by the client tokens=").nth(1))
         .unwrap_or_else(|| panic!("no cancellation in the log: {log}"))
         .parse()
         .unwrap();
@@ -671,6 +670,12 @@ fn answer(v: &Value) -> (String, Value, Value) {
         v["choices"][0]["logprobs"].clone(),
         usage,
     )
+}
+
+/// The value of `name=` in a line of the server's log.
+fn field<'l>(line: &'l str, name: &str) -> Option<&'l str> {
+    line.split(' ')
+        .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
 }
 
 fn cached_tokens(v: &Value) -> u64 {
@@ -734,19 +739,12 @@ fn the_prefix_cache_stays_within_its_budget_evicting_the_least_recently_used() {
     let entry_bytes = {
         let s = Server::start(&model_dir(TARGET), &[]);
         s.ok("/v1/chat/completions", &chat("Say hello.", 2));
-        let log = s.log_when(|l| l.contains("prefix cache 1 entries"));
+        let log = s.log_when(|l| l.contains("prefix_cache_entries=1 "));
         let line = log
             .lines()
-            .find(|l| l.contains("prefix cache 1 entries"))
-            .unwrap()
-            .to_string();
-        let bytes: usize = line
-            .split("prefix cache 1 entries ")
-            .nth(1)
-            .and_then(|r| r.split(' ').next())
-            .unwrap()
-            .parse()
+            .find(|l| l.contains("prefix_cache_entries=1 "))
             .unwrap();
+        let bytes: usize = field(line, "prefix_cache_bytes").unwrap().parse().unwrap();
         assert!(bytes > 0);
         bytes
     };
@@ -764,15 +762,9 @@ fn the_prefix_cache_stays_within_its_budget_evicting_the_least_recently_used() {
         0,
         "evicted"
     );
-    let log = s.log_when(|l| l.matches(" prefix cache ").count() == 5);
-    for line in log.lines().filter(|l| l.contains("prefix cache ")) {
-        let bytes: usize = line
-            .split(" entries ")
-            .nth(1)
-            .and_then(|r| r.split(' ').next())
-            .unwrap()
-            .parse()
-            .unwrap();
+    let log = s.log_when(|l| l.matches(" prefix_cache_bytes=").count() == 5);
+    for line in log.lines().filter(|l| l.contains(" prefix_cache_bytes=")) {
+        let bytes: usize = field(line, "prefix_cache_bytes").unwrap().parse().unwrap();
         assert!(bytes <= entry_bytes + entry_bytes / 2, "{line}");
     }
 }
@@ -848,6 +840,20 @@ fn a_draft_that_does_not_fit_is_refused_at_startup() {
 /// drafting and verifying its own rounds in the batch's forwards), and each answer (text,
 /// logprob bits, usage) equals the same request served alone, and plain alone.
 #[test]
+fn a_rust_log_that_does_not_parse_stops_the_server_naming_it() {
+    let out = Command::new(env!("CARGO_BIN_EXE_verity"))
+        .args(["--device", "cpu", "serve", "--port", "0", "--model"])
+        .arg(model_dir(TARGET))
+        .env("RUST_LOG", "verity=loudest")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.starts_with("error: RUST_LOG: "), "{stderr}");
+    assert!(out.stdout.is_empty(), "it never listened");
+}
+
+#[test]
 fn concurrent_requests_batch_and_each_equals_its_answer_alone() {
     let draft = model_dir("qwen3-draft");
     let requests: Vec<Value> = (0..6)
@@ -875,15 +881,17 @@ fn concurrent_requests_batch_and_each_equals_its_answer_alone() {
             })
             .collect();
         let together: Vec<Value> = together.into_iter().map(|t| t.join().unwrap()).collect();
-        let log = s.log_when(|l| l.contains("batch of up to"));
+        let log = s.log_when(|l| l.matches(" finished ").count() == requests.len());
+        let batched = |l: &&str| field(l, "batch_rows").is_some_and(|rows| rows != "1");
         assert!(
-            log.contains("batch of up to"),
+            log.lines().any(|l| batched(&l)),
             "{args:?}: no request was batched: {log}"
         );
         if !args.is_empty() {
             assert!(
                 log.lines()
-                    .any(|l| l.contains("batch of up to") && l.contains("speculation")),
+                    .filter(batched)
+                    .any(|l| field(l, "speculative_rounds").is_some()),
                 "{args:?}: no batched request speculated: {log}"
             );
         }
@@ -959,5 +967,5 @@ fn sigterm_ends_every_open_stream_with_done_and_exits_0_within_the_drain_timeout
         assert!(!text.is_empty(), "the cut stream's text came through");
     }
     let log = s.log_when(|l| l.contains("every response is out"));
-    assert_eq!(log.matches("finish shutdown").count(), 8, "{log}");
+    assert_eq!(log.matches(" finish_reason=shutdown ").count(), 8, "{log}");
 }

@@ -1,6 +1,7 @@
 //! `verity serve`: the OpenAI-compatible server (verity::server) on one address. Prints
 //! `verity serve: listening on http://ADDR` on stdout once the model is loaded and the socket
-//! bound, so a caller that asked for port 0 learns the port.
+//! bound, so a caller that asked for port 0 learns the port. Everything else it says goes
+//! through `tracing` to stderr, at the levels RUST_LOG names (default: info).
 //!
 //! SIGTERM or SIGINT shuts it down: no new connections, running requests get
 //! `--shutdown-timeout` seconds to end, then each is cut (its stream ends with a last chunk,
@@ -12,8 +13,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context;
 use clap::Args;
 use tokio::signal::unix::{signal, Signal, SignalKind};
+use tracing::{error, info, warn};
+use tracing_subscriber::filter::LevelFilter;
+use tracing_subscriber::EnvFilter;
 use verity::server::{self, engine};
 
 use super::draft_args::DraftArgs;
@@ -83,20 +88,20 @@ impl Signals {
 /// `timeout`, a forced exit `AFTER_CUT` later or at a second signal.
 async fn drain_on_signal(mut signals: Signals, handle: engine::EngineHandle, timeout: Duration) {
     signals.next().await;
-    eprintln!(
-        "verity serve: shutting down: no new connections, running requests have {} s to end",
-        timeout.as_secs_f64()
+    info!(
+        drain_timeout_seconds = timeout.as_secs_f64(),
+        "shutting down: no new connections; running requests get the drain timeout to end"
     );
     tokio::spawn(async move {
         tokio::select! {
             _ = tokio::time::sleep(timeout) => {}
             _ = signals.next() => exit_now(),
         }
-        eprintln!("verity serve: drain timeout: cutting the running requests");
+        warn!("drain timeout: cutting the running requests");
         handle.cut_running();
         tokio::select! {
             _ = tokio::time::sleep(AFTER_CUT) => {
-                eprintln!("verity serve: responses still open {} s after the cut: exiting", AFTER_CUT.as_secs());
+                error!(seconds_after_cut = AFTER_CUT.as_secs(), "responses still open: exiting");
                 exit_at_once(1);
             }
             _ = signals.next() => exit_now(),
@@ -105,7 +110,7 @@ async fn drain_on_signal(mut signals: Signals, handle: engine::EngineHandle, tim
 }
 
 fn exit_now() {
-    eprintln!("verity serve: second signal: exiting now");
+    warn!("second signal: exiting now");
     exit_at_once(1);
 }
 
@@ -118,7 +123,23 @@ fn exit_at_once(status: i32) -> ! {
     unsafe { libc::_exit(status) }
 }
 
+/// Logs to stderr through `tracing`, filtered by RUST_LOG (default: info); a RUST_LOG that
+/// does not parse is an error rather than silently ignored.
+fn init_logging() -> anyhow::Result<()> {
+    let filter = EnvFilter::builder()
+        .with_default_directive(LevelFilter::INFO.into())
+        .from_env()
+        .context("RUST_LOG")?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init()
+        .map_err(|e| anyhow::anyhow!("the log: {e}"))
+}
+
 pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
+    init_logging()?;
     anyhow::ensure!(a.queue_size >= 1, "--queue-size is 0, must be at least 1");
     anyhow::ensure!(a.max_tokens >= 1, "--max-tokens is 0, must be at least 1");
     anyhow::ensure!(
@@ -155,18 +176,19 @@ pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         let addr = listener.local_addr()?;
         println!("verity serve: listening on http://{addr}");
         std::io::stdout().flush()?;
+        info!(%addr, "listening");
         axum::serve(listener, app)
             .with_graceful_shutdown(drain_on_signal(signals, handle, timeout))
             .await?;
-        eprintln!("verity serve: every response is out: exiting");
+        info!("every response is out: exiting");
         anyhow::Ok(())
     });
     // Dropping the runtime drops every task's EngineHandle, which ends the engine thread.
     drop(runtime);
     if !engine_thread.join_within(AFTER_CUT) {
-        eprintln!(
-            "verity serve: the engine thread did not end {} s after the last response: exiting",
-            AFTER_CUT.as_secs()
+        error!(
+            seconds_after_the_last_response = AFTER_CUT.as_secs(),
+            "the engine thread did not end: exiting"
         );
         exit_at_once(1);
     }

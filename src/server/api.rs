@@ -124,6 +124,16 @@ pub enum Endpoint {
     Completion,
 }
 
+impl Endpoint {
+    /// The endpoint's name in the log and the metrics' labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat",
+            Endpoint::Completion => "completion",
+        }
+    }
+}
+
 /// What the model is asked to continue.
 #[derive(Clone, Debug)]
 pub enum Prompt {

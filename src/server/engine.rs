@@ -17,11 +17,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::Map;
 use tokio::sync::mpsc;
+use tracing::{info, Span};
 
 use super::api::{ApiError, GenRequest, Prompt};
 use super::lane::{refusal, Lane, Outcome};
 pub use super::lane::{Finish, RequestStats, SpeculationReport, Summary, TokenInfo, TopLogprob};
+use super::metrics::Metrics;
 use super::prefix_cache::PrefixCache;
+use super::request_log;
 use super::stop::StopMatcher;
 use crate::batch::Batch;
 use crate::bundle::ModelBundle;
@@ -84,10 +87,11 @@ pub enum Event {
     Failed(ApiError),
 }
 
-/// A request and where its events go.
+/// A request, where its events go, and its log span.
 pub struct Job {
     pub request: GenRequest,
     pub events: mpsc::UnboundedSender<Event>,
+    pub span: Span,
 }
 
 /// The HTTP side's handle: the bounded queue into the engine thread, and what it serves.
@@ -97,6 +101,7 @@ pub struct EngineHandle {
     pub model_id: String,
     pub queue_size: usize,
     shutdown: Arc<AtomicBool>,
+    pub metrics: Arc<Metrics>,
 }
 
 impl EngineHandle {
@@ -107,11 +112,20 @@ impl EngineHandle {
         self.shutdown.store(true, Ordering::Relaxed);
     }
 
-    /// Queues a request; refuses at once when the queue is full (never waits).
-    pub fn submit(&self, request: GenRequest) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    /// Queues a request, logged under `span`; refuses at once when the queue is full (never
+    /// waits).
+    pub fn submit(
+        &self,
+        request: GenRequest,
+        span: Span,
+    ) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         let (events, rx) = mpsc::unbounded_channel();
         self.jobs
-            .try_send(Job { request, events })
+            .try_send(Job {
+                request,
+                events,
+                span,
+            })
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => ApiError::busy(self.queue_size),
                 mpsc::error::TrySendError::Closed(_) => {
@@ -119,6 +133,11 @@ impl EngineHandle {
                 }
             })?;
         Ok(rx)
+    }
+
+    /// Requests waiting in the queue.
+    pub fn queued(&self) -> usize {
+        self.jobs.max_capacity() - self.jobs.capacity()
     }
 }
 
@@ -149,10 +168,12 @@ pub fn start(config: EngineConfig) -> anyhow::Result<(EngineHandle, EngineThread
     let queue_size = config.queue_size;
     let shutdown = Arc::new(AtomicBool::new(false));
     let cut = shutdown.clone();
+    let metrics = Arc::new(Metrics::new(config.drafter.as_ref()));
+    let engine_metrics = metrics.clone();
     let thread = thread::Builder::new()
         .name("verity-engine".into())
         .spawn(move || {
-            let engine = match Engine::load(config, cut) {
+            let engine = match Engine::load(config, cut, engine_metrics) {
                 Ok(engine) => {
                     let _ = ready.send(Ok(engine.model_id.clone()));
                     engine
@@ -177,6 +198,7 @@ pub fn start(config: EngineConfig) -> anyhow::Result<(EngineHandle, EngineThread
         model_id,
         queue_size,
         shutdown,
+        metrics,
     };
     Ok((handle, EngineThread(thread)))
 }
@@ -199,10 +221,15 @@ struct Engine {
     namespace: String,
     /// [`EngineHandle::cut_running`]'s flag.
     shutdown: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
 }
 
 impl Engine {
-    fn load(config: EngineConfig, shutdown: Arc<AtomicBool>) -> anyhow::Result<Engine> {
+    fn load(
+        config: EngineConfig,
+        shutdown: Arc<AtomicBool>,
+        metrics: Arc<Metrics>,
+    ) -> anyhow::Result<Engine> {
         mlx::set_default_device(config.device)?;
         let target = ModelBundle::load(&config.model)?;
         let drafter = config
@@ -224,6 +251,7 @@ impl Engine {
         };
         Ok(Engine {
             shutdown,
+            metrics,
             model_id: config.model.display().to_string(),
             prefix: RefCell::new(PrefixCache::new(prompt_cache_bytes)),
             namespace: config.namespace(),
@@ -247,11 +275,11 @@ impl Engine {
     /// `--max-num-seqs 1`: one request at a time, in arrival order.
     fn serve_one_at_a_time(&self, mut queue: mpsc::Receiver<Job>) {
         while let Some(job) = queue.blocking_recv() {
-            let events = job.events.clone();
+            let (events, span) = (job.events.clone(), job.span.clone());
             // A panicking request fails alone: the engine thread goes on serving the queue.
             let outcome = panic::catch_unwind(AssertUnwindSafe(|| self.run(job)))
                 .unwrap_or_else(|_| Err(ApiError::internal("the request panicked in the engine")));
-            self.report(outcome, &events);
+            self.report(outcome, &events, &span);
             mlx::memory::clear_cache();
         }
     }
@@ -277,7 +305,7 @@ impl Engine {
                         Err(_) => break,
                     }
                 };
-                let events = job.events.clone();
+                let (events, span) = (job.events.clone(), job.span.clone());
                 let joined = panic::catch_unwind(AssertUnwindSafe(|| {
                     self.join(&mut batch, &mut lanes, next_id, job)
                 }))
@@ -287,8 +315,8 @@ impl Engine {
                         lanes.insert(next_id, lane);
                         next_id += 1;
                     }
-                    Ok(Err(ended)) => self.report(Ok(ended), &events),
-                    Err(e) => self.report(Err(e), &events),
+                    Ok(Err(ended)) => self.report(Ok(ended), &events, &span),
+                    Err(e) => self.report(Err(e), &events, &span),
                 }
             }
             if lanes.is_empty() {
@@ -317,36 +345,42 @@ impl Engine {
             Ok(left) => {
                 for left in left {
                     let lane = lanes.remove(&left.id).expect("a row is a lane");
-                    let events = lane.events.clone();
-                    self.report(lane.outcome(left.speculation.as_ref()), &events);
+                    let (events, span) = (lane.events.clone(), lane.span.clone());
+                    self.report(lane.outcome(left.speculation.as_ref()), &events, &span);
                 }
             }
             Err(e) => {
                 // MLX state of the rows is unknown after a failed step: every row fails.
                 let e = refusal(e);
                 for (_, lane) in lanes.drain() {
-                    self.report(Err(e.clone()), &lane.events);
+                    self.report(Err(e.clone()), &lane.events, &lane.span);
                 }
                 *batch = Batch::new(self.target.model());
             }
         }
     }
 
-    /// Logs how a request ended and tells its client.
-    fn report(&self, outcome: Result<Outcome, ApiError>, events: &mpsc::UnboundedSender<Event>) {
+    /// Logs how a request ended (in its span), counts it, and tells its client.
+    fn report(
+        &self,
+        outcome: Result<Outcome, ApiError>,
+        events: &mpsc::UnboundedSender<Event>,
+        span: &Span,
+    ) {
+        let _in_request = span.enter();
         match outcome {
             Ok(Outcome::Done(s)) => {
-                log_request(&s, &self.prefix.borrow());
+                let prefix = self.prefix.borrow();
+                request_log::finished(&s, prefix.len(), prefix.bytes());
+                self.metrics.finished(&s);
                 let _ = events.send(Event::Done(s));
             }
-            Ok(Outcome::Cancelled { tokens }) => {
-                eprintln!("verity serve: request cancelled by the client after {tokens} tokens")
-            }
+            Ok(Outcome::Cancelled { tokens }) => info!(tokens, "cancelled by the client"),
             Ok(Outcome::CancelledInPrefill) => {
-                eprintln!("verity serve: request cancelled by the client during the prefill")
+                info!("cancelled by the client during the prefill")
             }
             Err(e) => {
-                eprintln!("verity serve: request failed: {}", e.message);
+                request_log::refused(&e);
                 let _ = events.send(Event::Failed(e));
             }
         }
@@ -355,7 +389,11 @@ impl Engine {
     /// Validates a request, tells its client it started, and finds where its prefill starts
     /// (a prefix cache hit, or fresh caches); `Err(Outcome)` when the client is gone already.
     fn admit(&self, job: Job) -> Result<Result<Admitted, Outcome>, ApiError> {
-        let Job { request, events } = job;
+        let Job {
+            request,
+            events,
+            span,
+        } = job;
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(ApiError::shutting_down());
         }
@@ -407,6 +445,7 @@ impl Engine {
         }
         let hit = self.prefix.borrow_mut().lookup(&self.namespace, &prompt);
         let cached = hit.as_ref().map_or(0, |h| h.cached);
+        self.metrics.prefix_lookup(cached);
         let start = match hit {
             Some(h) => Start::Prefix {
                 caches: h.target,
@@ -428,6 +467,8 @@ impl Engine {
             batch_rows: 1,
             finish: None,
             shutdown: self.shutdown.clone(),
+            _running: self.metrics.running(),
+            span,
             cut: false,
             cancelled: false,
             error: None,
@@ -444,9 +485,9 @@ impl Engine {
     /// Stores the caches of `prompt` but its last token in the prefix cache.
     fn keep_prefix(&self, prompt: &[u32], target: &[LayerCache], draft: Option<&[LayerCache]>) {
         let head = &prompt[..prompt.len() - 1];
-        self.prefix
-            .borrow_mut()
-            .insert(&self.namespace, head, target, draft)
+        let mut prefix = self.prefix.borrow_mut();
+        prefix.insert(&self.namespace, head, target, draft);
+        self.metrics.prefix_held(prefix.len(), prefix.bytes());
     }
 
     /// Admits `job` and prefills it into `batch` as row `id`, the running rows (`lanes`)
@@ -617,41 +658,6 @@ fn checked<T>(result: crate::Result<T>) -> Result<Option<T>, ApiError> {
         Err(Error::Cancelled) => Ok(None),
         Err(e) => Err(refusal(e)),
     }
-}
-
-fn log_request(s: &Summary, prefix: &PrefixCache) {
-    let st = &s.stats;
-    let mut line = format!(
-        "verity serve: prompt {} tokens ({} cached) {:.3}s {:.1} tok/s, completion {} tokens {:.3}s {:.1} tok/s, finish {}",
-        st.prompt_tokens,
-        st.cached_tokens,
-        st.prompt_seconds,
-        st.prompt_tokens_per_second,
-        st.completion_tokens,
-        st.decode_seconds,
-        st.decode_tokens_per_second,
-        s.finish_reason
-    );
-    line.push_str(&format!(
-        ", prefix cache {} entries {} bytes",
-        prefix.len(),
-        prefix.bytes()
-    ));
-    if s.batch_rows > 1 {
-        line.push_str(&format!(", batch of up to {} rows", s.batch_rows));
-    }
-    if let Some(sp) = &st.speculation {
-        line.push_str(&format!(
-            ", speculation {} rounds {}/{} accepted by position {:?}/{:?}, {} target calls",
-            sp.rounds,
-            sp.accepted,
-            sp.drafted,
-            sp.accepted_by_position,
-            sp.drafted_by_position,
-            sp.target_calls
-        ));
-    }
-    eprintln!("{line}");
 }
 
 /// A validated request whose client was told it started, and what its decode needs.

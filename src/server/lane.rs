@@ -9,9 +9,11 @@ use std::time::Instant;
 
 use serde::Serialize;
 use tokio::sync::mpsc;
+use tracing::Span;
 
 use super::api::{ApiError, GenRequest};
 use super::engine::Event;
+use super::metrics::Running;
 use super::stop::{Pushed, StopMatcher};
 use crate::bundle::ModelBundle;
 use crate::generate::{Control, FinishReason, GeneratedToken};
@@ -148,6 +150,10 @@ pub(super) struct Lane {
     /// Set by the server's shutdown (`EngineHandle::cut_running`): the lane ends at its next
     /// token, with its held-back text released.
     pub(super) shutdown: Arc<AtomicBool>,
+    /// Counts the request as running while the lane lives.
+    pub(super) _running: Running,
+    /// The request's log span.
+    pub(super) span: Span,
     /// Ended by the shutdown.
     pub(super) cut: bool,
     pub(super) cancelled: bool,

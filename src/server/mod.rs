@@ -3,26 +3,32 @@
 //! ([`engine`]) owns MLX and batches requests from a bounded queue, each request's lane
 //! (`lane`) releasing text through the stop-sequence matcher ([`stop`]) and keeping prompt prefixes across requests
 //! ([`prefix_cache`]). A full queue answers 503 with Retry-After at
-//! once; bad input answers 400 with an OpenAI error body naming the field.
+//! once; bad input answers 400 with an OpenAI error body naming the field. Both sides count
+//! what `GET /metrics` serves ([`metrics`]) and log each request in its span (`request_log`).
 
 pub mod api;
 pub mod engine;
 mod lane;
+pub mod metrics;
 pub mod prefix_cache;
+mod request_log;
 pub mod response;
 pub mod sse;
 pub mod stop;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::Uri;
+use axum::http::{header, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tracing::{Instrument, Span};
 
-use api::{ApiError, Defaults, Endpoint};
-use engine::{EngineHandle, Event};
+use api::{ApiError, Defaults, Endpoint, GenRequest};
+use engine::{EngineHandle, Event, Finish};
+use metrics::Tally;
 use response::Meta;
 
 /// What every handler needs.
@@ -41,6 +47,7 @@ pub fn router(engine: EngineHandle, default_max_tokens: usize) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
         .route("/v1/chat/completions", post(chat))
         .route("/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -59,39 +66,86 @@ async fn models(State(app): State<App>) -> Json<Value> {
     }))
 }
 
+async fn metrics(State(app): State<App>) -> Response {
+    let text = app.engine.metrics.render(app.engine.queued());
+    ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], text).into_response()
+}
+
 async fn chat(State(app): State<App>, body: Bytes) -> Response {
-    generate(app, Endpoint::Chat, body)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
+    let span = request_log::span(Endpoint::Chat);
+    generate(app, Endpoint::Chat, body).instrument(span).await
 }
 
 async fn completions(State(app): State<App>, body: Bytes) -> Response {
+    let span = request_log::span(Endpoint::Completion);
     generate(app, Endpoint::Completion, body)
+        .instrument(span)
         .await
-        .unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Reads the body, queues the request, and answers once the engine has accepted or refused
-/// it: refusals come before any 200, so a stream never starts for a bad request.
-async fn generate(app: App, endpoint: Endpoint, body: Bytes) -> Result<Response, ApiError> {
-    let value: Value = serde_json::from_slice(&body).map_err(|e| {
+/// it: refusals come before any 200, so a stream never starts for a bad request. The request
+/// is counted in the metrics under how it ended.
+async fn generate(app: App, endpoint: Endpoint, body: Bytes) -> Response {
+    let mut tally = Tally::new(app.engine.metrics.clone(), endpoint);
+    let answered = match start(&app, endpoint, &body).await {
+        Ok((request, events)) => {
+            let meta = Meta::new(&request);
+            if request.stream {
+                return sse::respond(events, meta, request, tally);
+            }
+            whole(events, meta, request).await
+        }
+        Err(e) => Err(e),
+    };
+    match answered {
+        Ok((body, finish)) => {
+            tally.finished(finish);
+            Json(body).into_response()
+        }
+        Err(e) => {
+            tally.refused(&e);
+            e.into_response()
+        }
+    }
+}
+
+/// The request parsed, queued and started by the engine.
+async fn start(
+    app: &App,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<(GenRequest, mpsc::UnboundedReceiver<Event>), ApiError> {
+    let (request, mut events) = queue(app, endpoint, body).inspect_err(request_log::refused)?;
+    match events.recv().await {
+        Some(Event::Started { .. }) => Ok((request, events)),
+        Some(Event::Failed(e)) => Err(e),
+        _ => Err(ApiError::internal(
+            "the engine stopped before the request started",
+        )),
+    }
+}
+
+/// The request parsed and queued, or the HTTP side's own refusal (the engine logs its own).
+fn queue(
+    app: &App,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<(GenRequest, mpsc::UnboundedReceiver<Event>), ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::invalid("body", format!("the request body is not valid JSON: {e}"))
     })?;
     let request = api::parse(endpoint, &value, &app.defaults)?;
-    let mut events = app.engine.submit(request.clone())?;
-    match events.recv().await {
-        Some(Event::Started { .. }) => {}
-        Some(Event::Failed(e)) => return Err(e),
-        _ => {
-            return Err(ApiError::internal(
-                "the engine stopped before the request started",
-            ))
-        }
-    }
-    let meta = Meta::new(&request);
-    if request.stream {
-        return Ok(sse::respond(events, meta, request));
-    }
+    let events = app.engine.submit(request.clone(), Span::current())?;
+    Ok((request, events))
+}
+
+/// A non-streaming answer's body and finish reason, once the request has ended.
+async fn whole(
+    mut events: mpsc::UnboundedReceiver<Event>,
+    meta: Meta,
+    request: GenRequest,
+) -> Result<(Value, Finish), ApiError> {
     let (mut text, mut tokens) = (String::new(), Vec::new());
     loop {
         match events.recv().await {
@@ -103,7 +157,8 @@ async fn generate(app: App, endpoint: Endpoint, body: Bytes) -> Result<Response,
                 tokens.extend(ts);
             }
             Some(Event::Done(summary)) => {
-                return Ok(Json(meta.complete(&request, &text, &tokens, &summary)).into_response())
+                let body = meta.complete(&request, &text, &tokens, &summary);
+                return Ok((body, summary.finish_reason));
             }
             Some(Event::Failed(e)) => return Err(e),
             Some(Event::Started { .. }) => {}

@@ -14,9 +14,13 @@ use tokio::sync::mpsc;
 
 use super::api::{ApiError, GenRequest};
 use super::engine::Event;
+use super::metrics::Tally;
 use super::response::Meta;
 
 struct State {
+    /// First, so that it is dropped first: a request whose client left is counted before the
+    /// engine can see the closed channel and go on.
+    tally: Tally,
     events: mpsc::UnboundedReceiver<Event>,
     meta: Meta,
     request: GenRequest,
@@ -40,6 +44,7 @@ impl State {
                 }
             }
             Some(Event::Done(summary)) => {
+                self.tally.finished(summary.finish_reason);
                 let finish = Some(summary.finish_reason.to_string());
                 let last = self.meta.chunk(&self.request, "", &[], finish);
                 self.out.push_back(data(last));
@@ -50,11 +55,13 @@ impl State {
                 self.done = true;
             }
             Some(Event::Failed(e)) => {
+                self.tally.refused(&e);
                 self.out.push_back(data(e.body()));
                 self.done = true;
             }
             None => {
                 let e = ApiError::internal("the engine stopped before the request finished");
+                self.tally.refused(&e);
                 self.out.push_back(data(e.body()));
                 self.done = true;
             }
@@ -62,13 +69,16 @@ impl State {
     }
 }
 
-/// The streaming response for a request the engine has started.
+/// The streaming response for a request the engine has started, counted by `tally` when it
+/// ends (or as cancelled when its client goes away first).
 pub fn respond(
     events: mpsc::UnboundedReceiver<Event>,
     meta: Meta,
     request: GenRequest,
+    tally: Tally,
 ) -> Response {
     let state = State {
+        tally,
         events,
         meta,
         request,

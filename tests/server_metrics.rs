@@ -1,0 +1,323 @@
+//! `verity serve`'s `/metrics` and request log over real HTTP on 127.0.0.1: after some
+//! requests, every counter holds what their answers imply (tokens equal to the sums of their
+//! usage, acceptance per draft position equal to their `verity_stats`), the queue and the
+//! running rows show a waiting request, and each finished request logs one line in its span.
+
+mod server_client;
+mod support;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use server_client::Server;
+use support::model_dir;
+
+const TARGET: &str = "qwen3-target";
+
+fn chat(content: &str, max_tokens: usize) -> Value {
+    json!({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens})
+}
+
+/// The samples of a scrape, by name and labels as written (`verity_requests_total{...}`).
+struct Scrape(HashMap<String, f64>);
+
+impl Scrape {
+    fn of(s: &Server) -> Scrape {
+        let mut r = s.agent.get(format!("{}/metrics", s.base)).call().unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let content_type = r.headers()["content-type"].to_str().unwrap().to_string();
+        assert!(
+            content_type.starts_with("application/openmetrics-text"),
+            "{content_type}"
+        );
+        let text = r.body_mut().read_to_string().unwrap();
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        let samples = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| {
+                let (key, value) = l.rsplit_once(' ').unwrap();
+                (key.to_string(), value.parse().unwrap())
+            })
+            .collect();
+        Scrape(samples)
+    }
+
+    /// A sample's value; 0 for a labelled sample not written yet (a family without it).
+    fn get(&self, key: &str) -> f64 {
+        match self.0.get(key) {
+            Some(&v) => v,
+            None if key.contains('{') => 0.0,
+            None => panic!("no sample {key} in {:?}", self.0),
+        }
+    }
+}
+
+fn usage(v: &Value, key: &str) -> f64 {
+    v["usage"][key].as_f64().unwrap()
+}
+
+fn cached(v: &Value) -> f64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_f64()
+        .unwrap()
+}
+
+/// The value of `name=` in a log line.
+fn field<'l>(line: &'l str, name: &str) -> Option<&'l str> {
+    line.split(' ')
+        .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
+}
+
+#[test]
+fn counters_hold_what_the_answers_imply_and_each_request_logs_one_line() {
+    let s = Server::start(&model_dir(TARGET), &[]);
+    let before = Scrape::of(&s);
+    for key in [
+        "verity_queue_depth",
+        "verity_running_requests",
+        "verity_completion_tokens_total",
+        "verity_prefix_cache_hits_total",
+    ] {
+        assert_eq!(before.get(key), 0.0, "{key}");
+    }
+
+    let mut answers = Vec::new();
+    let hello = chat("Say hello.", 8);
+    answers.push(s.ok("/v1/chat/completions", &hello));
+    answers.push(s.ok("/v1/chat/completions", &hello));
+    answers.push(s.ok("/v1/chat/completions", &chat("Tell me about rivers.", 12)));
+    answers.push(s.ok(
+        "/v1/completions",
+        &json!({"prompt": "def main():", "max_tokens": 6}),
+    ));
+    let streamed = json!({"prompt": "import os", "max_tokens": 5, "stream": true,
+        "stream_options": {"include_usage": true}});
+    let chunks = s.stream("/v1/completions", &streamed);
+    answers.push(chunks.last().unwrap().clone());
+    let (status, _) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}),
+    );
+    assert_eq!(status, 400);
+    let (status, _) = s.post_raw("/v1/completions", "{not json");
+    assert_eq!(status, 400);
+
+    let m = Scrape::of(&s);
+    let sum = |f: &dyn Fn(&Value) -> f64| answers.iter().map(f).sum::<f64>();
+    assert_eq!(
+        m.get("verity_completion_tokens_total"),
+        sum(&|v| usage(v, "completion_tokens"))
+    );
+    assert_eq!(
+        m.get("verity_prompt_tokens_total"),
+        sum(&|v| usage(v, "prompt_tokens"))
+    );
+    let cached_sum = sum(&cached);
+    assert!(cached_sum > 0.0, "the repeated prompt was served warm");
+    assert_eq!(m.get("verity_cached_prompt_tokens_total"), cached_sum);
+    let warm = answers.iter().filter(|v| cached(v) > 0.0).count() as f64;
+    assert_eq!(m.get("verity_prefix_cache_hits_total"), warm);
+    assert_eq!(
+        m.get("verity_prefix_cache_misses_total"),
+        answers.len() as f64 - warm
+    );
+    assert!(m.get("verity_prefix_cache_entries") >= 1.0);
+    assert!(m.get("verity_prefix_cache_bytes") > 0.0);
+    assert_eq!(m.get("verity_queue_depth"), 0.0);
+    assert_eq!(m.get("verity_running_requests"), 0.0);
+
+    let mut finishes: HashMap<String, f64> = HashMap::new();
+    for (i, v) in answers[..4].iter().enumerate() {
+        let endpoint = if i < 3 { "chat" } else { "completion" };
+        let finish = v["choices"][0]["finish_reason"].as_str().unwrap();
+        *finishes
+            .entry(format!("{endpoint}\",outcome=\"{finish}"))
+            .or_default() += 1.0;
+    }
+    let streamed_finish = chunks
+        .iter()
+        .find_map(|c| c["choices"].get(0)?["finish_reason"].as_str())
+        .unwrap();
+    *finishes
+        .entry(format!("completion\",outcome=\"{streamed_finish}"))
+        .or_default() += 1.0;
+    *finishes
+        .entry("chat\",outcome=\"invalid".into())
+        .or_default() += 1.0;
+    *finishes
+        .entry("completion\",outcome=\"invalid".into())
+        .or_default() += 1.0;
+    let requests: f64 =
+        m.0.iter()
+            .filter(|(k, _)| k.starts_with("verity_requests_total{"))
+            .map(|(_, v)| v)
+            .sum();
+    assert_eq!(requests, 7.0, "{:?}", m.0);
+    for (labels, n) in finishes {
+        let key = format!("verity_requests_total{{endpoint=\"{labels}\"}}");
+        assert_eq!(m.get(&key), n, "{key}");
+    }
+
+    // One line per finished request, each in its own span, with the tokens its usage reports.
+    let log =
+        s.log_when(|l| l.matches(" finished ").count() == 5 && l.matches(" refused ").count() == 2);
+    let finished: Vec<&str> = log.lines().filter(|l| l.contains(" finished ")).collect();
+    let mut ids: Vec<&str> = finished
+        .iter()
+        .map(|l| {
+            l.split("request{id=")
+                .nth(1)
+                .unwrap()
+                .split(' ')
+                .next()
+                .unwrap()
+        })
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 5, "{log}");
+    for (line, v) in finished.iter().zip(&answers) {
+        let tokens: f64 = field(line, "completion_tokens").unwrap().parse().unwrap();
+        assert_eq!(tokens, usage(v, "completion_tokens"), "{line}");
+        assert!(field(line, "finish_reason").is_some(), "{line}");
+        assert!(field(line, "duration").unwrap().ends_with('s'), "{line}");
+    }
+    let refused = log.lines().filter(|l| l.contains(" refused "));
+    for line in refused {
+        assert!(
+            line.contains("request{id=") && line.contains(" status=400 "),
+            "{line}"
+        );
+    }
+}
+
+#[test]
+fn speculative_requests_move_the_acceptance_counters_of_their_lane() {
+    let draft = model_dir("qwen3-draft");
+    let lanes: [(&str, &[&str]); 2] = [
+        ("draft_model", &["--draft-model", draft.to_str().unwrap()]),
+        ("ngram", &["--draft-ngram", "--num-draft-tokens", "2"]),
+    ];
+    for (lane, args) in lanes {
+        let s = Server::start(&model_dir(TARGET), args);
+        let (mut drafted, mut accepted, mut rounds) = (Vec::new(), Vec::new(), 0.0);
+        for prompt in ["Write a function that reads a file.", "Count to ten."] {
+            let v = s.ok("/v1/chat/completions", &chat(prompt, 24));
+            let spec = &v["verity_stats"]["speculation"];
+            rounds += spec["rounds"].as_f64().unwrap();
+            for (sum, key) in [
+                (&mut drafted, "drafted_by_position"),
+                (&mut accepted, "accepted_by_position"),
+            ] {
+                for (i, n) in spec[key].as_array().unwrap().iter().enumerate() {
+                    if sum.len() <= i {
+                        sum.push(0.0);
+                    }
+                    sum[i] += n.as_f64().unwrap();
+                }
+            }
+        }
+        assert!(rounds > 0.0 && !drafted.is_empty(), "{lane}");
+        let m = Scrape::of(&s);
+        assert_eq!(
+            m.get(&format!(
+                "verity_speculative_rounds_total{{lane=\"{lane}\"}}"
+            )),
+            rounds
+        );
+        for (name, sums) in [("drafted", &drafted), ("accepted", &accepted)] {
+            for (position, &n) in sums.iter().enumerate() {
+                let key = format!(
+                    "verity_speculative_{name}_total{{lane=\"{lane}\",position=\"{position}\"}}"
+                );
+                assert_eq!(m.get(&key), n, "{key}");
+            }
+            let past = format!(
+                "verity_speculative_{name}_total{{lane=\"{lane}\",position=\"{}\"}}",
+                sums.len()
+            );
+            assert!(!m.0.contains_key(&past), "{past}");
+        }
+        let log = s.log_when(|l| l.matches(" finished ").count() == 2);
+        assert!(
+            log.lines()
+                .filter(|l| l.contains(" finished "))
+                .all(|l| field(l, "accepted_by_position").is_some()),
+            "{log}"
+        );
+    }
+}
+
+/// Polls the metrics until `ready` holds for them; panics after 30 s.
+fn scrape_when(s: &Server, ready: impl Fn(&Scrape) -> bool) -> Scrape {
+    let start = Instant::now();
+    loop {
+        let m = Scrape::of(s);
+        if ready(&m) {
+            return m;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the metrics never got there: {:?}",
+            m.0
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn the_queue_depth_and_running_rows_show_a_waiting_request_and_a_cancel_is_counted() {
+    let s = Arc::new(Server::start(&model_dir(TARGET), &["--max-num-seqs", "1"]));
+    let mut long = chat("Write a long story.", 4000);
+    long["stream"] = json!(true);
+    long["logit_bias"] = json!({"2": -100, "0": -100});
+    let r = s
+        .agent
+        .post(format!("{}/v1/chat/completions", s.base))
+        .send_json(&long)
+        .unwrap();
+    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
+    let mut seen = 0;
+    while seen < 2 {
+        if lines.next().unwrap().unwrap().starts_with("data: ") {
+            seen += 1;
+        }
+    }
+    // The long stream runs alone (--max-num-seqs 1), so the next request waits in the queue.
+    let waiting = {
+        let s = s.clone();
+        thread::spawn(move || s.ok("/v1/chat/completions", &chat("hi", 3)))
+    };
+    let m = scrape_when(&s, |m| m.get("verity_queue_depth") == 1.0);
+    assert_eq!(m.get("verity_running_requests"), 1.0);
+    drop(lines);
+    let v = waiting.join().unwrap();
+    let finish = v["choices"][0]["finish_reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    let m = Scrape::of(&s);
+    assert_eq!(m.get("verity_queue_depth"), 0.0);
+    assert_eq!(m.get("verity_running_requests"), 0.0);
+    assert_eq!(
+        m.get("verity_requests_total{endpoint=\"chat\",outcome=\"cancelled\"}"),
+        1.0
+    );
+    assert_eq!(
+        m.get(&format!(
+            "verity_requests_total{{endpoint=\"chat\",outcome=\"{finish}\"}}"
+        )),
+        1.0
+    );
+    // The cancelled request's tokens reached no usage, so they are not counted.
+    assert_eq!(
+        m.get("verity_completion_tokens_total"),
+        usage(&v, "completion_tokens")
+    );
+}
