@@ -74,6 +74,8 @@ pub type BetweenChunks<'a, 'm> = &'a mut dyn FnMut(&mut Batch<'m>, usize) -> Con
 #[derive(Clone, Debug, Default)]
 pub struct StepSplit {
     pub steps: usize,
+    /// The rows of every step, summed (over `steps`: the mean width of the batch).
+    pub rows: usize,
     /// Drafting the speculative rows' next rounds (draft models run their forwards here).
     pub draft: Duration,
     /// Building the step's graph: the packed forward and every row's sampling or verdict.
@@ -82,6 +84,20 @@ pub struct StepSplit {
     pub eval: Duration,
     /// Reading each row's tokens back, acceptance, rollback, and the callbacks.
     pub settle: Duration,
+}
+
+impl StepSplit {
+    /// What the steps since `earlier` (this split as it stood then) cost.
+    pub fn since(&self, earlier: &StepSplit) -> StepSplit {
+        StepSplit {
+            steps: self.steps - earlier.steps,
+            rows: self.rows - earlier.rows,
+            draft: self.draft - earlier.draft,
+            build: self.build - earlier.build,
+            eval: self.eval - earlier.eval,
+            settle: self.settle - earlier.settle,
+        }
+    }
 }
 
 /// The rows decoding together on one model.
@@ -382,6 +398,7 @@ impl<'m> Batch<'m> {
         }
         let split = &mut self.split;
         split.steps += 1;
+        split.rows += lens.len();
         split.draft += drafted_at - started;
         split.build += built_at - drafted_at;
         split.eval += evaluated_at - built_at;

@@ -339,10 +339,12 @@ impl Engine {
             Some(lane) => lane.on_token(target, step),
             None => Control::Stop,
         };
+        let before = batch.split().clone();
         let stepped = panic::catch_unwind(AssertUnwindSafe(|| batch.step(&mut on_token)))
             .unwrap_or_else(|_| Err(crate::Error::Contract("a batch step panicked".into())));
         match stepped {
             Ok(left) => {
+                self.metrics.stepped(&batch.split().since(&before));
                 for left in left {
                     let lane = lanes.remove(&left.id).expect("a row is a lane");
                     let (events, span) = (lane.events.clone(), lane.span.clone());

@@ -6,6 +6,7 @@
 //! Every counter moves before the response that implies it is sent, so a scrape after a
 //! response always sees it.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use prometheus_client::encoding::text::encode;
@@ -17,6 +18,7 @@ use prometheus_client::registry::{Metric, Registry};
 
 use super::api::{ApiError, Endpoint};
 use super::lane::{Finish, Summary};
+use crate::batch::StepSplit;
 use crate::speculative::DrafterSpec;
 
 /// The media type of [`Metrics::render`]'s text.
@@ -26,6 +28,11 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 struct RequestLabels {
     endpoint: &'static str,
     outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabels {
+    phase: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -54,6 +61,9 @@ pub struct Metrics {
     prefix_misses: Counter,
     prefix_entries: Gauge,
     prefix_bytes: Gauge,
+    steps: Counter,
+    step_rows: Counter,
+    step_seconds: Family<PhaseLabels, Counter<f64, AtomicU64>>,
     rounds: Family<LaneLabels, Counter>,
     drafted: Family<DraftPositionLabels, Counter>,
     accepted: Family<DraftPositionLabels, Counter>,
@@ -143,6 +153,19 @@ impl Metrics {
                 "Prefixes held by the prefix cache",
             ),
             prefix_bytes: registered(r, "prefix_cache_bytes", "Bytes held by the prefix cache"),
+            steps: registered(r, "batch_steps", "Batch steps (one forward over every row)"),
+            step_rows: registered(
+                r,
+                "batch_step_rows",
+                "Rows of every batch step, summed (over the steps: the batch's mean width)",
+            ),
+            step_seconds: registered(
+                r,
+                "batch_step_seconds",
+                "Time in batch steps by phase: draft (the speculative rows' drafts), build (the \
+                 step's graph), eval (launching it and waiting for every row's tokens), settle \
+                 (reading them back, acceptance, rollback, the answers)",
+            ),
             rounds: registered(
                 r,
                 "speculative_rounds",
@@ -201,6 +224,22 @@ impl Metrics {
             let labels = DraftPositionLabels { lane, position };
             self.drafted.get_or_create(&labels).inc_by(count(drafted));
             self.accepted.get_or_create(&labels).inc_by(count(accepted));
+        }
+    }
+
+    /// One batch step's split (the engine, after each step).
+    pub fn stepped(&self, step: &StepSplit) {
+        self.steps.inc_by(count(step.steps));
+        self.step_rows.inc_by(count(step.rows));
+        for (phase, spent) in [
+            ("draft", step.draft),
+            ("build", step.build),
+            ("eval", step.eval),
+            ("settle", step.settle),
+        ] {
+            self.step_seconds
+                .get_or_create(&PhaseLabels { phase })
+                .inc_by(spent.as_secs_f64());
         }
     }
 
