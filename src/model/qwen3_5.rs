@@ -165,6 +165,7 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Mod
             rope,
             tied,
             interval: a.full_attention_interval,
+            moe: None,
             projections: Projections::Split,
             prefix: "language_model.",
             config,
