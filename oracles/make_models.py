@@ -27,6 +27,12 @@ Its -4bit copy keeps mlx-lm's own quant_predicate (the router gate at 8 bits, gr
 experts of its last MoE layer at 8 bits as well (QWEN3_MOE_8BIT), so one small folder has 4-bit and
 8-bit gather_qmm experts.
 
+qwen3_5_moe is a text-only Qwen3.5-MoE checkpoint in Hugging Face layout (model.language_model.*,
+conv1d as (C,1,K), zero-centred norms, each layer's experts fused as mlp.experts.gate_up_proj
+(E, 2I, H) and mlp.experts.down_proj (E, H, I)), so that mlx-lm's qwen3_5_moe sanitize splits
+them; no vision tower and no mtp.* head (mlx-lm drops it), to stay small. Its -4bit copy uses
+mlx-lm's own quant_predicate (router and shared-expert gates at 8 bits, group 64).
+
 Usage: make_models.py [NAME ...] [--no-quant]      (default: all random fixtures)
 """
 
@@ -83,6 +89,22 @@ _QWEN3_MOE = dict(
     moe_intermediate_size=64, norm_topk_prob=True, rms_norm_eps=1e-6, vocab_size=VOCAB,
     max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=EOS,
 )
+# Two layers, gated DeltaNet then full attention, each with 4 experts (top 2, not renormalised,
+# the branch qwen3_moe leaves out) and a shared expert.
+_QWEN35_MOE_TEXT = dict(
+    model_type="qwen3_5_moe_text", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_value_heads=2,
+    linear_num_key_heads=1, linear_key_head_dim=32, linear_value_head_dim=32,
+    linear_conv_kernel_dim=4, full_attention_interval=2,
+    layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+    decoder_sparse_step=1, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    norm_topk_prob=False, rms_norm_eps=1e-6, vocab_size=VOCAB, max_position_embeddings=4096,
+    attention_bias=False, tie_word_embeddings=True, hidden_act="silu", dtype="float32",
+    rope_parameters=dict(rope_type="default", type="default", rope_theta=100000.0,
+                         partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
+                         mrope_interleaved=True),
+    eos_token_id=EOS,
+)
 # The experts the -4bit copy quantizes at 8 bits (besides mlx-lm's router gates): layer 2's.
 QWEN3_MOE_8BIT = "model.layers.2.mlp.switch_mlp."
 
@@ -116,6 +138,9 @@ SPECS = {
         video_token_id=248057, vision_start_token_id=248053, vision_end_token_id=248054,
         tie_word_embeddings=False, eos_token_id=EOS)),
     "qwen3_moe": (7, _QWEN3_MOE),
+    "qwen3_5_moe": (8, dict(
+        architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe",
+        text_config=_QWEN35_MOE_TEXT, tie_word_embeddings=True, eos_token_id=EOS)),
 }
 
 # Norm weights that HF stores zero-centred and the oracles shift by +1 when loading a Qwen3.5 HF
@@ -219,6 +244,31 @@ def build_qwen3_moe_hf(cfg: dict, seed: int) -> dict:
     return out
 
 
+def build_qwen3_5_moe_hf(cfg: dict, seed: int) -> dict:
+    """mlx_lm's qwen3_5_moe under the usual tweaks (experts scaled like the 2-D projections),
+    mapped to HF names and layouts."""
+    weights = build_mlx_lm(cfg, seed)
+    out = {}
+    for k, v in weights.items():
+        if not k.startswith("language_model.model."):
+            die(f"unexpected qwen3_5_moe parameter {k}")
+        k = "model.language_model." + k[len("language_model.model."):]
+        stem, sep, proj = k.rpartition(".mlp.switch_mlp.")
+        if sep:
+            out[f"{stem}.mlp.switch_mlp.{proj}"] = v * LINEAR_GAIN
+            continue
+        if k.endswith("conv1d.weight"):  # MLX (C, K, 1) -> PyTorch (C, 1, K)
+            v = v.moveaxis(2, 1)
+        elif k.endswith(QWEN35_TEXT_SHIFTED):
+            v = v - 1.0  # zero-centred, as HF stores Qwen3_5RMSNorm
+        out[k] = v
+    for stem in sorted({k.rpartition(".switch_mlp.")[0] for k in out if ".switch_mlp." in k}):
+        gate, up, down = (out.pop(f"{stem}.switch_mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+        out[f"{stem}.experts.gate_up_proj"] = mx.concatenate([gate, up], axis=-2)
+        out[f"{stem}.experts.down_proj"] = down
+    return out
+
+
 def qwen3_moe_predicate(path, module, config=None):
     """mlx-lm's qwen3_moe quant_predicate (router gates at 8 bits, group 64) plus the experts of
     the QWEN3_MOE_8BIT layer at 8 bits; everything else at the convert's 4 bits."""
@@ -271,6 +321,8 @@ def main():
         predicate = None
         if name == "qwen3_5":
             src = save(name, cfg, build_qwen3_5_hf(cfg, seed), fmt="pt")
+        elif name == "qwen3_5_moe":
+            src = save(name, cfg, build_qwen3_5_moe_hf(cfg, seed), fmt="pt")
         elif name == "qwen3_moe":
             src = save(name, cfg, build_qwen3_moe_hf(cfg, seed))
             predicate = qwen3_moe_predicate

@@ -984,6 +984,54 @@ fn model_folder_cases() -> Vec<Case> {
             ),
         ),
         folder(
+            "hybrid-moe-more-experts-per-token-than-experts",
+            &[
+                "config.json",
+                "num_experts_per_tok is 5",
+                "between 1 and num_experts (4)",
+            ],
+            broken_config("qwen3_5_moe", |c| {
+                c["text_config"]["num_experts_per_tok"] = json!(5);
+            }),
+        ),
+        folder(
+            "hybrid-moe-no-experts-per-token",
+            &["config.json", "num_experts_per_tok is 0", "between 1"],
+            broken_config("qwen3_5_moe", |c| {
+                c["text_config"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("num_experts_per_tok");
+            }),
+        ),
+        folder(
+            "hybrid-moe-shared-expert-width-zero",
+            &[
+                "config.json",
+                "shared_expert_intermediate_size is 0",
+                "at least 1",
+            ],
+            broken_config("qwen3_5_moe", |c| {
+                c["text_config"]["shared_expert_intermediate_size"] = json!(0);
+            }),
+        ),
+        folder(
+            "hybrid-moe-missing-fused-expert-tensor",
+            &["missing tensor", "layers.1.mlp.experts.down_proj"],
+            without_tensor(
+                "qwen3_5_moe",
+                "model.language_model.layers.1.mlp.experts.down_proj",
+            ),
+        ),
+        folder(
+            "hybrid-moe-missing-shared-expert-gate",
+            &["missing tensor", "layers.0.mlp.shared_expert_gate.weight"],
+            without_tensor(
+                "qwen3_5_moe",
+                "model.language_model.layers.0.mlp.shared_expert_gate.weight",
+            ),
+        ),
+        folder(
             "quantization-group-zero",
             &["quantization.group_size is 0"],
             broken_config("qwen3-4bit", |c| {

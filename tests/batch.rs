@@ -323,6 +323,18 @@ fn qwen3_moe_4bit_batch_rows_equal_their_lone_requests() {
     check_fixture("qwen3_moe-4bit", Caches::Plain);
 }
 
+/// The hybrid with experts: each row's recurrent state advanced on its own, its tokens' experts
+/// (and the shared expert) computed over the packed rows, sorted by expert past 64 pairs.
+#[test]
+fn qwen3_5_moe_batch_rows_equal_their_lone_requests() {
+    check_fixture("qwen3_5_moe", Caches::Plain);
+}
+
+#[test]
+fn qwen3_5_moe_4bit_batch_rows_equal_their_lone_requests() {
+    check_fixture("qwen3_5_moe-4bit", Caches::Plain);
+}
+
 #[test]
 fn qwen3_4bit_quantized_kv_batch_rows_equal_their_lone_requests() {
     check_fixture("qwen3-4bit", Caches::QuantizedKv);

@@ -26,13 +26,14 @@ fn bits(a: &Array) -> Vec<u8> {
     a.to_bytes().unwrap()
 }
 
-const ARCHITECTURES: [&str; 6] = [
+const ARCHITECTURES: [&str; 7] = [
     "llama",
     "qwen3",
     "gemma3",
     "qwen3_next",
     "qwen3_5",
     "qwen3_moe",
+    "qwen3_5_moe",
 ];
 
 #[test]

@@ -8,6 +8,7 @@ pub mod lone_rows;
 pub mod mtp;
 pub mod qwen3;
 pub mod qwen3_5;
+pub mod qwen3_5_moe;
 pub mod qwen3_moe;
 pub mod qwen3_next;
 pub mod row_blocks;
@@ -99,6 +100,7 @@ pub const MODEL_TYPES: &[&str] = &[
     "qwen3_next",
     "qwen3_5",
     "qwen3_moe",
+    "qwen3_5_moe",
 ];
 
 /// Loads a model folder's config and weights (evaluated once, as mlx-lm does unless lazy)
@@ -115,6 +117,7 @@ pub fn load(dir: &Path) -> LoadResult<(Box<dyn LanguageModel>, Config)> {
         "qwen3_next" => Box::new(qwen3_next::Model::load(&config, &mut weights, &quant)?),
         "qwen3_5" => Box::new(qwen3_5::load(&config, &mut weights, &quant)?),
         "qwen3_moe" => Box::new(qwen3_moe::Model::load(&config, &mut weights, &quant)?),
+        "qwen3_5_moe" => Box::new(qwen3_5_moe::load(&config, &mut weights, &quant)?),
         other => {
             return Err(LoadError::UnknownModelType {
                 path: config.path.clone(),

@@ -9,7 +9,7 @@ use mlx::{ops, Array};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::layers::{Dims, Linear, OuterLayers, RmsNorm, Rope};
+use super::layers::{Dims, Linear, MoeShape, OuterLayers, RmsNorm, Rope};
 use super::mtp::MtpHead;
 use super::qwen3_next::{self, AttentionLayer, LinearDims, Projections, Shape};
 use super::{Forward, LanguageModel};
@@ -17,15 +17,20 @@ use crate::cache::{default_caches, LayerCache};
 use crate::load::{Config, LoadResult, QuantConfig, Weights};
 use crate::Result;
 
+/// qwen3_5.TextModelArgs, as qwen3_5 and qwen3_5_moe read it.
 #[derive(Deserialize)]
-struct TextArgs {
+pub(crate) struct TextArgs {
     #[serde(flatten)]
-    dims: Dims,
+    pub dims: Dims,
     #[serde(flatten)]
     linear: LinearDims,
     attention_bias: bool,
     full_attention_interval: usize,
-    num_experts: usize,
+    pub num_experts: i32,
+    pub num_experts_per_tok: i32,
+    pub moe_intermediate_size: i32,
+    pub shared_expert_intermediate_size: i32,
+    pub norm_topk_prob: bool,
     rope_parameters: Option<Map<String, Value>>,
     /// Decoder layers of the MTP head (mlx-vlm reads 1 when absent:
     /// mlx_vlm/speculative/drafters/qwen3_5_mtp/qwen3_5_mtp.py:31).
@@ -54,13 +59,9 @@ const MTP_SHIFTED_NORMS: [&str; 7] = [
     "pre_fc_norm_hidden.weight",
 ];
 
-/// Model.sanitize then TextModel.sanitize: keys to the `language_model.` scheme, vision dropped,
-/// and for HF layout (conv weights stored (C, 1, K)) conv transposed, norms + 1. The `mtp.*`
-/// keys stay as they are; their norms get + 1 unless their file is tagged `"format": "mlx"`,
-/// which mlx-vlm's splitter trusts to mean already converted (MTPSplitter.transform,
-/// mtp_split.py:196-204, `on_mlx_source` only strips the prefix).
-fn sanitize(w: &mut Weights, tied: bool) -> LoadResult<()> {
-    let mtp_converted = w.keys().any(|k| k.starts_with("mtp.") && w.saved_by_mlx(k));
+/// Model.sanitize's renaming: keys to the `language_model.` scheme, vision dropped, the `mtp.*`
+/// keys kept as they are.
+pub(crate) fn to_language_model_keys(w: &mut Weights) {
     w.rename(|k| {
         if k.starts_with("vision_tower") || k.starts_with("model.visual") {
             return None;
@@ -76,6 +77,14 @@ fn sanitize(w: &mut Weights, tied: bool) -> LoadResult<()> {
             format!("language_model.{k}")
         })
     });
+}
+
+/// TextModel.sanitize on renamed keys: for HF layout (conv weights stored (C, 1, K)) conv
+/// transposed, norms + 1. The `mtp.*` norms get + 1 unless their file is tagged
+/// `"format": "mlx"`, which mlx-vlm's splitter trusts to mean already converted
+/// (MTPSplitter.transform, mtp_split.py:196-204, `on_mlx_source` only strips the prefix).
+fn sanitize(w: &mut Weights, tied: bool) -> LoadResult<()> {
+    let mtp_converted = w.keys().any(|k| k.starts_with("mtp.") && w.saved_by_mlx(k));
     if tied {
         w.take_optional("language_model.lm_head.weight");
     }
@@ -103,19 +112,38 @@ fn sanitize(w: &mut Weights, tied: bool) -> LoadResult<()> {
 }
 
 pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Model> {
-    // The Python dataclass defaults (qwen3_5.TextModelArgs).
-    let a: TextArgs = config.text_args(json!({
+    let a = text_args(config)?;
+    if a.num_experts > 0 {
+        return Err(config.error("mixture-of-experts qwen3_5 layers are not supported yet"));
+    }
+    to_language_model_keys(w);
+    build(config, &a, w, q, None)
+}
+
+/// The text config with the Python dataclass defaults (qwen3_5.TextModelArgs).
+pub(crate) fn text_args(config: &Config) -> LoadResult<TextArgs> {
+    config.text_args(json!({
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "rms_norm_eps": 1e-6, "vocab_size": 151936,
         "num_key_value_heads": 8, "linear_num_value_heads": 64, "linear_num_key_heads": 16,
         "linear_key_head_dim": 192, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
         "tie_word_embeddings": false, "attention_bias": false, "full_attention_interval": 4,
-        "num_experts": 0, "mtp_num_hidden_layers": 1,
-    }))?;
-    if a.num_experts > 0 {
-        return Err(config.error("mixture-of-experts qwen3_5 layers are not supported yet"));
-    }
-    let mut rope_params = a.rope_parameters.unwrap_or_else(|| {
+        "num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
+        "shared_expert_intermediate_size": 0, "norm_topk_prob": true, "mtp_num_hidden_layers": 1,
+    }))
+}
+
+/// Builds the model from keys already in the `language_model.` scheme: TextModel.sanitize,
+/// the MTP head where `mtp.*` weights remain, and the hybrid layers, each layer's MLP the
+/// sparse block `moe` when given.
+pub(crate) fn build(
+    config: &Config,
+    a: &TextArgs,
+    w: &mut Weights,
+    q: &QuantConfig,
+    moe: Option<MoeShape>,
+) -> LoadResult<Model> {
+    let mut rope_params = a.rope_parameters.clone().unwrap_or_else(|| {
         let defaults = json!({"type": "default", "mrope_section": [11, 11, 10],
                               "rope_theta": 100000, "partial_rotary_factor": 0.25});
         defaults.as_object().cloned().unwrap_or_default()
@@ -165,6 +193,7 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Mod
             rope,
             tied,
             interval: a.full_attention_interval,
+            moe,
             projections: Projections::Split,
             prefix: "language_model.",
             config,

@@ -7,8 +7,8 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::layers::{
-    Activation, Attention, AttentionProjections, Dims, GatedMlp, MoeShape, OuterLayers, QkNorm,
-    RmsNorm, Rope, SparseMoe,
+    Activation, Attention, AttentionProjections, Dims, GatedMlp, Mlp, MoeShape, OuterLayers,
+    QkNorm, RmsNorm, Rope, SparseMoe,
 };
 use super::{rows, Forward, LanguageModel};
 use crate::cache::LayerCache;
@@ -26,21 +26,6 @@ struct Args {
     moe_intermediate_size: i32,
     norm_topk_prob: bool,
     rope_theta: f64,
-}
-
-/// A layer's MLP: the experts, or the dense MLP of the layers the config keeps dense.
-enum Mlp {
-    Dense(GatedMlp),
-    Sparse(SparseMoe),
-}
-
-impl Mlp {
-    fn forward(&self, x: &Array) -> mlx::Result<Array> {
-        match self {
-            Mlp::Dense(m) => m.forward(x),
-            Mlp::Sparse(m) => m.forward(x),
-        }
-    }
 }
 
 /// Qwen3MoeDecoderLayer.
@@ -78,6 +63,7 @@ impl Model {
             experts_per_token: a.num_experts_per_tok,
             expert_hidden: a.moe_intermediate_size,
             norm_topk_prob: a.norm_topk_prob,
+            shared_expert_hidden: None,
         };
         let mut layers = Vec::with_capacity(d.num_hidden_layers);
         for i in 0..d.num_hidden_layers {

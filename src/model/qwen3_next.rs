@@ -7,7 +7,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::layers::{
-    attend_rows, AttentionProjections, Dims, Linear, OuterLayers, PreNormBlock, RmsNorm, Rope,
+    attend_rows, AttentionProjections, Dims, Linear, MoeShape, OuterLayers, PreNormBlock, RmsNorm,
+    Rope,
 };
 use super::rows::{self, LayerRows};
 use super::{Forward, LanguageModel};
@@ -58,6 +59,8 @@ pub(crate) struct Shape<'a> {
     pub rope: Rope,
     pub tied: bool,
     pub interval: usize,
+    /// Every layer's sparse MLP (qwen3_5 with experts), or None for the dense one.
+    pub moe: Option<MoeShape>,
     pub projections: Projections,
     /// Module path prefix ("" for qwen3_next, "language_model." for qwen3_5).
     pub prefix: &'a str,
@@ -290,6 +293,7 @@ impl Model {
                 rope,
                 tied,
                 interval: a.full_attention_interval,
+                moe: None,
                 projections: Projections::Fused,
                 prefix: "",
                 config,
@@ -372,7 +376,7 @@ impl Model {
             };
             layers.push(DecoderLayer {
                 mixer,
-                block: PreNormBlock::load(w, q, &p, d, false)?,
+                block: PreNormBlock::load_moe(w, q, &p, d, s.moe)?,
             });
         }
         Ok(Model {

@@ -3,15 +3,16 @@
 
 use mlx::Array;
 
-use super::{Activation, Dims, GatedMlp, RmsNorm};
+use super::{Activation, Dims, GatedMlp, Mlp, MoeShape, RmsNorm, SparseMoe};
 use crate::load::{LoadResult, QuantConfig, Weights};
 
 /// The pre-norm residual block llama and the qwen3 hybrids share around their token mixer:
-/// `h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))`.
+/// `h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))`, the MLP
+/// dense or (the qwen3 hybrids with experts) sparse.
 pub struct PreNormBlock {
     pub input_layernorm: RmsNorm,
     pub post_attention_layernorm: RmsNorm,
-    pub mlp: GatedMlp,
+    pub mlp: Mlp,
 }
 
 impl PreNormBlock {
@@ -23,6 +24,37 @@ impl PreNormBlock {
         d: &Dims,
         mlp_bias: bool,
     ) -> LoadResult<PreNormBlock> {
+        let mlp = GatedMlp::load(
+            w,
+            q,
+            &format!("{path}.mlp"),
+            d.hidden_size,
+            d.intermediate_size,
+            mlp_bias,
+            Activation::Swiglu,
+        )?;
+        PreNormBlock::with_mlp(w, path, d, Mlp::Dense(mlp))
+    }
+
+    /// Loads the norms and the sparse MLP `moe` (or, without one, the SwiGLU MLP without
+    /// biases) of the layer at `path`.
+    pub fn load_moe(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        d: &Dims,
+        moe: Option<MoeShape>,
+    ) -> LoadResult<PreNormBlock> {
+        match moe {
+            Some(s) => {
+                let mlp = SparseMoe::load(w, q, &format!("{path}.mlp"), s)?;
+                PreNormBlock::with_mlp(w, path, d, Mlp::Sparse(mlp))
+            }
+            None => PreNormBlock::load(w, q, path, d, false),
+        }
+    }
+
+    fn with_mlp(w: &mut Weights, path: &str, d: &Dims, mlp: Mlp) -> LoadResult<PreNormBlock> {
         let (h, eps) = (d.hidden_size, d.rms_norm_eps);
         Ok(PreNormBlock {
             input_layernorm: RmsNorm::load(w, &format!("{path}.input_layernorm"), h, eps)?,
@@ -32,15 +64,7 @@ impl PreNormBlock {
                 h,
                 eps,
             )?,
-            mlp: GatedMlp::load(
-                w,
-                q,
-                &format!("{path}.mlp"),
-                h,
-                d.intermediate_size,
-                mlp_bias,
-                Activation::Swiglu,
-            )?,
+            mlp,
         })
     }
 
