@@ -63,6 +63,9 @@ pub struct Left {
     pub id: usize,
     /// A speculative row's counters.
     pub speculation: Option<SpeculationStats>,
+    /// A plain row's caches as it left them: its prompt and every token it emitted but the last
+    /// (which was never fed).
+    pub caches: Option<Vec<LayerCache>>,
 }
 
 /// Called after each prefill chunk of a joining row with the batch and the prompt tokens
@@ -403,21 +406,24 @@ impl<'m> Batch<'m> {
         split.build += built_at - drafted_at;
         split.eval += evaluated_at - built_at;
         split.settle += evaluated_at.elapsed();
-        let mut left = Vec::with_capacity(leaving.len());
-        self.rows.retain(|row| {
-            if !leaving.contains(&row.id) {
-                return true;
-            }
-            let speculation = match &row.decoder {
-                Decoder::Plain(_) => None,
-                Decoder::Speculative { speculator, .. } => Some(speculator.stats().clone()),
-            };
-            left.push(Left {
-                id: row.id,
-                speculation,
-            });
-            false
-        });
-        Ok(left)
+        let (gone, staying) = std::mem::take(&mut self.rows)
+            .into_iter()
+            .partition(|row| leaving.contains(&row.id));
+        self.rows = staying;
+        Ok(gone
+            .into_iter()
+            .map(|row| match row.decoder {
+                Decoder::Plain(p) => Left {
+                    id: row.id,
+                    speculation: None,
+                    caches: Some(p.caches),
+                },
+                Decoder::Speculative { speculator, .. } => Left {
+                    id: row.id,
+                    speculation: Some(speculator.stats().clone()),
+                    caches: None,
+                },
+            })
+            .collect())
     }
 }

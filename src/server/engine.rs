@@ -347,6 +347,9 @@ impl Engine {
                 self.metrics.stepped(&batch.split().since(&before));
                 for left in left {
                     let lane = lanes.remove(&left.id).expect("a row is a lane");
+                    if let Some(caches) = left.caches.filter(|_| lane.answered()) {
+                        self.keep_answer(&lane.tokens, &caches);
+                    }
                     let (events, span) = (lane.events.clone(), lane.span.clone());
                     self.report(lane.outcome(left.speculation.as_ref()), &events, &span);
                 }
@@ -466,6 +469,7 @@ impl Engine {
             first_token_at: None,
             prompt_tokens: prompt.len(),
             cached,
+            tokens: prompt.clone(),
             batch_rows: 1,
             finish: None,
             shutdown: self.shutdown.clone(),
@@ -482,6 +486,23 @@ impl Engine {
             constraint,
             start,
         }))
+    }
+
+    /// Stores a finished plain row's caches in the prefix cache under what they hold, `tokens`
+    /// but the last (its prompt and its answer), so that the next turn of a conversation
+    /// prefills only what it adds. Only KV and recurrent caches are kept: they hold the same
+    /// bits whether a token was decoded or prefilled (on the CPU), where a rotating cache holds
+    /// its window in another order and a quantized one was quantized at another point.
+    fn keep_answer(&self, tokens: &[u32], caches: &[LayerCache]) {
+        let exact = caches
+            .iter()
+            .all(|c| matches!(c, LayerCache::Kv(_) | LayerCache::Recurrent(_)));
+        let held = &tokens[..tokens.len() - 1];
+        if exact && caches.iter().all(|c| c.offset() == held.len()) {
+            let mut prefix = self.prefix.borrow_mut();
+            prefix.insert(&self.namespace, held, caches, None);
+            self.metrics.prefix_held(prefix.len(), prefix.bytes());
+        }
     }
 
     /// Stores the caches of `prompt` but its last token in the prefix cache.

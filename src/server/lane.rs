@@ -144,6 +144,8 @@ pub(super) struct Lane {
     pub(super) prompt_tokens: usize,
     /// Prompt tokens restored from the prefix cache.
     pub(super) cached: usize,
+    /// The prompt, then every token emitted: a plain row's caches hold all but the last.
+    pub(super) tokens: Vec<u32>,
     /// The widest batch step this lane took part in.
     pub(super) batch_rows: usize,
     pub(super) finish: Option<FinishReason>,
@@ -168,6 +170,12 @@ impl Lane {
         } else {
             Control::Continue
         }
+    }
+
+    /// Whether the request ended with a finish reason of its own: not failed, cancelled or cut
+    /// by the shutdown.
+    pub(super) fn answered(&self) -> bool {
+        self.finish.is_some() && self.error.is_none() && !self.cancelled && !self.cut
     }
 
     /// How the request ended, once its decode is over.
@@ -221,6 +229,7 @@ impl Lane {
             return Control::Stop;
         }
         self.count += 1;
+        self.tokens.push(step.token);
         let info = match self.token_info(bundle, step) {
             Ok(info) => info,
             Err(e) => {

@@ -1,15 +1,17 @@
-//! The prefix cache across requests: the caches of earlier prompts (all but their last token,
-//! as they stood after the prefill), keyed by exact token prefix and by a namespace naming
-//! everything that shapes a cache (model, draft pairing, KV quantization, max_kv_size). For a
-//! speculative lane the target's and the draft model's caches are one entry, stored and
-//! restored together. A byte budget bounds it; the least recently used entries go first.
+//! The prefix cache across requests, keyed by token prefix and by a namespace naming everything
+//! that shapes a cache (model, draft pairing, KV quantization, max_kv_size). It holds the
+//! caches of prompts (all but their last token, as they stood after the prefill) and of
+//! finished plain rows (their prompt and answer), so a conversation's next turn prefills only
+//! what it adds. For a speculative lane the target's and the draft model's caches are one
+//! entry, stored and restored together. A byte budget bounds it; the least recently used
+//! entries go first.
 //!
 //! An entry is a copy of immutable MLX arrays: the request that made it goes on writing to its
 //! caches, and MLX copies a buffer rather than update it in place while this copy holds it, so
 //! an entry never changes. That is also why restoring one is cheap: its arrays are shared.
-//! mlx_lm.server keeps its prompt cache after generation instead (server.py:1148), with the
-//! generated tokens in it; with a draft model that goes wrong (known-oracle-bugs.toml,
-//! server-draft-with-prompt-cache), which keeping only prefilled prompts avoids.
+//! mlx_lm.server keeps its prompt cache after generation for every request (server.py:1148);
+//! with a draft model that goes wrong (known-oracle-bugs.toml, server-draft-with-prompt-cache),
+//! which keeping only the prompts of speculative lanes avoids.
 
 use crate::cache::LayerCache;
 
@@ -21,6 +23,14 @@ struct Entry {
     draft: Option<Vec<LayerCache>>,
     bytes: usize,
     last_used: u64,
+}
+
+impl Entry {
+    /// Whether every cache of the entry can be cut back to a shorter prefix exactly.
+    fn trims(&self) -> bool {
+        let kv = |caches: &[LayerCache]| caches.iter().all(|c| matches!(c, LayerCache::Kv(_)));
+        kv(&self.target) && self.draft.as_deref().is_none_or(kv)
+    }
 }
 
 /// A restored prefix: how many prompt tokens the caches hold, and copies of them.
@@ -56,31 +66,55 @@ impl PrefixCache {
         }
     }
 
-    /// The entry with the longest key that starts `prompt` and leaves at least its last token
-    /// to feed, as shared copies.
+    /// The entry that holds the most of `prompt` but its last token (which must be fed), as
+    /// shared copies: an entry whose key starts the prompt, or a longer one that shares a
+    /// prefix with it and whose caches all trim (KV caches), cut back to that prefix, as the
+    /// next turn of a conversation that renders the last answer otherwise than it was
+    /// generated.
     pub fn lookup(&mut self, namespace: &str, prompt: &[u32]) -> Option<Hit> {
         self.clock += 1;
-        let usable = prompt.len().saturating_sub(1);
-        let entry = self
+        let usable = &prompt[..prompt.len().saturating_sub(1)];
+        let (entry, reach) = self
             .entries
             .iter_mut()
-            .filter(|e| {
-                e.namespace == namespace
-                    && e.tokens.len() <= usable
-                    && prompt.starts_with(&e.tokens)
+            .filter(|e| e.namespace == namespace)
+            .filter_map(|e| {
+                let shared = e
+                    .tokens
+                    .iter()
+                    .zip(usable)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                let reach = if shared == e.tokens.len() || e.trims() {
+                    shared
+                } else {
+                    0
+                };
+                (reach > 0).then_some((e, reach))
             })
-            .max_by_key(|e| e.tokens.len())?;
+            .max_by_key(|(_, reach)| *reach)?;
         entry.last_used = self.clock;
+        let cut = entry.tokens.len() - reach;
+        let trimmed = |caches: &[LayerCache]| -> Vec<LayerCache> {
+            let mut caches = caches.to_vec();
+            if cut > 0 {
+                for c in &mut caches {
+                    c.trim(cut).expect("entries that trim hold KV caches alone");
+                }
+            }
+            caches
+        };
         Some(Hit {
-            cached: entry.tokens.len(),
-            target: entry.target.clone(),
-            draft: entry.draft.clone(),
+            cached: reach,
+            target: trimmed(&entry.target),
+            draft: entry.draft.as_deref().map(trimmed),
         })
     }
 
-    /// Stores the caches of `tokens` (replacing an entry with the same key), then evicts the
-    /// least recently used entries until the budget holds. Caches bigger than the budget are
-    /// not stored.
+    /// Stores the caches of `tokens`, replacing an entry with the same key and, when the new
+    /// caches trim, every entry whose key starts it (the new one serves their lookups), then
+    /// evicts the least recently used entries until the budget holds. Caches bigger than the
+    /// budget are not stored.
     pub fn insert(
         &mut self,
         namespace: &str,
@@ -93,16 +127,24 @@ impl PrefixCache {
             return;
         }
         self.clock += 1;
-        self.entries
-            .retain(|e| !(e.namespace == namespace && e.tokens == tokens));
-        self.entries.push(Entry {
+        let entry = Entry {
             namespace: namespace.to_string(),
             tokens: tokens.to_vec(),
             target: target.to_vec(),
             draft: draft.map(<[LayerCache]>::to_vec),
             bytes,
             last_used: self.clock,
+        };
+        let supersedes = entry.trims();
+        self.entries.retain(|e| {
+            let covered = if supersedes {
+                tokens.starts_with(&e.tokens)
+            } else {
+                e.tokens == tokens
+            };
+            !(e.namespace == namespace && covered)
         });
+        self.entries.push(entry);
         while self.bytes() > self.budget {
             let oldest = self
                 .entries
