@@ -577,18 +577,7 @@ fn a_disconnected_stream_is_cancelled_and_the_next_request_equals_a_cold_run() {
     let mut long = chat("Write a long story.", 4000);
     long["stream"] = json!(true);
     long["logit_bias"] = json!({"2": -100, "0": -100});
-    let r = s
-        .agent
-        .post(format!("{}/v1/chat/completions", s.base))
-        .send_json(&long)
-        .unwrap();
-    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
-    let mut seen = 0;
-    while seen < 3 {
-        if lines.next().unwrap().unwrap().starts_with("data: ") {
-            seen += 1;
-        }
-    }
+    let lines = s.open_stream("/v1/chat/completions", &long, 3);
     drop(lines);
 
     let warm = s.ok("/v1/chat/completions", &next);

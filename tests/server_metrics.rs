@@ -7,7 +7,6 @@ mod server_client;
 mod support;
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -284,18 +283,7 @@ fn the_queue_depth_and_running_rows_show_a_waiting_request_and_a_cancel_is_count
     let mut long = chat("Write a long story.", 4000);
     long["stream"] = json!(true);
     long["logit_bias"] = json!({"2": -100, "0": -100});
-    let r = s
-        .agent
-        .post(format!("{}/v1/chat/completions", s.base))
-        .send_json(&long)
-        .unwrap();
-    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
-    let mut seen = 0;
-    while seen < 2 {
-        if lines.next().unwrap().unwrap().starts_with("data: ") {
-            seen += 1;
-        }
-    }
+    let lines = s.open_stream("/v1/chat/completions", &long, 2);
     // The long stream runs alone (--max-num-seqs 1), so the next request waits in the queue.
     let waiting = {
         let s = s.clone();

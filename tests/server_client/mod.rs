@@ -162,6 +162,29 @@ impl Server {
         v
     }
 
+    /// Opens a streaming request and reads its first `events` `data:` lines; the stream stays
+    /// open until the returned lines are dropped (a client that goes away then).
+    pub fn open_stream(
+        &self,
+        path: &str,
+        body: &Value,
+        events: usize,
+    ) -> std::io::Lines<BufReader<impl Read>> {
+        let r = self
+            .agent
+            .post(format!("{}{path}", self.base))
+            .send_json(body)
+            .unwrap();
+        let mut lines = BufReader::new(r.into_body().into_reader()).lines();
+        let mut seen = 0;
+        while seen < events {
+            if lines.next().unwrap().unwrap().starts_with("data: ") {
+                seen += 1;
+            }
+        }
+        lines
+    }
+
     /// A streaming request's `data:` payloads, up to and without `[DONE]` (which must come).
     pub fn stream(&self, path: &str, body: &Value) -> Vec<Value> {
         let r = self
