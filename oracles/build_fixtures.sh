@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Rebuilds every fixture except the trained weights, byte-identically, then checks and hashes them:
-#   tokenizer -> random fixtures (+4-bit) -> derived copies of the trained models -> smoke check
+#   tokenizer -> random fixtures (+4-bit) -> derived copies of the trained models -> the trained
+#   MTP head split out (mlx-vlm's splitter) -> smoke check
 #   -> golden/models/SHA256SUMS.
 # On a clean checkout `git status` stays unchanged. Oracle code never reaches the network.
 # Usage: oracles/build_fixtures.sh [--no-check]
@@ -24,6 +25,7 @@ step() { echo "== $1"; shift; "$py" "$@"; }
 step "tokenizer"          "$here/make_tokenizer.py"
 step "random fixtures"    "$here/make_models.py"
 step "derived fixtures"   "$here/derive_trained.py"
+step "split MTP drafter"  "$here/split_mtp.py"
 [ $check = 1 ] && step "smoke check" "$here/check_fixtures.py"
 step "SHA256SUMS"         "$here/hash_goldens.py"
 echo "== done in $((SECONDS - start)) s; golden/models + golden/tokenizer: $(du -sh "$golden/models" "$golden/tokenizer" | awk '{print $1}' | paste -sd+); golden/: $(du -sh "$golden" | cut -f1)"

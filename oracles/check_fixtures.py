@@ -8,7 +8,9 @@ by eval_spec.py): every norm has an effective scale near 1 and a 48-token greedy
 code prompt is not degenerate. For qwen3_5 and qwen3_5-trained also: mlx_vlm.load works, mlx_vlm
 plain greedy == mlx_lm plain greedy, and mlx_vlm native-MTP speculative greedy (drafter split in
 memory from the same folder) == plain greedy (the drafter's norms checked on the random one only). A DFlash drafter folder (config with dflash_config, no tokenizer:
-train_dflash.py) is only loaded through mlx_vlm's load_drafter and bound to its target.
+train_dflash.py) is only loaded through mlx_vlm's load_drafter and bound to its target. A split
+MTP drafter folder (model_type qwen3_5_mtp: split_mtp.py) is loaded the same way, and mlx_vlm's MTP
+loop with it on its source target equals the loop with the head split in memory.
 
 Usage: check_fixtures.py [NAME ...]      (default: every folder under golden/models)
 """
@@ -52,6 +54,32 @@ def check_drafter(path) -> list[str]:
     errs = [] if kind == "dflash" else [f"load_drafter resolved kind {kind!r}"]
     borrowed = [k for k in mx.load(str(path / "model.safetensors")) if k.startswith(("embed_tokens", "lm_head"))]
     return errs + [f"saves the target's weights {borrowed}"] * bool(borrowed)
+
+
+def check_split_mtp(path) -> list[str]:
+    """A split MTP drafter folder (split_mtp.py): mlx_vlm loads it as an mtp drafter, and its MTP
+    loop on the source target drafts and accepts exactly what the head split in memory does."""
+    import mlx.core as mx
+    from mlx_vlm import load as vlm_load
+    from mlx_vlm.generate import stream_generate as vlm_stream
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    source = MODELS / path.name.removesuffix("-mtp")
+    model, processor = vlm_load(str(source))
+    errs = []
+    runs = []
+    for drafter_path in (path, source):
+        drafter, kind = load_drafter(str(drafter_path), kind="mtp")
+        errs += [] if kind == "mtp" else [f"{drafter_path.name}: load_drafter resolved kind {kind!r}"]
+        toks = vlm_tokens(vlm_stream(model, processor, CODE_PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
+                                     draft_model=drafter, draft_kind=kind))
+        runs.append((toks, list(drafter.accept_lens), list(drafter.draft_lens)))
+        mx.clear_cache()
+    if runs[0] != runs[1]:
+        errs.append(f"the split head's MTP loop differs from {source.name}'s own head's")
+    log(f"  split head == in-folder head (tokens, accepted per round): {runs[0] == runs[1]}; "
+        f"accepted {sum(runs[0][1])}/{sum(runs[0][2])} drafted")
+    return errs
 
 
 def check_tokenizer(name, tok, ref) -> list[str]:
@@ -145,6 +173,15 @@ def main():
         if "dflash_config" in cfg:
             errs = check_drafter(path)
             log(f"{name:24s} DFlash drafter of {common.read_json(path / 'training_log.json')['target']}")
+            for e in errs:
+                log(f"  FAIL {name}: {e}")
+            failed += [name] if errs else []
+            continue
+        if cfg.get("model_type") == "qwen3_5_mtp":
+            log(f"{name:24s} split MTP drafter of {name.removesuffix('-mtp')}")
+            errs = check_split_mtp(path)
+            errs += [f"{f} is not a copy of golden/tokenizer/{f}" for f in ("tokenizer.json", "tokenizer_config.json")
+                     if (path / f).read_bytes() != (TOKENIZER / f).read_bytes()]
             for e in errs:
                 log(f"  FAIL {name}: {e}")
             failed += [name] if errs else []

@@ -114,14 +114,27 @@ impl ModelBundle {
     }
 
     fn check_draft_tokenizer(&self, dir: &Path, tokenizer: &Tokenizer) -> Result<()> {
+        self.check_tokenizer_of("the draft model", dir, tokenizer)
+    }
+
+    fn check_tokenizer_of(&self, what: &str, dir: &Path, tokenizer: &Tokenizer) -> Result<()> {
         if self.tokenizer.same_vocabulary(tokenizer) {
             return Ok(());
         }
         Err(crate::Error::Params(format!(
-            "the draft model {} has another tokenizer than {} (its token ids mean other text)",
+            "{what} {} has another tokenizer than {} (its token ids mean other text)",
             dir.display(),
             self.dir.display()
         )))
+    }
+
+    /// A drafter folder that ships a tokenizer (mlx-vlm's split MTP folders copy the source's)
+    /// must ship this one's; a folder without one borrows the target's.
+    pub fn check_drafter_tokenizer(&self, dir: &Path) -> Result<()> {
+        if !dir.join("tokenizer.json").is_file() {
+            return Ok(());
+        }
+        self.check_tokenizer_of("the MTP drafter", dir, &Tokenizer::from_dir(dir)?)
     }
 
     fn check_draft(&self, draft: &ModelBundle) -> Result<()> {

@@ -2538,7 +2538,149 @@ fn all_cases() -> Vec<Case> {
     cases.extend(accept_cases());
     cases.extend(other_cases());
     cases.extend(bisect_cases());
+    cases.extend(split_mtp_cases());
     cases
+}
+
+/// The split MTP drafter fixture (qwen3_5-trained's head, oracles/split_mtp.py).
+const SPLIT_MTP: &str = "qwen3_5-trained-mtp";
+
+/// A copy of the split MTP folder at `<scratch>/m` whose tokenizer maps two tokens the other
+/// way round.
+fn split_mtp_other_tokenizer() -> Setup {
+    Box::new(|s| {
+        edit_json(&copy_model(s, SPLIT_MTP).join("tokenizer.json"), |t| {
+            let vocab = t["model"]["vocab"].as_object_mut().unwrap();
+            let (a, b) = (vocab["a"].clone(), vocab["b"].clone());
+            vocab.insert("a".into(), b);
+            vocab.insert("b".into(), a);
+        })
+    })
+}
+
+/// `--draft-mtp DIR` with a folder that does not pair with the target: refused at startup by
+/// generate, serve and bench speed, naming the folder, the value and what is allowed.
+fn split_mtp_cases() -> Vec<Case> {
+    let trained = model_arg("qwen3_5-trained");
+    let split = model_arg(SPLIT_MTP);
+    let gen = |name: &str, dir: &str, needles: &[&str], setup: Setup| {
+        let args = [
+            "generate",
+            "--model",
+            &trained,
+            "-m",
+            "4",
+            "--draft-mtp",
+            dir,
+        ];
+        case(name, &args, 2, needles, setup)
+    };
+    // The head of another model: qwen3-draft is 64 wide, the head 128.
+    let narrow = model_arg("qwen3-draft");
+    let other_model = [
+        "text_config.hidden_size",
+        SPLIT_MTP,
+        "128",
+        "hidden size, 64",
+    ];
+    vec![
+        gen(
+            "generate/draft-mtp-dir-missing",
+            "{S}/nope",
+            &["{S}/nope", "no such model folder"],
+            no_setup(),
+        ),
+        gen(
+            "generate/draft-mtp-dir-not-a-split-folder",
+            &model_arg(DFLASH),
+            &[DFLASH, "model_type \"qwen3\"", "qwen3_5_mtp"],
+            no_setup(),
+        ),
+        case(
+            "generate/draft-mtp-dir-of-another-model",
+            &[
+                "generate",
+                "--model",
+                &narrow,
+                "-m",
+                "4",
+                "--draft-mtp",
+                &split,
+            ],
+            2,
+            &other_model,
+            no_setup(),
+        ),
+        gen(
+            "generate/draft-mtp-dir-hidden-size",
+            "{S}/m",
+            &[
+                "{S}/m",
+                "text_config.hidden_size",
+                "is 96",
+                "hidden size, 128",
+            ],
+            broken_config(SPLIT_MTP, |c| c["text_config"]["hidden_size"] = json!(96)),
+        ),
+        gen(
+            "generate/draft-mtp-dir-vocab-size",
+            "{S}/m",
+            &["{S}/m", "text_config.vocab_size", "is 1000", "1024"],
+            broken_config(SPLIT_MTP, |c| c["text_config"]["vocab_size"] = json!(1000)),
+        ),
+        gen(
+            "generate/draft-mtp-dir-missing-tensor",
+            "{S}/m",
+            &[
+                "{S}/m",
+                "missing tensor",
+                "layers.0.self_attn.q_proj.weight",
+            ],
+            without_tensor(SPLIT_MTP, "layers.0.self_attn.q_proj.weight"),
+        ),
+        gen(
+            "generate/draft-mtp-dir-other-tokenizer",
+            "{S}/m",
+            &["the MTP drafter {S}/m", "another tokenizer"],
+            split_mtp_other_tokenizer(),
+        ),
+        gen(
+            "generate/draft-mtp-dir-experts",
+            "{S}/m",
+            &["{S}/m", "num_experts is 4", "must be 0"],
+            broken_config(SPLIT_MTP, |c| c["text_config"]["num_experts"] = json!(4)),
+        ),
+        case(
+            "serve/draft-mtp-dir-of-another-model",
+            &[
+                "serve",
+                "--port",
+                "0",
+                "--model",
+                &narrow,
+                "--draft-mtp",
+                &split,
+            ],
+            2,
+            &other_model,
+            no_setup(),
+        ),
+        case(
+            "bench-speed/draft-mtp-dir-of-another-model",
+            &[
+                "bench",
+                "speed",
+                "--model",
+                &narrow,
+                "--draft-mtp",
+                &split,
+                "--no-mlx-lm",
+            ],
+            2,
+            &other_model,
+            no_setup(),
+        ),
+    ]
 }
 
 fn main() {

@@ -424,7 +424,7 @@ fn qwen3_5_speculative_batch_rows_equal_their_lone_requests() {
         &[
             DrafterSpec::Model(support::model_dir("qwen3_5")),
             DrafterSpec::Ngram { min: 1, max: 3 },
-            DrafterSpec::Mtp,
+            DrafterSpec::Mtp { dir: None },
             DrafterSpec::Dflash {
                 dir: support::model_dir("qwen3_5-dflash"),
                 chain: false,

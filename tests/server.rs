@@ -296,8 +296,11 @@ fn speculative_serving_equals_plain() {
 #[test]
 fn native_drafter_lanes_equal_plain() {
     let dflash = model_dir("qwen3-target-dflash");
-    let lanes: [(&str, &[&str]); 2] = [
+    // A split MTP folder (`--draft-mtp DIR`) serves a conversion that carries no mtp.* weights.
+    let split = model_dir("qwen3_5-trained-mtp");
+    let lanes: [(&str, &[&str]); 3] = [
         ("qwen3_5", &["--draft-mtp"]),
+        ("qwen3_5-4bit", &["--draft-mtp", split.to_str().unwrap()]),
         (TARGET, &["--draft-dflash", dflash.to_str().unwrap()]),
     ];
     for (target, args) in lanes {

@@ -258,7 +258,7 @@ fn every_registered_drafter_decodes_as_plain_through_the_front_door() {
     let specs = [
         (DrafterSpec::Model(support::model_dir("qwen3_5")), 3),
         (DrafterSpec::Ngram { min: 1, max: 3 }, 3),
-        (DrafterSpec::Mtp, 3),
+        (DrafterSpec::Mtp { dir: None }, 3),
         (
             DrafterSpec::Dflash {
                 dir: support::model_dir("qwen3_5-dflash"),

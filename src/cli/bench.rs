@@ -197,7 +197,9 @@ impl Workload {
             (Kind::Drafter, Some(DrafterSpec::Model(_))) => {
                 format!("text prompt, draft model k={k}")
             }
-            (Kind::Drafter, Some(DrafterSpec::Mtp)) => format!("text prompt, MTP head k={k}"),
+            (Kind::Drafter, Some(DrafterSpec::Mtp { .. })) => {
+                format!("text prompt, MTP head k={k}")
+            }
             (Kind::Drafter, _) => "text prompt, DFlash drafter".into(),
             (Kind::Ngram, _) => format!("text prompt, n-gram k={k}"),
             (Kind::Grammar, _) => "text prompt, regex grammar".into(),

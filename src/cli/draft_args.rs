@@ -14,10 +14,13 @@ pub struct DraftArgs {
     /// Speculate with prompt lookup (n-gram) drafts.
     #[arg(long, conflicts_with_all = ["draft_mtp", "draft_dflash"])]
     pub draft_ngram: bool,
-    /// Speculate with the model's own multi-token-prediction head (Qwen3.5 `mtp.*` weights),
-    /// as mlx-vlm's MTP loop does (--num-draft-tokens is its block size minus one).
-    #[arg(long, conflicts_with = "draft_dflash")]
-    pub draft_mtp: bool,
+    /// Speculate with a multi-token-prediction head, as mlx-vlm's MTP loop does
+    /// (--num-draft-tokens is its block size minus one). Bare, the model's own head (Qwen3.5
+    /// `mtp.*` weights); with DIR, the head in a split drafter folder (mlx-vlm's `qwen3_5_mtp`
+    /// layout, e.g. from `python -m mlx_vlm.split_mtp`) for a model whose conversion stripped
+    /// its `mtp.*` weights.
+    #[arg(long, value_name = "DIR", num_args = 0..=1, conflicts_with = "draft_dflash")]
+    pub draft_mtp: Option<Option<PathBuf>>,
     /// Speculate with this DFlash block drafter folder (model_type qwen3_dflash), as mlx-vlm's
     /// DFlash loop does: one drafter pass per round drafts a whole block, whose size adapts to
     /// acceptance up to the drafter's block_size (or --num-draft-tokens + 1). A DFlash lane of
@@ -44,12 +47,14 @@ impl DraftArgs {
                 dir: dir.clone(),
                 chain: false,
             }),
-            (None, None) if self.draft_ngram => Some(DrafterSpec::Ngram {
-                min: self.ngram_min,
-                max: self.ngram_max,
-            }),
-            (None, None) if self.draft_mtp => Some(DrafterSpec::Mtp),
-            (None, None) => None,
+            (None, None) => match (self.draft_ngram, &self.draft_mtp) {
+                (true, _) => Some(DrafterSpec::Ngram {
+                    min: self.ngram_min,
+                    max: self.ngram_max,
+                }),
+                (false, Some(dir)) => Some(DrafterSpec::Mtp { dir: dir.clone() }),
+                (false, None) => None,
+            },
         }
     }
 }

@@ -9,6 +9,7 @@ pub mod mtp;
 pub mod qwen3;
 pub mod qwen3_5;
 pub mod qwen3_5_moe;
+pub mod qwen3_5_mtp;
 pub mod qwen3_moe;
 pub mod qwen3_next;
 pub mod row_blocks;

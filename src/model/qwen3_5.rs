@@ -2,18 +2,19 @@
 //! a vision-language checkpoint (text part under `text_config`). Vision weights are dropped;
 //! HF-layout checkpoints get their conv weights transposed and norms shifted by +1. The `mtp.*`
 //! weights, which mlx-lm drops, become the model's multi-token-prediction head
-//! ([`QwenMtpHead`], a [`MtpHead`]), loaded as mlx-vlm's MTP splitter loads them
+//! (crate::model::qwen3_5_mtp's head, a [`MtpHead`]), loaded as mlx-vlm's MTP splitter loads them
 //! (mlx_vlm/speculative/drafters/mtp_split.py).
 
-use mlx::{ops, Array};
+use mlx::Array;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::layers::{Dims, Linear, MoeShape, OuterLayers, RmsNorm, Rope};
+use super::layers::{Dims, MoeShape, OuterLayers, Rope};
 use super::mtp::MtpHead;
-use super::qwen3_next::{self, AttentionLayer, LinearDims, Projections, Shape};
+use super::qwen3_5_mtp::{QwenMtpHead, MTP_SHIFTED_NORMS};
+use super::qwen3_next::{self, LinearDims, Projections, Shape};
 use super::{Forward, LanguageModel};
-use crate::cache::{default_caches, LayerCache};
+use crate::cache::LayerCache;
 use crate::load::{Config, LoadResult, QuantConfig, Weights};
 use crate::Result;
 
@@ -34,7 +35,7 @@ pub(crate) struct TextArgs {
     rope_parameters: Option<Map<String, Value>>,
     /// Decoder layers of the MTP head (mlx-vlm reads 1 when absent:
     /// mlx_vlm/speculative/drafters/qwen3_5_mtp/qwen3_5_mtp.py:31).
-    mtp_num_hidden_layers: usize,
+    pub mtp_num_hidden_layers: usize,
 }
 
 /// The norms mlx-lm shifts by +1 in HF-layout checkpoints (the gated DeltaNet norm excluded).
@@ -44,19 +45,6 @@ const SHIFTED_NORMS: [&str; 5] = [
     "model.norm.weight",
     ".q_norm.weight",
     ".k_norm.weight",
-];
-
-/// The `mtp.*` norms mlx-vlm shifts by +1 (zero-centred in HF checkpoints): the suffix list of
-/// mlx_vlm/speculative/drafters/qwen3_5_mtp/split.py:14-22 ("norm.weight" is `mtp.norm`; the
-/// pre-fc norms end in "embedding.weight" and "hidden.weight", so they are listed apart).
-const MTP_SHIFTED_NORMS: [&str; 7] = [
-    ".input_layernorm.weight",
-    ".post_attention_layernorm.weight",
-    ".q_norm.weight",
-    ".k_norm.weight",
-    "norm.weight",
-    "pre_fc_norm_embedding.weight",
-    "pre_fc_norm_hidden.weight",
 ];
 
 /// Model.sanitize's renaming: keys to the `language_model.` scheme, vision dropped, the `mtp.*`
@@ -133,16 +121,9 @@ pub(crate) fn text_args(config: &Config) -> LoadResult<TextArgs> {
     }))
 }
 
-/// Builds the model from keys already in the `language_model.` scheme: TextModel.sanitize,
-/// the MTP head where `mtp.*` weights remain, and the hybrid layers, each layer's MLP the
-/// sparse block `moe` when given.
-pub(crate) fn build(
-    config: &Config,
-    a: &TextArgs,
-    w: &mut Weights,
-    q: &QuantConfig,
-    moe: Option<MoeShape>,
-) -> LoadResult<Model> {
+/// The partial rotary embedding of `rope_parameters` (mlx-lm's defaults when absent), shared by
+/// the decoder and the MTP head, in-folder or split.
+pub(crate) fn rope(config: &Config, a: &TextArgs) -> LoadResult<Rope> {
     let mut rope_params = a.rope_parameters.clone().unwrap_or_else(|| {
         let defaults = json!({"type": "default", "mrope_section": [11, 11, 10],
                               "rope_theta": 100000, "partial_rotary_factor": 0.25});
@@ -164,24 +145,30 @@ pub(crate) fn build(
         param("rope_theta", 100000.0),
     );
     let scaling = Value::Object(rope_params.clone());
-    let rope = Rope::new(
+    Rope::new(
         (a.dims.head_dim() as f64 * factor) as i32,
         theta,
         false,
         Some(&scaling),
     )
-    .map_err(|m| config.error(m))?;
+    .map_err(|m| config.error(m))
+}
+
+/// Builds the model from keys already in the `language_model.` scheme: TextModel.sanitize,
+/// the MTP head where `mtp.*` weights remain, and the hybrid layers, each layer's MLP the
+/// sparse block `moe` when given.
+pub(crate) fn build(
+    config: &Config,
+    a: &TextArgs,
+    w: &mut Weights,
+    q: &QuantConfig,
+    moe: Option<MoeShape>,
+) -> LoadResult<Model> {
+    let rope = rope(config, a)?;
     let tied = a.dims.tie_word_embeddings.unwrap_or(false);
     sanitize(w, tied)?;
     let mtp = if w.keys().any(|k| k.starts_with("mtp.")) {
-        Some(QwenMtpHead::load(
-            w,
-            q,
-            &a.dims,
-            a.mtp_num_hidden_layers,
-            rope,
-            config,
-        )?)
+        Some(QwenMtpHead::load(w, q, a, rope, config, "mtp.")?)
     } else {
         None
     };
@@ -239,83 +226,5 @@ impl LanguageModel for Model {
 
     fn mtp_head(&self) -> Option<&dyn MtpHead> {
         self.mtp.as_ref().map(|h| h as &dyn MtpHead)
-    }
-}
-
-/// Qwen3.5's multi-token-prediction head, mlx-vlm's Qwen3_5MTPDraftModel
-/// (mlx_vlm/speculative/drafters/qwen3_5_mtp/qwen3_5_mtp.py:23-66, `_forward_hidden` at
-/// 155-179): `fc(concat(pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i)))`, then
-/// full-attention decoder layers with their own KV caches, then `norm`. The embedding and the
-/// output head are the target's; `h_i` is the target's final post-norm hidden state (mlx-vlm's
-/// `return_hidden` appends `self.norm(h)`, mlx_vlm/models/qwen3_5/language.py:1406, 1841-1844)
-/// or, later in a chain, this head's own output.
-struct QwenMtpHead {
-    fc: Linear,
-    pre_fc_norm_embedding: RmsNorm,
-    pre_fc_norm_hidden: RmsNorm,
-    layers: Vec<AttentionLayer>,
-    norm: RmsNorm,
-    hidden_size: i32,
-}
-
-impl QwenMtpHead {
-    fn load(
-        w: &mut Weights,
-        q: &QuantConfig,
-        d: &Dims,
-        depth: usize,
-        rope: Rope,
-        config: &Config,
-    ) -> LoadResult<QwenMtpHead> {
-        if depth == 0 {
-            return Err(config.error(
-                "the checkpoint has mtp.* weights but mtp_num_hidden_layers is 0 (must be >= 1)",
-            ));
-        }
-        let (h, eps) = (d.hidden_size, d.rms_norm_eps);
-        let layers = (0..depth)
-            .map(|i| AttentionLayer::load(w, q, &format!("mtp.layers.{i}"), d, rope, false))
-            .collect::<LoadResult<_>>()?;
-        Ok(QwenMtpHead {
-            fc: Linear::load(w, q, "mtp.fc", 2 * h, h, false)?,
-            pre_fc_norm_embedding: RmsNorm::load(w, "mtp.pre_fc_norm_embedding", h, eps)?,
-            pre_fc_norm_hidden: RmsNorm::load(w, "mtp.pre_fc_norm_hidden", h, eps)?,
-            layers,
-            norm: RmsNorm::load(w, "mtp.norm", h, eps)?,
-            hidden_size: h,
-        })
-    }
-}
-
-impl MtpHead for QwenMtpHead {
-    fn hidden_size(&self) -> usize {
-        self.hidden_size as usize
-    }
-
-    /// One plain KV cache per layer (qwen3_5_mtp.py:99-116).
-    fn make_cache(&self) -> Vec<LayerCache> {
-        default_caches(self.layers.len(), None)
-    }
-
-    /// The head's positions are mlx-vlm's own `_next_position` counter, which starts at 0 and
-    /// moves with the caches' offset on trim; the output is post-norm.
-    fn forward(
-        &self,
-        embedded: &Array,
-        hidden: &Array,
-        caches: &mut [LayerCache],
-    ) -> Result<Array> {
-        let x = ops::concatenate(
-            &[
-                &self.pre_fc_norm_embedding.forward(embedded)?,
-                &self.pre_fc_norm_hidden.forward(hidden)?,
-            ],
-            -1,
-        )?;
-        let mut h = self.fc.forward(&x)?;
-        for (layer, cache) in self.layers.iter().zip(caches) {
-            h = layer.forward(&h, cache)?;
-        }
-        Ok(self.norm.forward(&h)?)
     }
 }

@@ -68,7 +68,7 @@ impl Models {
             } => (DrafterSpec::Model(self.path(model)), *num_draft_tokens),
             Draft::Mtp { block_size } => {
                 validate::draft_block_size(*block_size)?;
-                (DrafterSpec::Mtp, block_size - 1)
+                (DrafterSpec::Mtp { dir: None }, block_size - 1)
             }
             Draft::Dflash { model, block_size } => {
                 validate::draft_block_size(*block_size)?;
@@ -83,7 +83,7 @@ impl Models {
         match source {
             Source::Model { model } => DrafterSpec::Model(self.path(model)),
             &Source::Ngram { min, max } => DrafterSpec::Ngram { min, max },
-            Source::Mtp => DrafterSpec::Mtp,
+            Source::Mtp => DrafterSpec::Mtp { dir: None },
             Source::Dflash { model, chain } => DrafterSpec::Dflash {
                 dir: self.path(model),
                 chain: *chain,

@@ -75,7 +75,7 @@ fn lane_name(drafter: Option<&DrafterSpec>) -> &'static str {
         None => "plain",
         Some(DrafterSpec::Model(_)) => "draft_model",
         Some(DrafterSpec::Ngram { .. }) => "ngram",
-        Some(DrafterSpec::Mtp) => "mtp",
+        Some(DrafterSpec::Mtp { .. }) => "mtp",
         Some(DrafterSpec::Dflash { .. }) => "dflash",
     }
 }

@@ -10,6 +10,7 @@ use super::{DflashDrafter, DraftModel, DraftSource, MtpDrafter, NgramLookup};
 use crate::bundle::ModelBundle;
 use crate::cache::LayerCache;
 use crate::model::dflash::DflashModel;
+use crate::model::mtp::{load_folder, MtpHead};
 use crate::model::LanguageModel;
 use crate::{validate, Result};
 
@@ -24,8 +25,9 @@ pub enum DrafterSpec {
     Model(PathBuf),
     /// Prompt lookup with n-grams of `min..=max` tokens.
     Ngram { min: usize, max: usize },
-    /// The target's own multi-token-prediction head.
-    Mtp,
+    /// A multi-token-prediction head: the target's own (`dir: None`, its `mtp.*` tensors) or
+    /// the one in a split drafter folder (mlx-vlm's `qwen3_5_mtp` layout).
+    Mtp { dir: Option<PathBuf> },
     /// A DFlash block drafter folder; `chain` runs it one pass per draft (the block-vs-chain
     /// probe) instead of one pass per block.
     Dflash { dir: PathBuf, chain: bool },
@@ -39,7 +41,8 @@ pub enum Drafter {
         min: usize,
         max: usize,
     },
-    Mtp,
+    /// The split folder's head, or `None` for the target's own.
+    Mtp(Option<Box<dyn MtpHead>>),
     Dflash {
         model: Box<DflashModel>,
         chain: bool,
@@ -48,8 +51,8 @@ pub enum Drafter {
 
 impl Drafter {
     /// Loads what `spec` names and checks it against `target` (vocabulary and tokenizer for a
-    /// draft model, the n-gram lengths, the target's MTP head, a DFlash drafter's widths, taps
-    /// and mask token).
+    /// draft model, the n-gram lengths, the target's MTP head or a split head's width,
+    /// vocabulary and tokenizer, a DFlash drafter's widths, taps and mask token).
     pub fn load(spec: &DrafterSpec, target: &ModelBundle) -> Result<Drafter> {
         Ok(match spec {
             DrafterSpec::Model(dir) => Drafter::Model(Box::new(target.load_draft(dir)?)),
@@ -57,9 +60,14 @@ impl Drafter {
                 validate::ngram(min, max)?;
                 Drafter::Ngram { min, max }
             }
-            DrafterSpec::Mtp => {
+            DrafterSpec::Mtp { dir: None } => {
                 validate::mtp(target.model())?;
-                Drafter::Mtp
+                Drafter::Mtp(None)
+            }
+            DrafterSpec::Mtp { dir: Some(dir) } => {
+                let head = load_folder(dir, |p| validate::mtp_folder(dir, target.model(), p))?;
+                target.check_drafter_tokenizer(dir)?;
+                Drafter::Mtp(Some(head))
             }
             DrafterSpec::Dflash { dir, chain } => {
                 let model = Box::new(DflashModel::load(dir)?);
@@ -112,7 +120,8 @@ impl Drafter {
                 })
             }
             &Drafter::Ngram { min, max } => Box::new(NgramLookup::new(min, max)?),
-            Drafter::Mtp => Box::new(MtpDrafter::new(target)?),
+            Drafter::Mtp(None) => Box::new(MtpDrafter::new(target)?),
+            Drafter::Mtp(Some(head)) => Box::new(MtpDrafter::with_head(target, head.as_ref())),
             Drafter::Dflash {
                 model,
                 chain: false,

@@ -43,14 +43,19 @@ pub struct MtpDrafter<'m> {
 impl<'m> MtpDrafter<'m> {
     /// The target's own MTP head as a drafter, after checking the pair (crate::validate::mtp).
     pub fn new(target: &'m dyn LanguageModel) -> Result<MtpDrafter<'m>> {
-        let head = validate::mtp(target)?;
-        Ok(MtpDrafter {
+        Ok(Self::with_head(target, validate::mtp(target)?))
+    }
+
+    /// `head` drafting for `target`, a pair already checked: a split folder's head
+    /// (crate::validate::mtp_folder) or the target's own.
+    pub fn with_head(target: &'m dyn LanguageModel, head: &'m dyn MtpHead) -> MtpDrafter<'m> {
+        MtpDrafter {
             target,
             head,
             caches: head.make_cache(),
             seed: None,
             round: None,
-        })
+        }
     }
 
     /// The head's KV caches (for the rollback properties).

@@ -163,6 +163,35 @@ pub fn mtp(target: &dyn LanguageModel) -> Result<&dyn crate::model::mtp::MtpHead
     Ok(head)
 }
 
+/// A split MTP head's folder pairs with a target as wide as the head (the check mlx-vlm makes,
+/// speculative/drafters/__init__.py:94-112) and with the vocabulary the head was trained on:
+/// the head's states go through the target's own output head, so a head cut from a model with
+/// another vocabulary would draft ids that mean other text.
+pub fn mtp_folder(
+    dir: &std::path::Path,
+    target: &dyn LanguageModel,
+    pairing: &crate::model::mtp::Pairing,
+) -> Result<()> {
+    let folder = |field: &str| format!("the MTP drafter {}'s {field}", dir.display());
+    let width = target.outer().embed_tokens.width();
+    if pairing.hidden_size != width {
+        return Err(invalid(
+            &folder("text_config.hidden_size"),
+            pairing.hidden_size,
+            &format!("must equal the target's hidden size, {width}"),
+        ));
+    }
+    let vocab = target.vocab_size();
+    if pairing.vocab_size != vocab {
+        return Err(invalid(
+            &folder("text_config.vocab_size"),
+            pairing.vocab_size,
+            &format!("must equal the target's, {vocab}"),
+        ));
+    }
+    Ok(())
+}
+
 /// A DFlash drafter pairs with a target whose hidden states are as wide as the drafter's,
 /// that has every layer the drafter taps, and whose vocabulary (the drafter borrows the
 /// target's embedding and output head) holds the drafter's vocabulary and mask token.
