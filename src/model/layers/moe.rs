@@ -148,9 +148,10 @@ impl SparseMoe {
     }
 
     /// The block's `__call__`, op for op. The top k come from argpartition, so the order of a
-    /// token's k experts is argpartition's, which the sum over them inherits. Every family casts
-    /// (or, qwen3_next, not) the sum back to the experts' dtype; qwen3's sum already has it
-    /// (the softmax keeps its input's), GLM's f32 scores can widen it, so the cast is kept.
+    /// token's k experts is argpartition's, which the sum over them inherits. qwen3_moe and
+    /// glm4_moe cast the sum back to the experts' dtype, qwen3_next does not: its sum already
+    /// has that dtype (the softmax keeps its input's), so the cast changes nothing there, while
+    /// GLM's f32 scores widen a bf16 sum that the cast narrows again.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let gates = self.gate.forward(x)?;
         let (inds, scores) = match self.router {
