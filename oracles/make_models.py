@@ -33,6 +33,14 @@ conv1d as (C,1,K), zero-centred norms, each layer's experts fused as mlp.experts
 them; no vision tower and no mtp.* head (mlx-lm drops it), to stay small. Its -4bit copy uses
 mlx-lm's own quant_predicate (router and shared-expert gates at 8 bits, group 64).
 
+glm4_moe is written in Hugging Face layout like qwen3_moe (one tensor per expert, which mlx-lm's
+sanitize stacks), plus a model.layers.<num_hidden_layers>.* multi-token-prediction layer that its
+sanitize drops. Its router weights and e_score_correction_bias are drawn at random (mlx-lm initialises
+MoEGate's to zeros: every token would pick the same experts, and the bias path would go untested). Its -4bit copy uses mlx-lm's default predicate: MoEGate is no
+nn.Linear so the router stays f32, and the projections whose input is not a multiple of 64 (the
+experts' and MLPs' down_proj, o_proj) stay f32 beside 4-bit ones. head_dim 16 keeps it small (the
+untied lm_head doubles the vocabulary's share), so no KV-quantized cases run on it.
+
 Usage: make_models.py [NAME ...] [--no-quant]      (default: all random fixtures)
 """
 
@@ -105,6 +113,19 @@ _QWEN35_MOE_TEXT = dict(
                          mrope_interleaved=True),
     eos_token_id=EOS,
 )
+# Two layers, dense then MoE (first_k_dense_replace 1): 8 experts in 4 groups of 2, the best 2
+# groups eligible (topk_group < n_group), top 3 renormalised and scaled by 2.5, one shared expert;
+# q/k/v biases, per-head q/k norms, RoPE on half of each head. Small: golden/ is near its limit.
+_GLM4_MOE = dict(
+    architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", hidden_size=64,
+    num_hidden_layers=2, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=16, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=3, n_group=4, topk_group=2, norm_topk_prob=True,
+    routed_scaling_factor=2.5, first_k_dense_replace=1, partial_rotary_factor=0.5,
+    use_qk_norm=True, attention_bias=True, rope_theta=1000000.0, rope_scaling=None,
+    rms_norm_eps=1e-5, vocab_size=VOCAB, max_position_embeddings=4096, scoring_func="sigmoid",
+    topk_method="noaux_tc", tie_word_embeddings=False, eos_token_id=EOS,
+)
 # The experts the -4bit copy quantizes at 8 bits (besides mlx-lm's router gates): layer 2's.
 QWEN3_MOE_8BIT = "model.layers.2.mlp.switch_mlp."
 
@@ -141,6 +162,7 @@ SPECS = {
     "qwen3_5_moe": (8, dict(
         architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe",
         text_config=_QWEN35_MOE_TEXT, tie_word_embeddings=True, eos_token_id=EOS)),
+    "glm4_moe": (9, _GLM4_MOE),
 }
 
 # Norm weights that HF stores zero-centred and the oracles shift by +1 when loading a Qwen3.5 HF
@@ -269,6 +291,25 @@ def build_qwen3_5_moe_hf(cfg: dict, seed: int) -> dict:
     return out
 
 
+def build_glm4_moe_hf(cfg: dict, seed: int) -> dict:
+    """mlx_lm's glm4_moe under the usual tweaks, experts split per expert like qwen3_moe's, random
+    router weights and e_score_correction_bias (mlx-lm initialises both to zeros, which would route
+    every token alike), and a copy of the
+    last layer's input norm as the MTP layer model.layers.<num_hidden_layers> for sanitize to drop."""
+    out = build_qwen3_moe_hf(cfg, seed)
+    key = mx.random.key(20_000 + seed)
+    for k in sorted(k for k in out if k.endswith((".mlp.gate.weight", ".e_score_correction_bias"))):
+        key, sub = mx.random.split(key)
+        if k.endswith(".weight"):  # like an nn.Linear's init under LINEAR_GAIN
+            bound = LINEAR_GAIN / out[k].shape[-1] ** 0.5
+            out[k] = mx.random.uniform(-bound, bound, out[k].shape, key=sub)
+        else:
+            out[k] = 0.1 * mx.random.normal(out[k].shape, key=sub)
+    last, mtp = f"model.layers.{cfg['num_hidden_layers'] - 1}.", f"model.layers.{cfg['num_hidden_layers']}."
+    out[mtp + "input_layernorm.weight"] = out[last + "input_layernorm.weight"]
+    return out
+
+
 def qwen3_moe_predicate(path, module, config=None):
     """mlx-lm's qwen3_moe quant_predicate (router gates at 8 bits, group 64) plus the experts of
     the QWEN3_MOE_8BIT layer at 8 bits; everything else at the convert's 4 bits."""
@@ -323,6 +364,8 @@ def main():
             src = save(name, cfg, build_qwen3_5_hf(cfg, seed), fmt="pt")
         elif name == "qwen3_5_moe":
             src = save(name, cfg, build_qwen3_5_moe_hf(cfg, seed), fmt="pt")
+        elif name == "glm4_moe":
+            src = save(name, cfg, build_glm4_moe_hf(cfg, seed))
         elif name == "qwen3_moe":
             src = save(name, cfg, build_qwen3_moe_hf(cfg, seed))
             predicate = qwen3_moe_predicate

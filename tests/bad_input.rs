@@ -1032,6 +1032,58 @@ fn model_folder_cases() -> Vec<Case> {
             ),
         ),
         folder(
+            "glm-moe-more-experts-per-token-than-experts",
+            &[
+                "config.json",
+                "num_experts_per_tok is 9",
+                "between 1 and n_routed_experts (8)",
+            ],
+            config_value("glm4_moe", "num_experts_per_tok", json!(9)),
+        ),
+        folder(
+            "glm-moe-topk-group-past-n-group",
+            &[
+                "config.json",
+                "topk_group is 5",
+                "between 1 and n_group (4)",
+            ],
+            config_value("glm4_moe", "topk_group", json!(5)),
+        ),
+        folder(
+            "glm-moe-experts-not-divisible-into-groups",
+            &["config.json", "n_group is 3", "divide n_routed_experts (8)"],
+            config_value("glm4_moe", "n_group", json!(3)),
+        ),
+        folder(
+            "glm-moe-groups-of-one-expert",
+            &["config.json", "n_group is 8", "at least 2 experts"],
+            config_value("glm4_moe", "n_group", json!(8)),
+        ),
+        folder(
+            "glm-moe-unknown-topk-method",
+            &["config.json", "topk_method is \"greedy\"", "noaux_tc"],
+            config_value("glm4_moe", "topk_method", json!("greedy")),
+        ),
+        folder(
+            "glm-moe-missing-expert-tensor",
+            &[
+                "missing tensor",
+                "model.layers.1.mlp.experts.7.up_proj.weight",
+            ],
+            without_tensor("glm4_moe", "model.layers.1.mlp.experts.7.up_proj.weight"),
+        ),
+        folder(
+            "glm-moe-missing-correction-bias",
+            &[
+                "missing tensor",
+                "model.layers.1.mlp.gate.e_score_correction_bias",
+            ],
+            without_tensor(
+                "glm4_moe",
+                "model.layers.1.mlp.gate.e_score_correction_bias",
+            ),
+        ),
+        folder(
             "quantization-group-zero",
             &["quantization.group_size is 0"],
             broken_config("qwen3-4bit", |c| {

@@ -335,6 +335,18 @@ fn qwen3_5_moe_4bit_batch_rows_equal_their_lone_requests() {
     check_fixture("qwen3_5_moe-4bit", Caches::Plain);
 }
 
+/// GLM's grouped router: each row's tokens pick their experts from the groups that row's own
+/// scores keep, through the compiled group_expert_select over the packed rows.
+#[test]
+fn glm4_moe_batch_rows_equal_their_lone_requests() {
+    check_fixture("glm4_moe", Caches::Plain);
+}
+
+#[test]
+fn glm4_moe_4bit_batch_rows_equal_their_lone_requests() {
+    check_fixture("glm4_moe-4bit", Caches::Plain);
+}
+
 #[test]
 fn qwen3_4bit_quantized_kv_batch_rows_equal_their_lone_requests() {
     check_fixture("qwen3-4bit", Caches::QuantizedKv);

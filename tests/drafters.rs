@@ -26,7 +26,7 @@ fn bits(a: &Array) -> Vec<u8> {
     a.to_bytes().unwrap()
 }
 
-const ARCHITECTURES: [&str; 7] = [
+const ARCHITECTURES: [&str; 8] = [
     "llama",
     "qwen3",
     "gemma3",
@@ -34,6 +34,7 @@ const ARCHITECTURES: [&str; 7] = [
     "qwen3_5",
     "qwen3_moe",
     "qwen3_5_moe",
+    "glm4_moe",
 ];
 
 #[test]

@@ -217,6 +217,11 @@ fn qwen3_5_moe_rollback_equals_a_fresh_run() {
 }
 
 #[test]
+fn glm4_moe_rollback_equals_a_fresh_run() {
+    check_architecture("glm4_moe", None);
+}
+
+#[test]
 fn qwen3_4bit_with_quantized_kv_rollback_equals_a_fresh_run() {
     check_architecture(
         "qwen3-4bit",

@@ -134,5 +134,7 @@ void save_safetensors(rust::Str path, rust::Slice<const rust::String> names,
                       rust::Slice<const rust::String> meta_values);
 
 ListPtr call_kernel(Kernel kernel, const ArrayList& inputs);
+ListPtr group_expert_select(const Array& gates, const Array& bias, int32_t top_k, int32_t n_group,
+                            int32_t topk_group, float routed_scaling_factor, bool norm_topk_prob);
 
 }  // namespace verity_mlx

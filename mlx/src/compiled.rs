@@ -76,3 +76,36 @@ pub fn gated_delta_step(
         _ => Err(Error::Invalid("gated_delta_step returns (y, state)".into())),
     }
 }
+
+/// mlx-lm glm4_moe's `group_expert_select`: sigmoid router scores in f32, the
+/// `e_score_correction_bias` added for the choice only, the `n_group - topk_group` groups with
+/// the lowest top-2 sums zeroed, the top `top_k` experts of what is left, their uncorrected
+/// scores (renormalised when `norm_topk_prob` and `top_k > 1`) times `routed_scaling_factor`.
+/// Returns (indices (..., top_k) uint32, scores (..., top_k) f32).
+pub fn group_expert_select(
+    gates: &Array,
+    bias: &Array,
+    top_k: i32,
+    n_group: i32,
+    topk_group: i32,
+    routed_scaling_factor: f32,
+    norm_topk_prob: bool,
+) -> Result<(Array, Array)> {
+    let out = List::from_raw(ffi::group_expert_select(
+        gates.ffi(),
+        bias.ffi(),
+        top_k,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        norm_topk_prob,
+    )?)
+    .into_vec()?;
+    let mut out = out.into_iter();
+    match (out.next(), out.next()) {
+        (Some(inds), Some(scores)) => Ok((inds, scores)),
+        _ => Err(Error::Invalid(
+            "group_expert_select returns (inds, scores)".into(),
+        )),
+    }
+}

@@ -316,5 +316,14 @@ pub(crate) mod bridge {
 
         // Compiled shim functions.
         fn call_kernel(kernel: Kernel, inputs: &ArrayList) -> Result<UniquePtr<ArrayList>>;
+        fn group_expert_select(
+            gates: &Array,
+            bias: &Array,
+            top_k: i32,
+            n_group: i32,
+            topk_group: i32,
+            routed_scaling_factor: f32,
+            norm_topk_prob: bool,
+        ) -> Result<UniquePtr<ArrayList>>;
     }
 }

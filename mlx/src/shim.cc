@@ -7,6 +7,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "mlx/compile_impl.h"
 #include "mlx/src/ffi.rs.h"
 
 namespace mx = mlx::core;
@@ -115,6 +116,38 @@ std::vector<mx::array> gated_delta_step_fn(const std::vector<mx::array>& in) {
   state = mx::add(state, mx::multiply(k_row, mx::expand_dims(delta, -1)));
   auto y = mx::sum(mx::multiply(state, mx::expand_dims(q, -2)), -1);
   return {mx::astype(y, q.dtype()), state};
+}
+
+// mlx_lm.models.glm4_moe.group_expert_select(gates, e_score_correction_bias, top_k, n_group,
+// topk_group, routed_scaling_factor, norm_topk_prob), `@mx.compile` without shapeless: the
+// Python scalars are compile constants, so each setting is its own trace.
+std::vector<mx::array> group_expert_select_fn(const std::vector<mx::array>& in, int top_k,
+                                              int n_group, int topk_group,
+                                              float routed_scaling_factor, bool norm_topk_prob) {
+  auto scores = mx::sigmoid(mx::astype(in[0], mx::float32));
+  auto orig_scores = scores;
+  scores = mx::add(scores, in[1]);
+  if (n_group > 1) {
+    scores = mx::unflatten(scores, -1, {n_group, -1});
+    auto group_scores = mx::sum(mx::topk(scores, 2, -1), -1, true);
+    int k = n_group - topk_group;
+    auto group_idx = mx::argpartition(group_scores, k - 1, -2);
+    auto stop = group_idx.shape();
+    stop[stop.size() - 2] = k;
+    group_idx = mx::slice(group_idx, mx::Shape(stop.size(), 0), stop);
+    scores = mx::put_along_axis(scores, mx::stop_gradient(group_idx), mx::array(0.0f), -2);
+    scores = mx::flatten(scores, -2, -1);
+  }
+  auto inds = mx::argpartition(mx::negative(scores), top_k - 1, -1);
+  auto stop = inds.shape();
+  stop.back() = top_k;
+  inds = mx::stop_gradient(mx::slice(inds, mx::Shape(stop.size(), 0), stop));
+  scores = mx::take_along_axis(orig_scores, inds, -1);
+  if (top_k > 1 && norm_topk_prob) {
+    scores = mx::divide(scores, mx::sum(scores, -1, true));
+  }
+  scores = mx::multiply(scores, mx::array(routed_scaling_factor, scores.dtype()));
+  return {inds, scores};
 }
 
 using CompiledFn = std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
@@ -497,6 +530,22 @@ void save_safetensors(rust::Str path, rust::Slice<const rust::String> names,
 
 ListPtr call_kernel(Kernel kernel, const ArrayList& inputs) {
   return wrap_list(kernel_fn(kernel)(inputs.items));
+}
+
+ListPtr group_expert_select(const Array& gates, const Array& bias, int32_t top_k, int32_t n_group,
+                            int32_t topk_group, float routed_scaling_factor, bool norm_topk_prob) {
+  // Python keys its compile cache on the function and its non-array arguments; so does this.
+  uint32_t scale_bits;
+  std::memcpy(&scale_bits, &routed_scaling_factor, sizeof(scale_bits));
+  std::vector<uint64_t> constants = {static_cast<uint64_t>(top_k), static_cast<uint64_t>(n_group),
+                                     static_cast<uint64_t>(topk_group), scale_bits,
+                                     static_cast<uint64_t>(norm_topk_prob)};
+  auto fn = [=](const std::vector<mx::array>& in) {
+    return group_expert_select_fn(in, top_k, n_group, topk_group, routed_scaling_factor,
+                                  norm_topk_prob);
+  };
+  auto id = reinterpret_cast<std::uintptr_t>(&group_expert_select_fn);
+  return wrap_list(mx::detail::compile(fn, id, false, constants)({gates.inner, bias.inner}));
 }
 
 }  // namespace verity_mlx

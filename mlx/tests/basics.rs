@@ -93,3 +93,32 @@ fn gather_mm_multiplies_each_row_by_its_indexed_matrix() {
         assert_eq!(out.to_vec::<f32>().unwrap(), expected.to_vec());
     }
 }
+
+/// glm4_moe's router on 4 experts in 2 groups, top 2 of the best group: the group with the higher
+/// top-2 sum wins, the correction bias steers that choice without entering the scores, and the
+/// picked scores are renormalised and scaled.
+#[test]
+fn group_expert_select_keeps_the_best_groups_and_the_uncorrected_scores() {
+    let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
+    let gates = Array::from_slice(&[3.0f32, -3.0, 1.0, 1.0], &[1, 1, 4]).unwrap();
+    // Group 0 sums to 1.0 (sigmoid(3) + sigmoid(-3)), group 1 to 2 sigmoid(1) = 1.46.
+    for (bias, group) in [([0.0f32; 4], [2u32, 3]), ([0.0f32, 1.0, 0.0, 0.0], [0, 1])] {
+        let bias = Array::from_slice(&bias, &[4]).unwrap();
+        let (inds, scores) =
+            mlx::compiled::group_expert_select(&gates, &bias, 2, 2, 1, 2.5, true).unwrap();
+        let mut picked = inds.to_vec::<u32>().unwrap();
+        let scores = scores.to_vec::<f32>().unwrap();
+        let mut order: Vec<usize> = (0..2).collect();
+        order.sort_by_key(|&i| picked[i]);
+        picked.sort_unstable();
+        assert_eq!(picked, group.to_vec());
+        let raw: Vec<f32> = group
+            .iter()
+            .map(|&e| sigmoid([3.0, -3.0, 1.0, 1.0][e as usize]))
+            .collect();
+        let sum: f32 = raw.iter().sum();
+        for (k, &i) in order.iter().enumerate() {
+            assert!((scores[i] - raw[k] / sum * 2.5).abs() < 1e-5, "{scores:?}");
+        }
+    }
+}

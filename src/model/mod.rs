@@ -2,6 +2,7 @@
 
 pub mod dflash;
 pub mod gemma3_text;
+pub mod glm4_moe;
 pub mod layers;
 pub mod llama;
 pub mod lone_rows;
@@ -102,6 +103,7 @@ pub const MODEL_TYPES: &[&str] = &[
     "qwen3_5",
     "qwen3_moe",
     "qwen3_5_moe",
+    "glm4_moe",
 ];
 
 /// Loads a model folder's config and weights (evaluated once, as mlx-lm does unless lazy)
@@ -119,6 +121,7 @@ pub fn load(dir: &Path) -> LoadResult<(Box<dyn LanguageModel>, Config)> {
         "qwen3_5" => Box::new(qwen3_5::load(&config, &mut weights, &quant)?),
         "qwen3_moe" => Box::new(qwen3_moe::Model::load(&config, &mut weights, &quant)?),
         "qwen3_5_moe" => Box::new(qwen3_5_moe::load(&config, &mut weights, &quant)?),
+        "glm4_moe" => Box::new(glm4_moe::Model::load(&config, &mut weights, &quant)?),
         other => {
             return Err(LoadError::UnknownModelType {
                 path: config.path.clone(),

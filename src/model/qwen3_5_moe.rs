@@ -5,7 +5,7 @@
 //! TextModel.sanitize drops them (verity's qwen3_5 keeps them for mlx-vlm's MTP drafter, whose
 //! head has no experts).
 
-use super::layers::MoeShape;
+use super::layers::{MoeShape, Router, SharedShape};
 use super::qwen3_5::{self, Model, TextArgs};
 use crate::load::{Config, LoadError, LoadResult, QuantConfig, Weights};
 
@@ -59,8 +59,10 @@ fn moe_shape(a: &TextArgs) -> Result<Option<MoeShape>, String> {
         experts: a.num_experts,
         experts_per_token: a.num_experts_per_tok,
         expert_hidden: a.moe_intermediate_size,
-        norm_topk_prob: a.norm_topk_prob,
-        shared_expert_hidden: Some(a.shared_expert_intermediate_size),
+        router: Router::Softmax {
+            norm_topk_prob: a.norm_topk_prob,
+        },
+        shared: Some(SharedShape::Gated(a.shared_expert_intermediate_size)),
     }))
 }
 

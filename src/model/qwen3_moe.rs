@@ -8,7 +8,7 @@ use serde_json::json;
 
 use super::layers::{
     Activation, Attention, AttentionProjections, Dims, GatedMlp, Mlp, MoeShape, OuterLayers,
-    QkNorm, RmsNorm, Rope, SparseMoe,
+    QkNorm, RmsNorm, Rope, Router, SparseMoe,
 };
 use super::{rows, Forward, LanguageModel};
 use crate::cache::LayerCache;
@@ -62,8 +62,10 @@ impl Model {
             experts: a.num_experts,
             experts_per_token: a.num_experts_per_tok,
             expert_hidden: a.moe_intermediate_size,
-            norm_topk_prob: a.norm_topk_prob,
-            shared_expert_hidden: None,
+            router: Router::Softmax {
+                norm_topk_prob: a.norm_topk_prob,
+            },
+            shared: None,
         };
         let mut layers = Vec::with_capacity(d.num_hidden_layers);
         for i in 0..d.num_hidden_layers {

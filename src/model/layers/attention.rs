@@ -28,16 +28,29 @@ impl AttentionProjections {
         q_factor: i32,
         bias: bool,
     ) -> LoadResult<AttentionProjections> {
+        Self::load_biased(w, q, path, d, q_factor, (bias, bias))
+    }
+
+    /// [`AttentionProjections::load`] with biases on q, k and v as `biases.0` says and on o as
+    /// `biases.1` says (glm4_moe's `attention_bias` leaves o_proj without one).
+    pub fn load_biased(
+        w: &mut Weights,
+        q: &QuantConfig,
+        path: &str,
+        d: &Dims,
+        q_factor: i32,
+        (qkv_bias, o_bias): (bool, bool),
+    ) -> LoadResult<AttentionProjections> {
         let (h, hd) = (d.hidden_size, d.head_dim());
         let (qd, kvd) = (d.num_attention_heads * hd, d.kv_heads() * hd);
-        let proj = |w: &mut Weights, name: &str, i: i32, o: i32| {
+        let proj = |w: &mut Weights, name: &str, i: i32, o: i32, bias: bool| {
             Linear::load(w, q, &format!("{path}.{name}"), i, o, bias)
         };
         Ok(AttentionProjections {
-            q_proj: proj(w, "q_proj", h, q_factor * qd)?,
-            k_proj: proj(w, "k_proj", h, kvd)?,
-            v_proj: proj(w, "v_proj", h, kvd)?,
-            o_proj: proj(w, "o_proj", qd, h)?,
+            q_proj: proj(w, "q_proj", h, q_factor * qd, qkv_bias)?,
+            k_proj: proj(w, "k_proj", h, kvd, qkv_bias)?,
+            v_proj: proj(w, "v_proj", h, kvd, qkv_bias)?,
+            o_proj: proj(w, "o_proj", qd, h, o_bias)?,
         })
     }
 }

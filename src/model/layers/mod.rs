@@ -22,7 +22,7 @@ pub use dims::Dims;
 pub use embedding::Embedding;
 pub use linear::Linear;
 pub use mlp::{Activation, GatedMlp};
-pub use moe::{Mlp, MoeShape, SparseMoe};
+pub use moe::{Mlp, MoeShape, Router, SharedShape, SparseMoe};
 pub use norm::{QkNorm, RmsNorm};
 pub use outer::{Head, OuterLayers};
 pub use rope::Rope;

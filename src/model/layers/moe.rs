@@ -1,13 +1,39 @@
-//! The sparse mixture-of-experts blocks of mlx_lm/models/qwen3_moe.py and qwen3_next.py (which
-//! qwen3_5 and qwen3_5_moe import): a linear router, a softmax over the experts, the top k of
-//! them per token (optionally renormalised), the weighted sum of those experts' SwitchGLU
-//! outputs and, in qwen3_next's block, a shared expert every token goes through, scaled by a
-//! sigmoid gate of its own.
+//! The sparse mixture-of-experts blocks of mlx_lm/models/qwen3_moe.py, qwen3_next.py (which
+//! qwen3_5 and qwen3_5_moe import) and glm4_moe.py: a router picks each token's top k experts
+//! and weighs them, the weighted sum of those experts' SwitchGLU outputs is the block's output
+//! plus, where the family has one, a shared expert every token goes through. qwen3's router is
+//! a softmax over a linear gate; GLM's is MoEGate (sigmoid scores, a bias that steers the
+//! choice only, whole groups of experts dropped before the top k).
 
-use mlx::{ops, Array, Result};
+use mlx::{compiled, ops, Array, Dtype, Result};
 
 use super::{Activation, GatedMlp, Linear, SwitchGlu};
-use crate::load::{LoadResult, QuantConfig, Weights};
+use crate::load::{LoadError, LoadResult, QuantConfig, Weights};
+
+/// How a sparse block picks and weighs a token's experts (checked by the family).
+#[derive(Clone, Copy, Debug)]
+pub enum Router {
+    /// qwen3_moe and qwen3_next: softmax over `gate(x)`, the top k of it, renormalised to sum
+    /// to 1 when `norm_topk_prob`.
+    Softmax { norm_topk_prob: bool },
+    /// glm4_moe's MoEGate (`group_expert_select`): `n_group` groups of experts, of which the
+    /// `topk_group` with the highest top-2 sums stay eligible.
+    Grouped {
+        n_group: i32,
+        topk_group: i32,
+        routed_scaling_factor: f32,
+        norm_topk_prob: bool,
+    },
+}
+
+/// The shared expert beside the routed ones, with its hidden width.
+#[derive(Clone, Copy, Debug)]
+pub enum SharedShape {
+    /// qwen3_next's `shared_expert`, scaled by `sigmoid(shared_expert_gate(x))`.
+    Gated(i32),
+    /// glm4_moe's `shared_experts`, added as it is.
+    Plain(i32),
+}
 
 /// How a sparse block is shaped, as the family's config gives it (checked by the family).
 #[derive(Clone, Copy, Debug)]
@@ -16,26 +42,29 @@ pub struct MoeShape {
     pub experts: i32,
     pub experts_per_token: i32,
     pub expert_hidden: i32,
-    pub norm_topk_prob: bool,
-    /// The hidden width of qwen3_next's shared expert; None for qwen3_moe's block, which has
-    /// none.
-    pub shared_expert_hidden: Option<i32>,
+    pub router: Router,
+    /// None for qwen3_moe's block, which has none.
+    pub shared: Option<SharedShape>,
 }
 
-/// Qwen3NextSparseMoeBlock's shared expert: `sigmoid(shared_expert_gate(x)) * shared_expert(x)`.
+/// The shared expert as loaded; `gate` is qwen3_next's sigmoid gate.
 struct SharedExpert {
     mlp: GatedMlp,
-    gate: Linear,
+    gate: Option<Linear>,
 }
 
-/// Qwen3MoeSparseMoeBlock, or Qwen3NextSparseMoeBlock when it has a shared expert.
+/// Qwen3MoeSparseMoeBlock, Qwen3NextSparseMoeBlock or glm4_moe's MoE.
 pub struct SparseMoe {
+    /// The router's linear map (glm4_moe's MoEGate weight, which is no nn.Linear and so is
+    /// never quantized).
     gate: Linear,
+    router: Router,
+    /// MoEGate's `e_score_correction_bias` (experts); an empty array for the softmax router.
+    correction: Array,
     switch_mlp: SwitchGlu,
     /// Boxed, so that a block without one stays near a dense MLP's size.
     shared: Option<Box<SharedExpert>>,
     top_k: i32,
-    norm_topk_prob: bool,
 }
 
 /// A layer's MLP: dense, or the sparse block of the layers a family gives experts.
@@ -54,38 +83,57 @@ impl Mlp {
 }
 
 impl SparseMoe {
-    /// Loads the router `<path>.gate`, the experts `<path>.switch_mlp` and, when the shape has
-    /// one, `<path>.shared_expert` with its gate `<path>.shared_expert_gate`.
+    /// Loads the router `<path>.gate` (with its `e_score_correction_bias` for the grouped
+    /// router), the experts `<path>.switch_mlp` and the shared expert: `<path>.shared_expert`
+    /// with its gate `<path>.shared_expert_gate`, or `<path>.shared_experts`.
     pub fn load(
         w: &mut Weights,
         q: &QuantConfig,
         path: &str,
         s: MoeShape,
     ) -> LoadResult<SparseMoe> {
-        let shared = match s.shared_expert_hidden {
-            Some(hidden) => Some(Box::new(SharedExpert {
-                mlp: GatedMlp::load(
-                    w,
-                    q,
-                    &format!("{path}.shared_expert"),
-                    s.hidden,
-                    hidden,
-                    false,
-                    Activation::Swiglu,
-                )?,
-                gate: Linear::load(
+        let mlp = |w: &mut Weights, name: &str, hidden: i32| {
+            let p = format!("{path}.{name}");
+            GatedMlp::load(w, q, &p, s.hidden, hidden, false, Activation::Swiglu)
+        };
+        let shared = match s.shared {
+            Some(SharedShape::Gated(hidden)) => Some(SharedExpert {
+                mlp: mlp(w, "shared_expert", hidden)?,
+                gate: Some(Linear::load(
                     w,
                     q,
                     &format!("{path}.shared_expert_gate"),
                     s.hidden,
                     1,
                     false,
-                )?,
-            })),
+                )?),
+            }),
+            Some(SharedShape::Plain(hidden)) => Some(SharedExpert {
+                mlp: mlp(w, "shared_experts", hidden)?,
+                gate: None,
+            }),
             None => None,
         };
+        let gate_path = format!("{path}.gate");
+        let (gate, correction) = match s.router {
+            Router::Softmax { .. } => (
+                Linear::load(w, q, &gate_path, s.hidden, s.experts, false)?,
+                Array::zeros(&[0], Dtype::Float32).map_err(|source| LoadError::Mlx {
+                    folder: w.folder().into(),
+                    source,
+                })?,
+            ),
+            Router::Grouped { .. } => {
+                let unquantized = QuantConfig::default();
+                let gate = Linear::load(w, &unquantized, &gate_path, s.hidden, s.experts, false)?;
+                let bias_path = format!("{gate_path}.e_score_correction_bias");
+                (gate, w.take_shaped(&bias_path, &[s.experts])?)
+            }
+        };
         Ok(SparseMoe {
-            gate: Linear::load(w, q, &format!("{path}.gate"), s.hidden, s.experts, false)?,
+            gate,
+            router: s.router,
+            correction,
             switch_mlp: SwitchGlu::load(
                 w,
                 q,
@@ -94,38 +142,63 @@ impl SparseMoe {
                 s.expert_hidden,
                 s.experts,
             )?,
-            shared,
+            shared: shared.map(Box::new),
             top_k: s.experts_per_token,
-            norm_topk_prob: s.norm_topk_prob,
         })
     }
 
     /// The block's `__call__`, op for op. The top k come from argpartition, so the order of a
-    /// token's k experts is argpartition's, which the sum over them inherits. qwen3_moe casts
-    /// the sum back to the experts' dtype, qwen3_next does not; the sum already has that dtype
-    /// (the router's softmax keeps its input's), so the cast changes nothing in either.
+    /// token's k experts is argpartition's, which the sum over them inherits. qwen3_moe and
+    /// glm4_moe cast the sum back to the experts' dtype, qwen3_next does not: its sum already
+    /// has that dtype (the softmax keeps its input's), so the cast changes nothing there, while
+    /// GLM's f32 scores widen a bf16 sum that the cast narrows again.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let gates = ops::softmax(&self.gate.forward(x)?, &[-1], true)?;
+        let gates = self.gate.forward(x)?;
+        let (inds, scores) = match self.router {
+            Router::Grouped {
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+                norm_topk_prob,
+            } => compiled::group_expert_select(
+                &gates,
+                &self.correction,
+                self.top_k,
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+                norm_topk_prob,
+            )?,
+            Router::Softmax { norm_topk_prob } => self.softmax_top_k(&gates, norm_topk_prob)?,
+        };
+        let y = self.switch_mlp.forward(x, &inds)?;
+        let y = y
+            .multiply(&scores.expand_dims(&[-1])?)?
+            .sum(&[-2], false)?
+            .astype(y.dtype())?;
+        let Some(shared) = &self.shared else {
+            return Ok(y);
+        };
+        let shared_y = shared.mlp.forward(x)?;
+        match &shared.gate {
+            Some(gate) => y.add(&gate.forward(x)?.sigmoid()?.multiply(&shared_y)?),
+            None => y.add(&shared_y),
+        }
+    }
+
+    /// qwen3's router over the gate's output: softmax, argpartition's top k, optionally
+    /// renormalised.
+    fn softmax_top_k(&self, gates: &Array, norm_topk_prob: bool) -> Result<(Array, Array)> {
+        let gates = ops::softmax(gates, &[-1], true)?;
         let k = self.top_k;
         let experts = gates.dim(-1);
         let inds = ops::argpartition(&gates, -k, -1)?
             .slice_axis(-1, experts - k, experts)?
             .stop_gradient()?;
         let mut scores = ops::take_along_axis(&gates, &inds, -1)?;
-        if self.norm_topk_prob {
+        if norm_topk_prob {
             scores = scores.divide(&scores.sum(&[-1], true)?)?;
         }
-        let y = self.switch_mlp.forward(x, &inds)?;
-        let y = y
-            .multiply(&scores.expand_dims(&[-1])?)?
-            .sum(&[-2], false)?
-            .astype(y.dtype())?;
-        match &self.shared {
-            Some(shared) => {
-                let shared_y = shared.mlp.forward(x)?;
-                y.add(&shared.gate.forward(x)?.sigmoid()?.multiply(&shared_y)?)
-            }
-            None => Ok(y),
-        }
+        Ok((inds, scores))
     }
 }
