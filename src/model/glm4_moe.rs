@@ -9,8 +9,8 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::layers::{
-    Activation, Attention, AttentionProjections, Dims, GatedMlp, Mlp, MoeShape, OuterLayers,
-    QkNorm, RmsNorm, Rope, Router, SharedShape, SparseMoe,
+    Attention, AttentionProjections, Dims, MoeShape, OuterLayers, PreNormBlock, QkNorm, RmsNorm,
+    Rope, Router, SharedShape,
 };
 use super::{rows, Forward, LanguageModel};
 use crate::cache::LayerCache;
@@ -40,9 +40,7 @@ struct Args {
 /// Glm4MoE's DecoderLayer.
 struct Block {
     attn: Attention,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    block: PreNormBlock,
 }
 
 pub struct Model {
@@ -71,21 +69,8 @@ impl Model {
             let norm = |w: &mut Weights, path: &str, dims: i32| {
                 RmsNorm::load(w, &format!("{p}.{path}"), dims, d.rms_norm_eps)
             };
-            let mlp_path = format!("{p}.mlp");
-            let mlp = match moe {
-                Some(s) if i as i64 >= a.first_k_dense_replace => {
-                    Mlp::Sparse(SparseMoe::load(w, q, &mlp_path, s)?)
-                }
-                _ => Mlp::Dense(GatedMlp::load(
-                    w,
-                    q,
-                    &mlp_path,
-                    d.hidden_size,
-                    d.intermediate_size,
-                    false,
-                    Activation::Swiglu,
-                )?),
-            };
+            let sparse = moe.filter(|_| i as i64 >= a.first_k_dense_replace);
+            let block = PreNormBlock::load_moe(w, q, &p, d, sparse)?;
             let qk_norm = if a.use_qk_norm {
                 QkNorm::BeforeTranspose {
                     q: norm(w, "self_attn.q_norm", head_dim)?,
@@ -106,9 +91,7 @@ impl Model {
                     n_kv_heads: d.kv_heads(),
                     scale: (head_dim as f64).powf(-0.5) as f32,
                 },
-                input_layernorm: norm(w, "input_layernorm", d.hidden_size)?,
-                post_attention_layernorm: norm(w, "post_attention_layernorm", d.hidden_size)?,
-                mlp,
+                block,
             });
         }
         Ok(Model {
@@ -254,14 +237,9 @@ impl LanguageModel for Model {
         let layers = self.layers.len();
         self.outer.run(h, rows, lens, layers, taps, |i, x, rows| {
             let layer = &self.layers[i];
-            let r = layer
-                .attn
-                .forward(&layer.input_layernorm.forward(x)?, &masks, rows)?;
-            let h = x.add(&r)?;
-            let r = layer
-                .mlp
-                .forward(&layer.post_attention_layernorm.forward(&h)?)?;
-            Ok(h.add(&r)?)
+            layer
+                .block
+                .forward(x, |x| layer.attn.forward(x, &masks, rows))
         })
     }
 

@@ -7,8 +7,8 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::layers::{
-    Activation, Attention, AttentionProjections, Dims, GatedMlp, Mlp, MoeShape, OuterLayers,
-    QkNorm, RmsNorm, Rope, Router, SparseMoe,
+    Attention, AttentionProjections, Dims, MoeShape, OuterLayers, PreNormBlock, QkNorm, RmsNorm,
+    Rope, Router,
 };
 use super::{rows, Forward, LanguageModel};
 use crate::cache::LayerCache;
@@ -31,9 +31,7 @@ struct Args {
 /// Qwen3MoeDecoderLayer.
 struct Block {
     attn: Attention,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    block: PreNormBlock,
 }
 
 pub struct Model {
@@ -75,20 +73,7 @@ impl Model {
             };
             let sparse =
                 !a.mlp_only_layers.contains(&i) && (i + 1) % a.decoder_sparse_step as usize == 0;
-            let mlp_path = format!("{p}.mlp");
-            let mlp = if sparse {
-                Mlp::Sparse(SparseMoe::load(w, q, &mlp_path, moe)?)
-            } else {
-                Mlp::Dense(GatedMlp::load(
-                    w,
-                    q,
-                    &mlp_path,
-                    d.hidden_size,
-                    d.intermediate_size,
-                    false,
-                    Activation::Swiglu,
-                )?)
-            };
+            let block = PreNormBlock::load_moe(w, q, &p, d, sparse.then_some(moe))?;
             let qk_norm = QkNorm::BeforeTranspose {
                 q: norm(w, "self_attn.q_norm", head_dim)?,
                 k: norm(w, "self_attn.k_norm", head_dim)?,
@@ -102,9 +87,7 @@ impl Model {
                     n_kv_heads: d.kv_heads(),
                     scale: (head_dim as f64).powf(-0.5) as f32,
                 },
-                input_layernorm: norm(w, "input_layernorm", d.hidden_size)?,
-                post_attention_layernorm: norm(w, "post_attention_layernorm", d.hidden_size)?,
-                mlp,
+                block,
             });
         }
         Ok(Model {
@@ -198,14 +181,9 @@ impl LanguageModel for Model {
         let layers = self.layers.len();
         self.outer.run(h, rows, lens, layers, taps, |i, x, rows| {
             let layer = &self.layers[i];
-            let r = layer
-                .attn
-                .forward(&layer.input_layernorm.forward(x)?, &masks, rows)?;
-            let h = x.add(&r)?;
-            let r = layer
-                .mlp
-                .forward(&layer.post_attention_layernorm.forward(&h)?)?;
-            Ok(h.add(&r)?)
+            layer
+                .block
+                .forward(x, |x| layer.attn.forward(x, &masks, rows))
         })
     }
 

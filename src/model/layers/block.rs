@@ -6,9 +6,10 @@ use mlx::Array;
 use super::{Activation, Dims, GatedMlp, Mlp, MoeShape, RmsNorm, SparseMoe};
 use crate::load::{LoadResult, QuantConfig, Weights};
 
-/// The pre-norm residual block llama and the qwen3 hybrids share around their token mixer:
+/// The pre-norm residual block llama, the qwen3 hybrids and the mixture-of-experts families
+/// share around their token mixer:
 /// `h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))`, the MLP
-/// dense or (the qwen3 hybrids with experts) sparse.
+/// dense or (the layers with experts) sparse.
 pub struct PreNormBlock {
     pub input_layernorm: RmsNorm,
     pub post_attention_layernorm: RmsNorm,
