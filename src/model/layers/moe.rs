@@ -5,10 +5,10 @@
 //! a softmax over a linear gate; GLM's is MoEGate (sigmoid scores, a bias that steers the
 //! choice only, whole groups of experts dropped before the top k).
 
-use mlx::{compiled, ops, Array, Dtype, Result};
+use mlx::{compiled, ops, Array, Result};
 
 use super::{Activation, GatedMlp, Linear, SwitchGlu};
-use crate::load::{LoadError, LoadResult, QuantConfig, Weights};
+use crate::load::{LoadResult, QuantConfig, Weights};
 
 /// How a sparse block picks and weighs a token's experts (checked by the family).
 #[derive(Clone, Copy, Debug)]
@@ -59,8 +59,8 @@ pub struct SparseMoe {
     /// never quantized).
     gate: Linear,
     router: Router,
-    /// MoEGate's `e_score_correction_bias` (experts); an empty array for the softmax router.
-    correction: Array,
+    /// MoEGate's `e_score_correction_bias` (experts), which the grouped router alone has.
+    correction: Option<Array>,
     switch_mlp: SwitchGlu,
     /// Boxed, so that a block without one stays near a dense MLP's size.
     shared: Option<Box<SharedExpert>>,
@@ -118,16 +118,13 @@ impl SparseMoe {
         let (gate, correction) = match s.router {
             Router::Softmax { .. } => (
                 Linear::load(w, q, &gate_path, s.hidden, s.experts, false)?,
-                Array::zeros(&[0], Dtype::Float32).map_err(|source| LoadError::Mlx {
-                    folder: w.folder().into(),
-                    source,
-                })?,
+                None,
             ),
             Router::Grouped { .. } => {
                 let unquantized = QuantConfig::default();
                 let gate = Linear::load(w, &unquantized, &gate_path, s.hidden, s.experts, false)?;
                 let bias_path = format!("{gate_path}.e_score_correction_bias");
-                (gate, w.take_shaped(&bias_path, &[s.experts])?)
+                (gate, Some(w.take_shaped(&bias_path, &[s.experts])?))
             }
         };
         Ok(SparseMoe {
@@ -162,7 +159,9 @@ impl SparseMoe {
                 norm_topk_prob,
             } => compiled::group_expert_select(
                 &gates,
-                &self.correction,
+                self.correction
+                    .as_ref()
+                    .expect("the grouped router is loaded with its correction bias"),
                 self.top_k,
                 n_group,
                 topk_group,
