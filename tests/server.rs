@@ -726,6 +726,15 @@ fn a_warm_prefix_cache_equals_a_cold_run_with_and_without_a_draft() {
     }
 }
 
+/// What the next turn of a conversation finds in the prefix cache.
+enum Restores {
+    /// The last prompt and answer.
+    Answer,
+    /// The last prompt.
+    Prompt,
+    Nothing,
+}
+
 #[test]
 fn each_turn_of_a_conversation_restores_the_last_answer_and_equals_a_cold_run() {
     let turns = [
@@ -736,14 +745,34 @@ fn each_turn_of_a_conversation_restores_the_last_answer_and_equals_a_cold_run() 
         "Thanks.",
     ];
     // From the second turn on only the new message and the template's framing are prefilled:
-    // the last prompt and answer come from the cache, on a KV model and on a hybrid one (whose
-    // trained fixture's answers come back token for token when the template renders them; the
-    // random fixture's do not, and its turns resume after the last prompt). A sliding-window
-    // model keeps prompts alone: its decoded window attends in ring order, a prefill in
-    // temporal order, so only the last prompt is restored.
-    for (model, restores_answer) in [(TARGET, true), ("qwen3_5-trained", true), ("gemma3", false)] {
-        let warm = Server::start(&model_dir(model), &[]);
-        let cold = Server::start(&model_dir(model), &["--prompt-cache-bytes", "0"]);
+    // the last prompt and answer come from the cache, on a KV model, a hybrid one, quantized
+    // KV caches and a speculative lane (whose answers are prefilled onto their prompts'
+    // entries after the response, as a cold run would hold them). That takes answers that
+    // come back token for token when the template renders them, as the trained fixtures' do;
+    // the random ones' do not, and a sliding window that cannot be cut back then resumes after
+    // the last prompt (gemma3). --max-kv-size's windows past their size keep sink tokens that
+    // a resumed prefill would attend and a cold one not: nothing is restored there.
+    let draft = model_dir("qwen3-draft");
+    let lanes: [(&str, &[&str], Restores); 6] = [
+        (TARGET, &[], Restores::Answer),
+        ("qwen3_5-trained", &[], Restores::Answer),
+        ("gemma3", &[], Restores::Prompt),
+        (TARGET, &["--max-kv-size", "16"], Restores::Nothing),
+        (
+            TARGET,
+            &["--kv-bits", "8", "--kv-group-size", "32"],
+            Restores::Answer,
+        ),
+        (
+            TARGET,
+            &["--draft-model", draft.to_str().unwrap()],
+            Restores::Answer,
+        ),
+    ];
+    for (model, args, restores) in lanes {
+        let warm = Server::start(&model_dir(model), args);
+        let cold_args = [args, &["--prompt-cache-bytes", "0"]].concat();
+        let cold = Server::start(&model_dir(model), &cold_args);
         let mut messages: Vec<Value> = Vec::new();
         let mut last: Option<(u64, u64)> = None;
         for (k, turn) in turns.iter().enumerate() {
@@ -751,19 +780,19 @@ fn each_turn_of_a_conversation_restores_the_last_answer_and_equals_a_cold_run() 
             let body = json!({"messages": messages, "max_tokens": 12, "logprobs": true});
             let w = warm.ok("/v1/chat/completions", &body);
             let c = cold.ok("/v1/chat/completions", &body);
-            assert_eq!(answer(&w), answer(&c), "{model} turn {k}");
+            assert_eq!(answer(&w), answer(&c), "{model} {args:?} turn {k}");
             assert_eq!(cached_tokens(&c), 0);
             if let Some((prompt, completion)) = last {
-                let held = if restores_answer {
-                    prompt + completion - 1
-                } else {
-                    prompt - 1
+                let held = match restores {
+                    Restores::Answer => prompt + completion - 1,
+                    Restores::Prompt => prompt - 1,
+                    Restores::Nothing => 0,
                 };
                 assert_eq!(
                     cached_tokens(&w),
                     held,
-                    "{model} turn {k}: after a prompt of {prompt} and an answer of {completion} \
-                     tokens"
+                    "{model} {args:?} turn {k}: after a prompt of {prompt} and an answer of \
+                     {completion} tokens"
                 );
             }
             let usage = &w["usage"];

@@ -1,7 +1,8 @@
 //! Warm ≡ cold over conversations: random trees of chats (new conversations, next turns that
 //! carry the last answer, earlier turns edited, answers regenerated) sent to a server with a
 //! prefix cache and to one without, every answer equal token for token and logprob bit for bit,
-//! on a KV, a hybrid and a sliding-window model and with a draft model. The prefix cache then
+//! on a KV, a hybrid and a sliding-window model, with a draft model, with quantized KV caches
+//! and with --max-kv-size's windows (which keep sink tokens). The prefix cache then
 //! restores prompts, answers and prefixes cut back from longer entries in every order the tree
 //! makes (`src/server/prefix_cache.rs`).
 
@@ -134,11 +135,13 @@ fn play(warm: &Server, cold: &Server, turns: &[Turn]) -> Result<usize, TestCaseE
 #[test]
 fn warm_answers_equal_cold_ones_over_random_conversation_trees() {
     let draft = model_dir("qwen3-draft");
-    let lanes: [(&str, &[&str]); 4] = [
+    let lanes: [(&str, &[&str]); 6] = [
         ("qwen3-target", &[]),
         ("qwen3_5", &[]),
         ("gemma3", &[]),
         ("qwen3-target", &["--draft-model", draft.to_str().unwrap()]),
+        ("qwen3-target", &["--kv-bits", "4", "--kv-group-size", "32"]),
+        ("qwen3_5-trained", &["--max-kv-size", "40"]),
     ];
     for (model, args) in lanes {
         let warm = Server::start(&model_dir(model), args);

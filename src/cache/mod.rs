@@ -123,6 +123,18 @@ impl LayerCache {
         }
     }
 
+    /// Whether a prefill that goes on from this cache computes what one prefill of the whole
+    /// would (a prefix cache's question). Not so for a window with kept slots (max_kv_size's
+    /// four) filled past its size: the next multi-token update attends the kept keys next to
+    /// the window's last ones, as mlx-lm's mask places keys by slot (`make_mask`, offset capped
+    /// at max_size - 1), where one prefill of the whole never let them in.
+    pub fn resumes_exactly(&self) -> bool {
+        match self {
+            LayerCache::Rotating(c) => c.keep == 0 || c.offset < c.max_size,
+            _ => true,
+        }
+    }
+
     /// The arrays to evaluate after a prefill chunk (mlx-lm's `c.state`).
     pub fn state(&self) -> Vec<&Array> {
         match self {

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Map;
 use tokio::sync::mpsc;
-use tracing::{info, Span};
+use tracing::{info, warn, Span};
 
 use super::api::{ApiError, GenRequest, Prompt};
 use super::lane::{refusal, Lane, Outcome};
@@ -277,9 +277,13 @@ impl Engine {
         while let Some(job) = queue.blocking_recv() {
             let (events, span) = (job.events.clone(), job.span.clone());
             // A panicking request fails alone: the engine thread goes on serving the queue.
-            let outcome = panic::catch_unwind(AssertUnwindSafe(|| self.run(job)))
+            let mut answered = None;
+            let outcome = panic::catch_unwind(AssertUnwindSafe(|| self.run(job, &mut answered)))
                 .unwrap_or_else(|_| Err(ApiError::internal("the request panicked in the engine")));
             self.report(outcome, &events, &span);
+            if let Some(tokens) = answered {
+                self.keep_answer(&tokens, None);
+            }
             mlx::memory::clear_cache();
         }
     }
@@ -347,11 +351,12 @@ impl Engine {
                 self.metrics.stepped(&batch.split().since(&before));
                 for left in left {
                     let lane = lanes.remove(&left.id).expect("a row is a lane");
-                    if let Some(caches) = left.caches.filter(|_| lane.answered()) {
-                        self.keep_answer(&lane.tokens, &caches);
-                    }
+                    let answered = lane.answered().then(|| lane.tokens.clone());
                     let (events, span) = (lane.events.clone(), lane.span.clone());
                     self.report(lane.outcome(left.speculation.as_ref()), &events, &span);
+                    if let Some(tokens) = answered {
+                        self.keep_answer(&tokens, left.caches);
+                    }
                 }
             }
             Err(e) => {
@@ -488,20 +493,81 @@ impl Engine {
         }))
     }
 
-    /// Stores a finished plain row's caches in the prefix cache under what they hold, `tokens`
+    /// Stores a finished request's caches in the prefix cache under what they hold, `tokens`
     /// but the last (its prompt and its answer), so that the next turn of a conversation
-    /// prefills only what it adds. Only KV and recurrent caches are kept: they hold the same
-    /// bits whether a token was decoded or prefilled (on the CPU), where a rotating cache holds
-    /// its window in another order and a quantized one was quantized at another point.
-    fn keep_answer(&self, tokens: &[u32], caches: &[LayerCache]) {
-        let exact = caches
-            .iter()
-            .all(|c| matches!(c, LayerCache::Kv(_) | LayerCache::Recurrent(_)));
+    /// prefills only what it adds. A plain row's own KV and recurrent caches are kept as they
+    /// are: they hold the same bits whether a token was decoded or prefilled (on the CPU). Any
+    /// other row's are not what a prefill makes (a sliding window decoded in ring order, keys
+    /// quantized at other points, a verify forward's rows, a lone request's caches that decode
+    /// consumed): its answer is prefilled onto its prompt's entry instead, after its client has
+    /// its response, so that warm stays equal to cold.
+    fn keep_answer(&self, tokens: &[u32], caches: Option<Vec<LayerCache>>) {
         let held = &tokens[..tokens.len() - 1];
-        if exact && caches.iter().all(|c| c.offset() == held.len()) {
-            let mut prefix = self.prefix.borrow_mut();
-            prefix.insert(&self.namespace, held, caches, None);
-            self.metrics.prefix_held(prefix.len(), prefix.bytes());
+        let exact = caches.filter(|caches| {
+            caches.iter().all(|c| {
+                matches!(c, LayerCache::Kv(_) | LayerCache::Recurrent(_))
+                    && c.offset() == held.len()
+            })
+        });
+        match exact {
+            Some(caches) => {
+                let mut prefix = self.prefix.borrow_mut();
+                prefix.insert(&self.namespace, held, &caches, None);
+                self.metrics.prefix_held(prefix.len(), prefix.bytes());
+            }
+            None => self.prefill_answer(tokens),
+        }
+    }
+
+    /// Prefills the answer of `tokens` (a finished request's prompt and answer) onto the entry
+    /// of its prompt and keeps the result, through the decode its request took (a drafter's
+    /// caches are prefilled with the target's); the one token that decode then emits is
+    /// dropped. Nothing happens when the prompt's entry is gone: the next turn would prefill
+    /// the whole of it anyway.
+    fn prefill_answer(&self, tokens: &[u32]) {
+        let Some(hit) = self.prefix.borrow_mut().lookup(&self.namespace, tokens) else {
+            return;
+        };
+        if hit.cached + 1 == tokens.len() {
+            return;
+        }
+        let params = GenerateParams {
+            prefill_step_size: self.config.prefill_step_size,
+            max_kv_size: self.config.max_kv_size,
+            kv_quantization: self.config.kv_quantization,
+            ..GenerateParams::greedy(1, self.target.eos_token_ids.clone())
+        };
+        let start = Start::Prefix {
+            caches: hit.target,
+            draft_caches: hit.draft,
+            cached: hit.cached,
+        };
+        let mut keep = |target: &[LayerCache], draft: Option<&[LayerCache]>| {
+            self.keep_prefix(tokens, target, draft)
+        };
+        let mut stop = |_: &GeneratedToken| Control::Stop;
+        let hooks = Hooks {
+            on_token: &mut stop,
+            on_chunk: None,
+            on_prefilled: Some(&mut keep),
+        };
+        let request = Request {
+            prompt: tokens,
+            params: &params,
+            constraint: None,
+            num_draft_tokens: None,
+        };
+        let prefilled = panic::catch_unwind(AssertUnwindSafe(|| {
+            decode(
+                self.target.model(),
+                self.drafter.as_ref(),
+                start,
+                request,
+                hooks,
+            )
+        }));
+        if !matches!(prefilled, Ok(Ok(_))) {
+            warn!("the answer's prefill for the prefix cache failed; the next turn prefills it");
         }
     }
 
@@ -563,8 +629,9 @@ impl Engine {
         })
     }
 
-    /// Runs one request to its end or until the client goes away.
-    fn run(&self, job: Job) -> Result<Outcome, ApiError> {
+    /// Runs one request to its end or until the client goes away; `answered` then holds its
+    /// prompt and answer when it ended with a finish reason of its own.
+    fn run(&self, job: Job, answered: &mut Option<Vec<u32>>) -> Result<Outcome, ApiError> {
         let admitted = match self.admit(job)? {
             Ok(admitted) => admitted,
             Err(ended) => return Ok(ended),
@@ -611,6 +678,7 @@ impl Engine {
         let Some(decoded) = checked(decoded)? else {
             return Ok(Outcome::CancelledInPrefill);
         };
+        *answered = lane.answered().then(|| lane.tokens.clone());
         lane.outcome(decoded.speculation.as_ref())
     }
 

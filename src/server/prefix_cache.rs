@@ -1,17 +1,18 @@
 //! The prefix cache across requests, keyed by token prefix and by a namespace naming everything
 //! that shapes a cache (model, draft pairing, KV quantization, max_kv_size). It holds the
 //! caches of prompts (all but their last token, as they stood after the prefill) and of
-//! finished plain rows (their prompt and answer), so a conversation's next turn prefills only
-//! what it adds. For a speculative lane the target's and the draft model's caches are one
-//! entry, stored and restored together. A byte budget bounds it; the least recently used
-//! entries go first.
+//! finished requests' prompts and answers, so a conversation's next turn prefills only what it
+//! adds. For a speculative lane the target's and the draft model's caches are one entry,
+//! stored and restored together. A byte budget bounds it; the least recently used entries go
+//! first.
 //!
 //! An entry is a copy of immutable MLX arrays: the request that made it goes on writing to its
 //! caches, and MLX copies a buffer rather than update it in place while this copy holds it, so
 //! an entry never changes. That is also why restoring one is cheap: its arrays are shared.
 //! mlx_lm.server keeps its prompt cache after generation for every request (server.py:1148);
 //! with a draft model that goes wrong (known-oracle-bugs.toml, server-draft-with-prompt-cache),
-//! which keeping only the prompts of speculative lanes avoids.
+//! which prefilling a speculative lane's answer onto its prompt's entry avoids
+//! (`Engine::keep_answer`).
 
 use crate::cache::LayerCache;
 
@@ -114,7 +115,8 @@ impl PrefixCache {
     /// Stores the caches of `tokens`, replacing an entry with the same key and, when the new
     /// caches trim, every entry whose key starts it (the new one serves their lookups), then
     /// evicts the least recently used entries until the budget holds. Caches bigger than the
-    /// budget are not stored.
+    /// budget are not stored, nor caches a prefill cannot go on from exactly
+    /// ([`LayerCache::resumes_exactly`]).
     pub fn insert(
         &mut self,
         namespace: &str,
@@ -123,7 +125,11 @@ impl PrefixCache {
         draft: Option<&[LayerCache]>,
     ) {
         let bytes = bytes_of(target) + draft.map_or(0, bytes_of);
-        if tokens.is_empty() || bytes > self.budget {
+        let exact = target
+            .iter()
+            .chain(draft.into_iter().flatten())
+            .all(LayerCache::resumes_exactly);
+        if tokens.is_empty() || bytes > self.budget || !exact {
             return;
         }
         self.clock += 1;
