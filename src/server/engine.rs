@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use serde_json::Map;
+use serde_json::{json, Map};
 use tokio::sync::mpsc;
 use tracing::{info, warn, Span};
 
@@ -281,8 +281,8 @@ impl Engine {
             let outcome = panic::catch_unwind(AssertUnwindSafe(|| self.run(job, &mut answered)))
                 .unwrap_or_else(|_| Err(ApiError::internal("the request panicked in the engine")));
             self.report(outcome, &events, &span);
-            if let Some(tokens) = answered {
-                self.keep_answer(&tokens, None);
+            if let Some(answered) = answered {
+                self.keep_answer(&answered, None);
             }
             mlx::memory::clear_cache();
         }
@@ -351,11 +351,11 @@ impl Engine {
                 self.metrics.stepped(&batch.split().since(&before));
                 for left in left {
                     let lane = lanes.remove(&left.id).expect("a row is a lane");
-                    let answered = lane.answered().then(|| lane.tokens.clone());
+                    let answered = lane.answered().then(|| self.answered(&lane));
                     let (events, span) = (lane.events.clone(), lane.span.clone());
                     self.report(lane.outcome(left.speculation.as_ref()), &events, &span);
-                    if let Some(tokens) = answered {
-                        self.keep_answer(&tokens, left.caches);
+                    if let Some(answered) = answered {
+                        self.keep_answer(&answered, left.caches);
                     }
                 }
             }
@@ -475,6 +475,7 @@ impl Engine {
             prompt_tokens: prompt.len(),
             cached,
             tokens: prompt.clone(),
+            text: String::new(),
             batch_rows: 1,
             finish: None,
             shutdown: self.shutdown.clone(),
@@ -493,21 +494,59 @@ impl Engine {
         }))
     }
 
-    /// Stores a finished request's caches in the prefix cache under what they hold, `tokens`
-    /// but the last (its prompt and its answer), so that the next turn of a conversation
+    /// A finished lane's prompt and generated tokens, and the tokens the next turn of its
+    /// conversation starts with: the chat rendered with the answer the client received as the
+    /// assistant's message, but the template's last token (the next prompt goes on after the
+    /// end of the turn), when that goes on from the prompt. Otherwise (a raw prompt, or a
+    /// history the template renders otherwise) the prompt and the generated tokens.
+    fn answered(&self, lane: &Lane) -> Answered {
+        let generated = lane.tokens.clone();
+        let prompt = &generated[..lane.prompt_tokens];
+        let rendered = match &lane.request.prompt {
+            Prompt::Messages(messages) => {
+                let answer = json!({"role": "assistant", "content": lane.text});
+                let chat = [messages.as_slice(), &[answer]].concat();
+                let tokenizer = &self.target.tokenizer;
+                tokenizer
+                    .apply_chat_template(&chat, false, &Map::new())
+                    .ok()
+                    .and_then(|text| tokenizer.encode(&text, false).ok())
+            }
+            Prompt::Text(_) | Prompt::Tokens(_) => None,
+        };
+        let next = match rendered {
+            Some(mut r) if r.len() > prompt.len() + 1 && r.starts_with(prompt) => {
+                r.pop();
+                r
+            }
+            _ => generated.clone(),
+        };
+        Answered {
+            prompt_tokens: prompt.len(),
+            generated,
+            next,
+        }
+    }
+
+    /// Stores caches holding a finished request's `next` tokens but the last
+    /// ([`Engine::answered`]) in the prefix cache, so that the next turn of a conversation
     /// prefills only what it adds. A plain row's own KV and recurrent caches are kept as they
-    /// are: they hold the same bits whether a token was decoded or prefilled (on the CPU). Any
-    /// other row's are not what a prefill makes (a sliding window decoded in ring order, keys
-    /// quantized at other points, a verify forward's rows, a lone request's caches that decode
-    /// consumed): its answer is prefilled onto its prompt's entry instead, after its client has
-    /// its response, so that warm stays equal to cold.
-    fn keep_answer(&self, tokens: &[u32], caches: Option<Vec<LayerCache>>) {
-        let held = &tokens[..tokens.len() - 1];
+    /// are when they hold exactly that (`generated` is `next`): they hold the same bits whether
+    /// a token was decoded or prefilled (on the CPU). Otherwise `next` is prefilled onto the
+    /// entry that holds the most of it (its prompt's), after the client has its response, so
+    /// that warm stays equal to cold: a rotating cache holds a decoded window in another order,
+    /// a quantized one was quantized at other points, a verify forward's rows are not a
+    /// prefill's, a lone request's caches were consumed by its decode, and the answer the
+    /// client carries back may be other tokens than those generated.
+    fn keep_answer(&self, answered: &Answered, caches: Option<Vec<LayerCache>>) {
+        let next = &answered.next;
+        let held = &next[..next.len() - 1];
         let exact = caches.filter(|caches| {
-            caches.iter().all(|c| {
-                matches!(c, LayerCache::Kv(_) | LayerCache::Recurrent(_))
-                    && c.offset() == held.len()
-            })
+            answered.generated == *next
+                && caches.iter().all(|c| {
+                    matches!(c, LayerCache::Kv(_) | LayerCache::Recurrent(_))
+                        && c.offset() == held.len()
+                })
         });
         match exact {
             Some(caches) => {
@@ -515,20 +554,20 @@ impl Engine {
                 prefix.insert(&self.namespace, held, &caches, None);
                 self.metrics.prefix_held(prefix.len(), prefix.bytes());
             }
-            None => self.prefill_answer(tokens),
+            None => self.prefill_answer(next, answered.prompt_tokens),
         }
     }
 
-    /// Prefills the answer of `tokens` (a finished request's prompt and answer) onto the entry
-    /// of its prompt and keeps the result, through the decode its request took (a drafter's
-    /// caches are prefilled with the target's); the one token that decode then emits is
-    /// dropped. Nothing happens when the prompt's entry is gone: the next turn would prefill
-    /// the whole of it anyway.
-    fn prefill_answer(&self, tokens: &[u32]) {
+    /// Prefills `tokens` but the last onto the prefix cache's entry that holds the most of
+    /// them, at least the first `prompt_tokens` but one (the prompt's), and keeps the result, through the decode a request takes (a
+    /// drafter's caches are prefilled with the target's); the one token that decode then emits
+    /// is dropped. Nothing happens when no entry holds the prompt any more: the next turn would
+    /// prefill all of it anyway.
+    fn prefill_answer(&self, tokens: &[u32], prompt_tokens: usize) {
         let Some(hit) = self.prefix.borrow_mut().lookup(&self.namespace, tokens) else {
             return;
         };
-        if hit.cached + 1 == tokens.len() {
+        if hit.cached + 1 < prompt_tokens || hit.cached + 1 == tokens.len() {
             return;
         }
         let params = GenerateParams {
@@ -630,8 +669,8 @@ impl Engine {
     }
 
     /// Runs one request to its end or until the client goes away; `answered` then holds its
-    /// prompt and answer when it ended with a finish reason of its own.
-    fn run(&self, job: Job, answered: &mut Option<Vec<u32>>) -> Result<Outcome, ApiError> {
+    /// [`Engine::answered`] tokens when it ended with a finish reason of its own.
+    fn run(&self, job: Job, answered: &mut Option<Answered>) -> Result<Outcome, ApiError> {
         let admitted = match self.admit(job)? {
             Ok(admitted) => admitted,
             Err(ended) => return Ok(ended),
@@ -678,7 +717,7 @@ impl Engine {
         let Some(decoded) = checked(decoded)? else {
             return Ok(Outcome::CancelledInPrefill);
         };
-        *answered = lane.answered().then(|| lane.tokens.clone());
+        *answered = lane.answered().then(|| self.answered(&lane));
         lane.outcome(decoded.speculation.as_ref())
     }
 
@@ -749,6 +788,15 @@ fn checked<T>(result: crate::Result<T>) -> Result<Option<T>, ApiError> {
         Err(Error::Cancelled) => Ok(None),
         Err(e) => Err(refusal(e)),
     }
+}
+
+/// A finished request, as the prefix cache keeps it ([`Engine::answered`]).
+struct Answered {
+    prompt_tokens: usize,
+    /// The prompt and every generated token.
+    generated: Vec<u32>,
+    /// What the next turn of its conversation starts with.
+    next: Vec<u32>,
 }
 
 /// A validated request whose client was told it started, and what its decode needs.

@@ -146,6 +146,8 @@ pub(super) struct Lane {
     pub(super) cached: usize,
     /// The prompt, then every token emitted: a plain row's caches hold all but the last.
     pub(super) tokens: Vec<u32>,
+    /// Every text released to the client: the answer a conversation's next turn carries.
+    pub(super) text: String,
     /// The widest batch step this lane took part in.
     pub(super) batch_rows: usize,
     pub(super) finish: Option<FinishReason>,
@@ -264,6 +266,7 @@ impl Lane {
             text.push_str(&self.stop.finish());
         }
         let tokens = info.into_iter().collect();
+        self.text.push_str(&text);
         if self.events.send(Event::Delta { text, tokens }).is_err() {
             self.cancelled = true;
             return Control::Stop;
