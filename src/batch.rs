@@ -29,7 +29,7 @@ use crate::generate::{
 use crate::model::{lone_rows, LanguageModel};
 use crate::sample::StepSampler;
 use crate::speculative::draft_model::draft_together;
-use crate::speculative::{DraftSource, Drafter, SpeculationStats, Speculator};
+use crate::speculative::{DraftPrefix, DraftSource, Drafter, SpeculationStats, Speculator};
 use crate::{error::contract, Result};
 
 /// A plain row between steps.
@@ -140,9 +140,9 @@ impl<'m> Batch<'m> {
             return Err(contract(format!("row {id} is already in the batch")));
         }
         let model = self.model;
-        let (caches, draft_caches, cached) =
+        let (caches, draft, cached) =
             start.into_caches(model, drafter.is_some(), request.params)?;
-        let mut keep_nothing = |_: &[LayerCache], _: Option<&[LayerCache]>| {};
+        let mut keep_nothing = |_: &[LayerCache], _: Option<&DraftPrefix>| {};
         let mut on_chunk = |done: usize| match between_chunks.as_mut() {
             Some(between) => between(self, done),
             None => Control::Continue,
@@ -155,7 +155,7 @@ impl<'m> Batch<'m> {
         };
         let decoder = match drafter {
             Some(drafter) => {
-                let mut source = drafter.source(model, draft_caches.map(|c| (c, cached)))?;
+                let mut source = drafter.source(model, draft.map(|d| (d, cached)))?;
                 let speculation = request.speculation(drafter);
                 let speculator = Speculator::start(model, source.as_mut(), resume, speculation)?;
                 Decoder::Speculative {

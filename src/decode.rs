@@ -8,7 +8,7 @@ use crate::generate::{GeneratedToken, Generation, OnPrefilled, Resume, StepSplit
 use crate::grammar::Constraint;
 use crate::model::LanguageModel;
 use crate::request::{Control, GenerateParams};
-use crate::speculative::{resume_speculative, Drafter, Speculation, SpeculationStats};
+use crate::speculative::{resume_speculative, DraftPrefix, Drafter, Speculation, SpeculationStats};
 use crate::{Error, Result};
 
 /// What one request decodes.
@@ -43,11 +43,11 @@ pub enum Start {
     /// them, and the processors' history starts with the prompt, as in mlx-lm. Plain decoding
     /// only.
     Context(Vec<LayerCache>),
-    /// A prefix cache's copy: `caches` hold the first `cached` prompt tokens, and a draft
-    /// model's `draft_caches` (when it has any) the same.
+    /// A prefix cache's copy: `caches` hold the first `cached` prompt tokens, and `draft`
+    /// (for a drafter that keeps any) the draft side's state over the same tokens.
     Prefix {
         caches: Vec<LayerCache>,
-        draft_caches: Option<Vec<LayerCache>>,
+        draft: Option<DraftPrefix>,
         cached: usize,
     },
 }
@@ -70,15 +70,15 @@ impl Start {
             Start::Context(caches) => (caches, None, 0),
             Start::Prefix {
                 caches,
-                draft_caches,
+                draft,
                 cached,
-            } => (caches, draft_caches, cached),
+            } => (caches, draft, cached),
         })
     }
 }
 
-/// The target's caches, a draft model's, and the prompt tokens they hold.
-pub(crate) type StartingCaches = (Vec<LayerCache>, Option<Vec<LayerCache>>, usize);
+/// The target's caches, the draft side's state, and the prompt tokens they hold.
+pub(crate) type StartingCaches = (Vec<LayerCache>, Option<DraftPrefix>, usize);
 
 /// What the caller sees while a request decodes.
 pub struct Hooks<'a> {
@@ -87,8 +87,8 @@ pub struct Hooks<'a> {
     /// After each prefill chunk, the prompt tokens the caches hold so far; `Stop` ends the
     /// prefill with [`Error::Cancelled`].
     pub on_chunk: Option<&'a mut dyn FnMut(usize) -> Control>,
-    /// The target's (and a draft model's) caches once they hold all of the prompt but its last
-    /// token: what a prefix cache keeps.
+    /// The target's caches (and the draft side's state) once they hold all of the prompt but
+    /// its last token: what a prefix cache keeps.
     pub on_prefilled: Option<OnPrefilled<'a>>,
 }
 
@@ -135,10 +135,9 @@ pub fn decode(
         on_chunk,
         on_prefilled,
     } = hooks;
-    let (caches, draft_caches, cached) =
-        start.into_caches(target, drafter.is_some(), request.params)?;
+    let (caches, draft, cached) = start.into_caches(target, drafter.is_some(), request.params)?;
     let (mut keep_nothing, mut go_on) = (
-        |_: &[LayerCache], _: Option<&[LayerCache]>| {},
+        |_: &[LayerCache], _: Option<&DraftPrefix>| {},
         |_| Control::Continue,
     );
     let resume = Resume {
@@ -165,7 +164,7 @@ pub fn decode(
             step_split: Some(generation.step_split()),
         });
     };
-    let mut source = drafter.source(target, draft_caches.map(|c| (c, cached)))?;
+    let mut source = drafter.source(target, draft.map(|d| (d, cached)))?;
     let speculation = request.speculation(drafter);
     let (stats, _) = resume_speculative(target, source.as_mut(), resume, speculation, on_token)?;
     Ok(Decoded {

@@ -11,6 +11,7 @@ use crate::grammar::Constraint;
 use crate::model::{Forward, LanguageModel};
 pub use crate::request::{Control, FinishReason, GenerateParams};
 use crate::sample::{LogitsProcessors, Masking, Sampler, StepSampler};
+use crate::speculative::DraftPrefix;
 use crate::{validate, Result};
 
 impl GenerateParams {
@@ -313,7 +314,7 @@ pub(crate) fn prefill_request(
 }
 
 /// A callback given the target's caches and the draft model's, if any.
-pub type OnPrefilled<'a> = &'a mut dyn FnMut(&[LayerCache], Option<&[LayerCache]>);
+pub type OnPrefilled<'a> = &'a mut dyn FnMut(&[LayerCache], Option<&DraftPrefix>);
 
 /// Streams tokens; ends after the token that carries a finish reason.
 pub struct Generation<'m> {

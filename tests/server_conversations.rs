@@ -1,10 +1,11 @@
-//! Warm ≡ cold over conversations: random trees of chats (new conversations, next turns that
-//! carry the last answer, earlier turns edited, answers regenerated) sent to a server with a
-//! prefix cache and to one without, every answer equal token for token and logprob bit for bit,
-//! on a KV, a hybrid and a sliding-window model, with a draft model, with quantized KV caches
-//! and with --max-kv-size's windows (which keep sink tokens). The prefix cache then
-//! restores prompts, answers and prefixes cut back from longer entries in every order the tree
-//! makes (`src/server/prefix_cache.rs`).
+//! Warm ≡ cold over conversations: random trees of chats (new conversations, some opening with
+//! a shared system prompt, next turns that carry the last answer, earlier turns edited, answers
+//! regenerated) sent to a server with a prefix cache and to one without, every answer equal
+//! token for token and logprob bit for bit, on a KV, a hybrid and a sliding-window model, with
+//! a draft model and a DFlash drafter, with quantized KV caches and with --max-kv-size's
+//! windows (which keep sink tokens). The prefix cache then restores prompts, answers, system
+//! prompts and prefixes cut back from longer entries in every order the tree makes
+//! (`src/server/prefix_cache.rs`).
 
 mod server_client;
 mod support;
@@ -24,11 +25,17 @@ const MESSAGES: [&str; 6] = [
     "Thanks.",
 ];
 
+/// System prompts a new conversation may open with (conversations share them).
+const SYSTEMS: [&str; 2] = [
+    "You answer in one short line.",
+    "You are a careful reviewer.",
+];
+
 /// One request of a conversation tree; indices wrap around what exists.
 #[derive(Clone, Debug)]
 enum Turn {
-    /// A new conversation opening with message `m`.
-    New { m: usize },
+    /// A new conversation opening with system prompt `s` (none past the list) and message `m`.
+    New { s: usize, m: usize },
     /// Conversation `c` goes on: its last answer, then message `m`.
     Next { c: usize, m: usize },
     /// Conversation `c`'s user turn `t` becomes message `m`; the turns after it are dropped.
@@ -40,7 +47,7 @@ enum Turn {
 fn turn() -> impl Strategy<Value = Turn> {
     let m = 0..MESSAGES.len();
     prop_oneof![
-        m.clone().prop_map(|m| Turn::New { m }),
+        (0..SYSTEMS.len() + 1, m.clone()).prop_map(|(s, m)| Turn::New { s, m }),
         (0..8usize, m.clone()).prop_map(|(c, m)| Turn::Next { c, m }),
         (0..8usize, 0..8usize, m).prop_map(|(c, t, m)| Turn::Edit { c, t, m }),
         (0..8usize).prop_map(|c| Turn::Regenerate { c }),
@@ -71,7 +78,13 @@ struct Conversation {
 /// stands (so every case has a prompt the cache holds whole).
 fn tree() -> impl Strategy<Value = Vec<Turn>> {
     (0..MESSAGES.len(), prop::collection::vec(turn(), 1..6)).prop_map(|(m, mut turns)| {
-        turns.insert(0, Turn::New { m });
+        turns.insert(
+            0,
+            Turn::New {
+                s: SYSTEMS.len(),
+                m,
+            },
+        );
         turns.push(Turn::Regenerate { c: 0 });
         turns
     })
@@ -85,9 +98,12 @@ fn play(warm: &Server, cold: &Server, turns: &[Turn]) -> Result<usize, TestCaseE
     for turn in turns {
         let n = conversations.len();
         let c = match *turn {
-            Turn::New { m } => {
+            Turn::New { s, m } => {
+                let system = SYSTEMS
+                    .get(s)
+                    .map(|c| json!({"role": "system", "content": c}));
                 conversations.push(Conversation {
-                    messages: vec![user(m)],
+                    messages: system.into_iter().chain([user(m)]).collect(),
                     answer: None,
                 });
                 n
@@ -104,8 +120,9 @@ fn play(warm: &Server, cold: &Server, turns: &[Turn]) -> Result<usize, TestCaseE
             }
             Turn::Edit { c, t, m } => {
                 let conv = &mut conversations[c % n];
-                let turns = conv.messages.len().div_ceil(2);
-                conv.messages.truncate(2 * (t % turns));
+                let system = usize::from(conv.messages[0]["role"] == "system");
+                let turns = (conv.messages.len() - system).div_ceil(2);
+                conv.messages.truncate(system + 2 * (t % turns));
                 conv.messages.push(user(m));
                 conv.answer = None;
                 c % n
@@ -135,11 +152,16 @@ fn play(warm: &Server, cold: &Server, turns: &[Turn]) -> Result<usize, TestCaseE
 #[test]
 fn warm_answers_equal_cold_ones_over_random_conversation_trees() {
     let draft = model_dir("qwen3-draft");
-    let lanes: [(&str, &[&str]); 6] = [
+    let dflash = model_dir("qwen3-target-dflash");
+    let lanes: [(&str, &[&str]); 7] = [
         ("qwen3-target", &[]),
         ("qwen3_5", &[]),
         ("gemma3", &[]),
         ("qwen3-target", &["--draft-model", draft.to_str().unwrap()]),
+        (
+            "qwen3-target",
+            &["--draft-dflash", dflash.to_str().unwrap()],
+        ),
         ("qwen3-target", &["--kv-bits", "4", "--kv-group-size", "32"]),
         ("qwen3_5-trained", &["--max-kv-size", "40"]),
     ];

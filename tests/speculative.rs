@@ -6,11 +6,14 @@ mod support;
 
 use support::{bundle, golden_input};
 use verity::bundle::ModelBundle;
+use verity::cache::LayerCache;
 use verity::decode::{decode, Hooks, Request, Start};
-use verity::generate::{Control, FinishReason, GenerateParams, GeneratedToken, Generation};
+use verity::generate::{
+    Control, FinishReason, GenerateParams, GeneratedToken, Generation, OnPrefilled,
+};
 use verity::sample::KeySchedule;
 use verity::speculative::{
-    generate_speculative, DraftModel, DraftSource, Drafter, DrafterSpec, NgramLookup,
+    generate_speculative, DraftModel, DraftPrefix, DraftSource, Drafter, DrafterSpec, NgramLookup,
     SpeculationStats,
 };
 
@@ -236,26 +239,76 @@ fn every_registered_drafter_decodes_as_plain_through_the_front_door() {
     support::on_cpu();
     let target = bundle("qwen3_5");
     let (prompt, params) = golden_input("qwen3_5/greedy/code", 12);
-    let decoded = |drafter: Option<&Drafter>| {
-        let mut steps = Vec::new();
-        let mut on_token = |s: &GeneratedToken| {
-            steps.push((s.token, s.logprobs.to_bytes().unwrap(), s.finish));
-            Control::Continue
-        };
-        let request = Request {
-            prompt: &prompt,
-            params: &params,
-            constraint: None,
-            num_draft_tokens: None,
-        };
-        let hooks = Hooks::tokens(&mut on_token);
-        let out = decode(target.model(), drafter, Start::Fresh, request, hooks).unwrap();
-        (steps, out.speculation)
-    };
-    let (want, none) = decoded(None);
+    let (want, none) = front_door(
+        &target,
+        None,
+        &prompt,
+        &params,
+        Start::Fresh,
+        &mut |_, _| {},
+    );
     assert!(none.is_none(), "plain decoding reports no speculation");
     assert_eq!(plain(&target, &prompt, &params), want);
-    let specs = [
+    for (spec, default_k) in registered() {
+        let drafter = Drafter::load(&spec, &target).unwrap();
+        assert_eq!(drafter.default_num_draft_tokens(), default_k, "{spec:?}");
+        let (got, stats) = front_door(
+            &target,
+            Some(&drafter),
+            &prompt,
+            &params,
+            Start::Fresh,
+            &mut |_, _| {},
+        );
+        assert_eq!(got, want, "{spec:?}");
+        let stats = stats.expect("a drafter reports its speculation");
+        assert_eq!(stats.generated, want.len(), "{spec:?}");
+        assert!(stats.rounds > 0, "{spec:?}");
+    }
+}
+
+#[test]
+fn every_registered_drafter_resumes_a_prefix_as_a_fresh_decode_would() {
+    // What a prefix cache keeps after a prompt's prefill (the target's caches and the draft
+    // side's state: a draft model's caches, a DFlash drafter's taps over the prompt), restored
+    // under a longer prompt, decodes what that prompt decodes from nothing.
+    support::on_cpu();
+    let target = bundle("qwen3_5");
+    let (prompt, params) = golden_input("qwen3_5/greedy/code", 8);
+    for (spec, _) in registered() {
+        let drafter = Drafter::load(&spec, &target).unwrap();
+        let run = |prompt: &[u32], start, keep: OnPrefilled<'_>| {
+            front_door(&target, Some(&drafter), prompt, &params, start, keep).0
+        };
+        let mut kept = None;
+        let first = run(&prompt, Start::Fresh, &mut |caches, draft| {
+            kept = Some((caches.to_vec(), draft.cloned()));
+        });
+        let (caches, draft): (Vec<LayerCache>, Option<DraftPrefix>) =
+            kept.expect("the prefill was seen");
+        let keeps_state = matches!(spec, DrafterSpec::Model(_) | DrafterSpec::Dflash { .. });
+        assert_eq!(draft.is_some(), keeps_state, "{spec:?}");
+        let longer: Vec<u32> = prompt
+            .iter()
+            .chain(first.iter().map(|s| &s.0))
+            .copied()
+            .collect();
+        let start = Start::Prefix {
+            caches,
+            draft,
+            cached: prompt.len() - 1,
+        };
+        assert_eq!(
+            run(&longer, start, &mut |_, _| {}),
+            run(&longer, Start::Fresh, &mut |_, _| {}),
+            "{spec:?}"
+        );
+    }
+}
+
+/// Every kind of drafter on the qwen3_5 fixture, with its default drafts per round.
+fn registered() -> [(DrafterSpec, usize); 4] {
+    [
         (DrafterSpec::Model(support::model_dir("qwen3_5")), 3),
         (DrafterSpec::Ngram { min: 1, max: 3 }, 3),
         (DrafterSpec::Mtp { dir: None }, 3),
@@ -266,19 +319,34 @@ fn every_registered_drafter_decodes_as_plain_through_the_front_door() {
             },
             7, // its block_size (config.json) less the verified token
         ),
-    ];
-    for (spec, default_k) in specs {
-        let drafter = Drafter::load(&spec, &target).unwrap();
-        assert_eq!(drafter.default_num_draft_tokens(), default_k, "{spec:?}");
-        assert_eq!(
-            drafter.keeps_prefix_cache(),
-            !matches!(spec, DrafterSpec::Dflash { .. }),
-            "{spec:?}"
-        );
-        let (got, stats) = decoded(Some(&drafter));
-        assert_eq!(got, want, "{spec:?}");
-        let stats = stats.expect("a drafter reports its speculation");
-        assert_eq!(stats.generated, want.len(), "{spec:?}");
-        assert!(stats.rounds > 0, "{spec:?}");
-    }
+    ]
+}
+
+/// A request through [`decode`], the one entry point: its steps and speculation counters.
+fn front_door(
+    target: &ModelBundle,
+    drafter: Option<&Drafter>,
+    prompt: &[u32],
+    params: &GenerateParams,
+    start: Start,
+    on_prefilled: OnPrefilled<'_>,
+) -> (Steps, Option<SpeculationStats>) {
+    let mut steps = Vec::new();
+    let mut on_token = |s: &GeneratedToken| {
+        steps.push((s.token, s.logprobs.to_bytes().unwrap(), s.finish));
+        Control::Continue
+    };
+    let request = Request {
+        prompt,
+        params,
+        constraint: None,
+        num_draft_tokens: None,
+    };
+    let hooks = Hooks {
+        on_token: &mut on_token,
+        on_chunk: None,
+        on_prefilled: Some(on_prefilled),
+    };
+    let out = decode(target.model(), drafter, start, request, hooks).unwrap();
+    (steps, out.speculation)
 }

@@ -23,8 +23,9 @@ pub struct DraftArgs {
     pub draft_mtp: Option<Option<PathBuf>>,
     /// Speculate with this DFlash block drafter folder (model_type qwen3_dflash), as mlx-vlm's
     /// DFlash loop does: one drafter pass per round drafts a whole block, whose size adapts to
-    /// acceptance up to the drafter's block_size (or --num-draft-tokens + 1). A DFlash lane of
-    /// the server keeps no prefix cache (its drafter reads the whole prompt's hidden states).
+    /// acceptance up to the drafter's block_size (or --num-draft-tokens + 1). The server's
+    /// prefix cache keeps the target's taps over a prefix with its caches: the drafter reads
+    /// the whole prompt's hidden states.
     #[arg(long)]
     pub draft_dflash: Option<PathBuf>,
     /// Drafts per round (default 3; with --draft-dflash, the drafter's block_size - 1); a

@@ -23,7 +23,7 @@ use super::api::{ApiError, GenRequest, Prompt};
 use super::lane::{refusal, Lane, Outcome};
 pub use super::lane::{Finish, RequestStats, SpeculationReport, Summary, TokenInfo, TopLogprob};
 use super::metrics::Metrics;
-use super::prefix_cache::PrefixCache;
+use super::prefix_cache::{all_trim, Hit, PrefixCache};
 use super::request_log;
 use super::stop::StopMatcher;
 use crate::batch::Batch;
@@ -34,7 +34,7 @@ use crate::generate::{Control, GenerateParams, GeneratedToken};
 use crate::grammar::Constraint;
 use crate::request::reproducible_seed;
 use crate::sample::{KeySchedule, ProcessorParams, SamplerParams};
-use crate::speculative::{Drafter, DrafterSpec};
+use crate::speculative::{DraftPrefix, Drafter, DrafterSpec};
 use crate::{validate, Error};
 
 /// What the engine serves and how it processes prompts.
@@ -218,6 +218,8 @@ struct Engine {
     xtc_special_tokens: Vec<u32>,
     /// Shared by the lanes (the engine thread's alone).
     prefix: RefCell<PrefixCache>,
+    /// Whether the target's caches (and a draft model's) can all be cut back to a prefix.
+    trims: bool,
     namespace: String,
     /// [`EngineHandle::cut_running`]'s flag.
     shutdown: Arc<AtomicBool>,
@@ -245,15 +247,18 @@ impl Engine {
             );
         }
         check_flags(&target, &config)?;
-        let prompt_cache_bytes = match &drafter {
-            Some(d) if !d.keeps_prefix_cache() => 0,
-            _ => config.prompt_cache_bytes,
-        };
+        let prompt_cache_bytes = config.prompt_cache_bytes;
         Ok(Engine {
             shutdown,
             metrics,
             model_id: config.model.display().to_string(),
             prefix: RefCell::new(PrefixCache::new(prompt_cache_bytes)),
+            trims: config.kv_quantization.is_none()
+                && all_trim(&target.model().make_cache(config.max_kv_size))
+                && drafter
+                    .as_ref()
+                    .and_then(Drafter::draft_model)
+                    .is_none_or(|d| all_trim(&d.model().make_cache(None))),
             namespace: config.namespace(),
             context: target.context_length(),
             xtc_special_tokens: target.xtc_special_tokens()?,
@@ -453,14 +458,21 @@ impl Engine {
         {
             return Ok(Err(Outcome::Cancelled { tokens: 0 }));
         }
-        let hit = self.prefix.borrow_mut().lookup(&self.namespace, &prompt);
+        let mut hit = self.prefix.borrow_mut().lookup(&self.namespace, &prompt);
         let cached = hit.as_ref().map_or(0, |h| h.cached);
         self.metrics.prefix_lookup(cached);
+        if let Some(end) = self
+            .system_end(&request, &prompt)
+            .filter(|&end| end > cached)
+        {
+            self.keep_prefill(&prompt[..=end], hit);
+            hit = self.prefix.borrow_mut().lookup(&self.namespace, &prompt);
+        }
         let start = match hit {
             Some(h) => Start::Prefix {
                 caches: h.target,
-                draft_caches: h.draft,
-                cached,
+                draft: h.draft,
+                cached: h.cached,
             },
             None => Start::Fresh,
         };
@@ -558,30 +570,71 @@ impl Engine {
         }
     }
 
-    /// Prefills `tokens` but the last onto the prefix cache's entry that holds the most of
-    /// them, at least the first `prompt_tokens` but one (the prompt's), and keeps the result, through the decode a request takes (a
-    /// drafter's caches are prefilled with the target's); the one token that decode then emits
-    /// is dropped. Nothing happens when no entry holds the prompt any more: the next turn would
-    /// prefill all of it anyway.
-    fn prefill_answer(&self, tokens: &[u32], prompt_tokens: usize) {
-        let Some(hit) = self.prefix.borrow_mut().lookup(&self.namespace, tokens) else {
-            return;
+    /// Where a chat's system messages end in `prompt` (the tokens it shares with the system
+    /// messages rendered before an empty user message, as mlx_lm.server's `_tokenize` splits
+    /// its prompt), when the model's caches cannot be cut back: there the prefix cache keeps a
+    /// checkpoint, so that conversations that share a system prompt share its prefill. KV
+    /// caches need none, a longer entry is cut back to what prompts share.
+    fn system_end(&self, request: &GenRequest, prompt: &[u32]) -> Option<usize> {
+        let Prompt::Messages(messages) = &request.prompt else {
+            return None;
         };
-        if hit.cached + 1 < prompt_tokens || hit.cached + 1 == tokens.len() {
-            return;
+        let systems = messages
+            .iter()
+            .take_while(|m| m["role"] == "system")
+            .count();
+        if self.trims || systems == 0 || messages.last()?["role"] != "user" {
+            return None;
         }
+        let opening = [
+            &messages[..systems],
+            &[json!({"role": "user", "content": ""})],
+        ]
+        .concat();
+        let tokenizer = &self.target.tokenizer;
+        let text = tokenizer
+            .apply_chat_template(&opening, false, &Map::new())
+            .ok()?;
+        let opening = tokenizer.encode(&text, false).ok()?;
+        let end = opening
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        (end > 0 && end + 1 < prompt.len()).then_some(end)
+    }
+
+    /// Prefills `tokens` but the last onto the prefix cache's entry that holds the most of
+    /// them, at least the first `prompt_tokens` but one (the prompt's), and keeps the result.
+    /// Nothing happens when no entry holds the prompt any more: the next turn would prefill
+    /// all of it anyway.
+    fn prefill_answer(&self, tokens: &[u32], prompt_tokens: usize) {
+        let hit = self.prefix.borrow_mut().lookup(&self.namespace, tokens);
+        if let Some(hit) = hit.filter(|h| h.cached + 1 >= prompt_tokens) {
+            self.keep_prefill(tokens, Some(hit));
+        }
+    }
+
+    /// Prefills `tokens` but the last from `hit` (fresh caches without one) and keeps the
+    /// result in the prefix cache, through the decode a request takes (a drafter's caches are
+    /// prefilled with the target's); the one token that decode then emits is dropped.
+    fn keep_prefill(&self, tokens: &[u32], hit: Option<Hit>) {
+        let start = match hit {
+            Some(h) if h.cached + 1 == tokens.len() => return,
+            Some(h) => Start::Prefix {
+                caches: h.target,
+                draft: h.draft,
+                cached: h.cached,
+            },
+            None => Start::Fresh,
+        };
         let params = GenerateParams {
             prefill_step_size: self.config.prefill_step_size,
             max_kv_size: self.config.max_kv_size,
             kv_quantization: self.config.kv_quantization,
             ..GenerateParams::greedy(1, self.target.eos_token_ids.clone())
         };
-        let start = Start::Prefix {
-            caches: hit.target,
-            draft_caches: hit.draft,
-            cached: hit.cached,
-        };
-        let mut keep = |target: &[LayerCache], draft: Option<&[LayerCache]>| {
+        let mut keep = |target: &[LayerCache], draft: Option<&DraftPrefix>| {
             self.keep_prefix(tokens, target, draft)
         };
         let mut stop = |_: &GeneratedToken| Control::Stop;
@@ -606,12 +659,12 @@ impl Engine {
             )
         }));
         if !matches!(prefilled, Ok(Ok(_))) {
-            warn!("the answer's prefill for the prefix cache failed; the next turn prefills it");
+            warn!("a prefill for the prefix cache failed; the next request prefills it");
         }
     }
 
     /// Stores the caches of `prompt` but its last token in the prefix cache.
-    fn keep_prefix(&self, prompt: &[u32], target: &[LayerCache], draft: Option<&[LayerCache]>) {
+    fn keep_prefix(&self, prompt: &[u32], target: &[LayerCache], draft: Option<&DraftPrefix>) {
         let head = &prompt[..prompt.len() - 1];
         let mut prefix = self.prefix.borrow_mut();
         prefix.insert(&self.namespace, head, target, draft);
@@ -644,7 +697,7 @@ impl Engine {
             }
             lane.gone()
         };
-        let mut keep = |target: &[LayerCache], draft: Option<&[LayerCache]>| {
+        let mut keep = |target: &[LayerCache], draft: Option<&DraftPrefix>| {
             self.keep_prefix(&prompt, target, draft)
         };
         let request = Request {
@@ -691,7 +744,7 @@ impl Engine {
                 Control::Continue
             }
         };
-        let mut keep = |target: &[LayerCache], draft: Option<&[LayerCache]>| {
+        let mut keep = |target: &[LayerCache], draft: Option<&DraftPrefix>| {
             self.keep_prefix(&prompt, target, draft)
         };
         let target = &self.target;

@@ -14,14 +14,17 @@
 //! which prefilling a speculative lane's answer onto its prompt's entry avoids
 //! (`Engine::keep_answer`).
 
+use mlx::Array;
+
 use crate::cache::LayerCache;
+use crate::speculative::DraftPrefix;
 
 /// One stored prompt prefix.
 struct Entry {
     namespace: String,
     tokens: Vec<u32>,
     target: Vec<LayerCache>,
-    draft: Option<Vec<LayerCache>>,
+    draft: Option<DraftPrefix>,
     bytes: usize,
     last_used: u64,
 }
@@ -29,16 +32,20 @@ struct Entry {
 impl Entry {
     /// Whether every cache of the entry can be cut back to a shorter prefix exactly.
     fn trims(&self) -> bool {
-        let kv = |caches: &[LayerCache]| caches.iter().all(|c| matches!(c, LayerCache::Kv(_)));
-        kv(&self.target) && self.draft.as_deref().is_none_or(kv)
+        all_trim(&self.target) && self.draft.as_ref().is_none_or(DraftPrefix::trims)
     }
+}
+
+/// Whether every cache of `caches` can be cut back to a shorter prefix exactly (KV caches).
+pub fn all_trim(caches: &[LayerCache]) -> bool {
+    caches.iter().all(|c| matches!(c, LayerCache::Kv(_)))
 }
 
 /// A restored prefix: how many prompt tokens the caches hold, and copies of them.
 pub struct Hit {
     pub cached: usize,
     pub target: Vec<LayerCache>,
-    pub draft: Option<Vec<LayerCache>>,
+    pub draft: Option<DraftPrefix>,
 }
 
 /// The stored prefixes under a byte budget.
@@ -48,11 +55,10 @@ pub struct PrefixCache {
     clock: u64,
 }
 
-/// The bytes of a model's caches (every state array).
-fn bytes_of(caches: &[LayerCache]) -> usize {
-    caches
-        .iter()
-        .flat_map(LayerCache::state)
+/// The bytes of `arrays`.
+fn bytes_of<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> usize {
+    arrays
+        .into_iter()
         .map(|a| a.size() * a.dtype().size())
         .sum()
 }
@@ -96,19 +102,20 @@ impl PrefixCache {
             .max_by_key(|(_, reach)| *reach)?;
         entry.last_used = self.clock;
         let cut = entry.tokens.len() - reach;
-        let trimmed = |caches: &[LayerCache]| -> Vec<LayerCache> {
-            let mut caches = caches.to_vec();
-            if cut > 0 {
-                for c in &mut caches {
-                    c.trim(cut).expect("entries that trim hold KV caches alone");
-                }
+        let (mut target, mut draft) = (entry.target.clone(), entry.draft.clone());
+        if cut > 0 {
+            const TRIMS: &str = "entries that are cut back trim";
+            for c in &mut target {
+                c.trim(cut).expect(TRIMS);
             }
-            caches
-        };
+            if let Some(d) = &mut draft {
+                d.trim(cut).expect(TRIMS);
+            }
+        }
         Some(Hit {
             cached: reach,
-            target: trimmed(&entry.target),
-            draft: entry.draft.as_deref().map(trimmed),
+            target,
+            draft,
         })
     }
 
@@ -122,12 +129,17 @@ impl PrefixCache {
         namespace: &str,
         tokens: &[u32],
         target: &[LayerCache],
-        draft: Option<&[LayerCache]>,
+        draft: Option<&DraftPrefix>,
     ) {
-        let bytes = bytes_of(target) + draft.map_or(0, bytes_of);
+        let bytes = bytes_of(target.iter().flat_map(LayerCache::state))
+            + draft.map_or(0, |d| bytes_of(d.arrays()));
+        let draft_caches = match draft {
+            Some(DraftPrefix::Caches(caches)) => caches.as_slice(),
+            _ => &[],
+        };
         let exact = target
             .iter()
-            .chain(draft.into_iter().flatten())
+            .chain(draft_caches)
             .all(LayerCache::resumes_exactly);
         if tokens.is_empty() || bytes > self.budget || !exact {
             return;
@@ -137,7 +149,7 @@ impl PrefixCache {
             namespace: namespace.to_string(),
             tokens: tokens.to_vec(),
             target: target.to_vec(),
-            draft: draft.map(<[LayerCache]>::to_vec),
+            draft: draft.cloned(),
             bytes,
             last_used: self.clock,
         };

@@ -18,7 +18,7 @@
 
 use mlx::{ops, Array, Dtype};
 
-use super::{DraftContext, DraftSource, PrefillMode, Verified};
+use super::{DraftContext, DraftPrefix, DraftSource, PrefillMode, Verified};
 use crate::cache::LayerCache;
 use crate::generate::token_array;
 use crate::model::dflash::DflashModel;
@@ -34,6 +34,9 @@ pub struct DflashDrafter<'m> {
     target: &'m dyn LanguageModel,
     model: &'m DflashModel,
     caches: Vec<LayerCache>,
+    /// The target's taps over the prompt rows a prefix cache restored (one (1, P, H) array per
+    /// tap; none when fresh): the context before the rows the target prefills now.
+    restored: Vec<Array>,
     /// Tapped target rows (1, R, taps x H) the next draft feeds as context.
     pending: Option<Array>,
     /// (accepted, drafted) per round, for the block-size policy.
@@ -50,10 +53,38 @@ impl<'m> DflashDrafter<'m> {
             target,
             model,
             caches: model.make_cache(),
+            restored: Vec::new(),
             pending: None,
             history: Vec::new(),
             chain: false,
         })
+    }
+
+    /// The drafter resuming a prefix cache's entry: `taps` are the target's over its rows
+    /// (what [`DraftSource::prefix`] gave).
+    pub fn resumed(self, taps: Vec<Array>) -> DflashDrafter<'m> {
+        DflashDrafter {
+            restored: taps,
+            ..self
+        }
+    }
+
+    /// The restored taps followed by `rows` (one array per tap, along the rows; none when
+    /// the target prefilled no rows).
+    fn after_restored(&self, rows: &[Array]) -> Result<Vec<Array>> {
+        if self.restored.is_empty() || rows.is_empty() {
+            return Ok(if rows.is_empty() {
+                self.restored.clone()
+            } else {
+                rows.to_vec()
+            });
+        }
+        Ok(self
+            .restored
+            .iter()
+            .zip(rows)
+            .map(|(before, now)| ops::concatenate(&[before, now], 1))
+            .collect::<mlx::Result<_>>()?)
     }
 
     /// The drafter run as a chain: one pass per draft, pass j seeing the drafts before it in
@@ -166,8 +197,17 @@ impl DraftSource for DflashDrafter<'_> {
         self.caches = self.model.make_cache();
         self.history.clear();
         self.pending = None;
-        let rows = ops::concatenate(&ctx.anchor.iter().collect::<Vec<_>>(), -1)?;
+        let anchor = self.after_restored(ctx.anchor)?;
+        let rows = ops::concatenate(&anchor.iter().collect::<Vec<_>>(), -1)?;
         self.push_context(rows)
+    }
+
+    fn prefix(&self, context: &[Array]) -> Result<Option<DraftPrefix>> {
+        Ok(Some(DraftPrefix::Taps(self.after_restored(context)?)))
+    }
+
+    fn context_rows(&self) -> usize {
+        self.restored.first().map_or(0, |t| t.dim(1) as usize)
     }
 
     fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> Result<Vec<u32>> {

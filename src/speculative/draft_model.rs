@@ -9,7 +9,7 @@
 
 use mlx::{Array, Dtype};
 
-use super::{DraftContext, DraftSource, Verified};
+use super::{DraftContext, DraftPrefix, DraftSource, Verified};
 use crate::cache::{begin_round, end_round, quantize_due, rollback_plan, LayerCache, Rollback};
 use crate::generate::{forward_tokens, last_logits, prefill, token_array};
 use crate::model::{lone_rows, LanguageModel};
@@ -262,7 +262,7 @@ impl DraftSource for DraftModel<'_> {
         Some(self)
     }
 
-    fn caches(&self) -> Option<&[LayerCache]> {
-        Some(&self.caches)
+    fn prefix(&self, _context: &[Array]) -> Result<Option<DraftPrefix>> {
+        Ok(Some(DraftPrefix::Caches(self.caches.clone())))
     }
 }

@@ -6,9 +6,8 @@
 
 use std::path::PathBuf;
 
-use super::{DflashDrafter, DraftModel, DraftSource, MtpDrafter, NgramLookup};
+use super::{DflashDrafter, DraftModel, DraftPrefix, DraftSource, MtpDrafter, NgramLookup};
 use crate::bundle::ModelBundle;
-use crate::cache::LayerCache;
 use crate::model::dflash::DflashModel;
 use crate::model::mtp::{load_folder, MtpHead};
 use crate::model::LanguageModel;
@@ -89,12 +88,6 @@ impl Drafter {
         }
     }
 
-    /// Whether a prefix cache can resume this drafter: a DFlash drafter reads the target's
-    /// hidden states over the whole prompt, which a cached prefix does not hold.
-    pub fn keeps_prefix_cache(&self) -> bool {
-        !matches!(self, Drafter::Dflash { .. })
-    }
-
     /// The draft model, for a drafter that is one.
     pub fn draft_model(&self) -> Option<&ModelBundle> {
         match self {
@@ -104,30 +97,36 @@ impl Drafter {
     }
 
     /// A fresh source for one request on `target` (the model this drafter was loaded for).
-    /// `resume` is a prefix cache's copy of the draft model's caches and the prompt tokens
-    /// they hold; the other kinds keep no state across requests and ignore it.
+    /// `resume` is a prefix cache's copy of the source's state ([`DraftSource::prefix`]) and
+    /// the prompt tokens it holds; the kinds that keep no state across requests ignore it.
     pub fn source<'a>(
         &'a self,
         target: &'a dyn LanguageModel,
-        resume: Option<(Vec<LayerCache>, usize)>,
+        resume: Option<(DraftPrefix, usize)>,
     ) -> Result<Box<dyn DraftSource + 'a>> {
         Ok(match self {
             Drafter::Model(bundle) => {
                 let model = bundle.model();
                 Box::new(match resume {
-                    Some((caches, cached)) => DraftModel::resume(model, caches, cached),
-                    None => DraftModel::new(model),
+                    Some((DraftPrefix::Caches(caches), cached)) => {
+                        DraftModel::resume(model, caches, cached)
+                    }
+                    _ => DraftModel::new(model),
                 })
             }
             &Drafter::Ngram { min, max } => Box::new(NgramLookup::new(min, max)?),
             Drafter::Mtp(None) => Box::new(MtpDrafter::new(target)?),
             Drafter::Mtp(Some(head)) => Box::new(MtpDrafter::with_head(target, head.as_ref())),
-            Drafter::Dflash {
-                model,
-                chain: false,
-            } => Box::new(DflashDrafter::new(target, model)?),
-            Drafter::Dflash { model, chain: true } => {
-                Box::new(DflashDrafter::chained(target, model)?)
+            &Drafter::Dflash { ref model, chain } => {
+                let drafter = if chain {
+                    DflashDrafter::chained(target, model)?
+                } else {
+                    DflashDrafter::new(target, model)?
+                };
+                Box::new(match resume {
+                    Some((DraftPrefix::Taps(taps), _)) => drafter.resumed(taps),
+                    _ => drafter,
+                })
             }
         })
     }

@@ -163,10 +163,10 @@ impl Speculator {
             .expect("validate refuses an empty prompt");
         let taps = source.taps();
         let mode = source.prefill_mode();
-        if mode == PrefillMode::FullContext && cached > 0 {
+        if mode == PrefillMode::FullContext && cached != source.context_rows() {
             return Err(crate::Error::Unsupported(
                 "a drafter that reads the target's hidden states over the whole prompt cannot \
-                 start from a prompt cache (it holds no hidden states)"
+                 start from a prompt cache without them"
                     .into(),
             ));
         }
@@ -201,7 +201,7 @@ impl Speculator {
                 sampler.extend_history(chunk)
             },
         )?;
-        on_prefilled(&caches, source.caches());
+        on_prefilled(&caches, source.prefix(&context)?.as_ref());
         // In PrefillMode::Full* the first pass is the last prompt token alone, seeding the
         // source.
         let seeding = (mode != PrefillMode::Head).then(|| Seeding {

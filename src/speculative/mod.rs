@@ -9,6 +9,7 @@ pub mod drafter;
 pub mod executor;
 pub mod mtp;
 pub mod ngram;
+pub mod prefix;
 pub mod source;
 pub mod stats;
 
@@ -18,5 +19,6 @@ pub use drafter::{Drafter, DrafterSpec};
 pub use executor::{generate_speculative, resume_speculative, Speculation, Speculator};
 pub use mtp::MtpDrafter;
 pub use ngram::NgramLookup;
+pub use prefix::DraftPrefix;
 pub use source::{DraftContext, DraftSource, PrefillMode, Verified};
 pub use stats::SpeculationStats;

@@ -9,7 +9,7 @@
 use mlx::Array;
 
 use super::draft_model::SteppedDraft;
-use crate::cache::LayerCache;
+use super::DraftPrefix;
 use crate::generate::GenerateParams;
 use crate::model::LanguageModel;
 use crate::sample::{Masking, StepSampler};
@@ -125,10 +125,18 @@ pub trait DraftSource {
         None
     }
 
-    /// The draft model's caches, if the source has any (for a prefix cache to keep after the
-    /// prefill).
-    fn caches(&self) -> Option<&[LayerCache]> {
-        None
+    /// What a prefix cache keeps of this source once the target holds the prompt but its
+    /// last token: a draft model's caches, or a `FullContext` source's taps over those rows
+    /// (`context`: the target's taps over the rows prefilled now, one array per tap). None
+    /// for a source that keeps nothing across requests.
+    fn prefix(&self, _context: &[Array]) -> Result<Option<DraftPrefix>> {
+        Ok(None)
+    }
+
+    /// The prompt rows whose taps a `FullContext` source already holds (restored from a
+    /// prefix cache): the target's prefill starts after them.
+    fn context_rows(&self) -> usize {
+        0
     }
 
     /// The draft model's rounds, for a source that drafts by stepping its draft model: a batch
