@@ -742,11 +742,11 @@ fn each_turn_of_a_conversation_restores_the_last_answer_and_equals_a_cold_run() 
     // cache (but the end of turn's last token), on a KV model, a hybrid and a sliding-window
     // one (trained, whose answers come back token for token, and random, whose rendered
     // answers are other tokens than those generated), quantized KV caches and speculative
-    // lanes (a draft model's caches and a DFlash drafter's taps kept with the target's).
-    // --max-kv-size's windows past their size keep sink tokens that a resumed prefill would
-    // attend and a cold one not: nothing is restored there.
+    // lanes (a draft model's caches and a DFlash drafter's taps kept with the target's), one
+    // request at a time as in a batch. --max-kv-size's windows past their size keep sink
+    // tokens that a resumed prefill would attend and a cold one not: nothing is restored there.
     let (draft, dflash) = (model_dir("qwen3-draft"), model_dir("qwen3-target-dflash"));
-    let lanes: [(&str, &[&str], bool); 8] = [
+    let lanes: [(&str, &[&str], bool); 9] = [
         (TARGET, &[], true),
         ("qwen3_5-trained", &[], true),
         ("qwen3_5", &[], true),
@@ -754,6 +754,7 @@ fn each_turn_of_a_conversation_restores_the_last_answer_and_equals_a_cold_run() 
         (TARGET, &["--kv-bits", "8", "--kv-group-size", "32"], true),
         (TARGET, &["--draft-model", draft.to_str().unwrap()], true),
         (TARGET, &["--draft-dflash", dflash.to_str().unwrap()], true),
+        (TARGET, &["--max-num-seqs", "1"], true),
         (TARGET, &["--max-kv-size", "16"], false),
     ];
     for (model, args, restores) in lanes {
