@@ -5,7 +5,10 @@ Built like the fixtures (make_models.py): mlx_lm's own model class under a fixed
 scaled and norms perturbed so greedy decoding does not collapse, with the golden tokenizer. The
 embedding keeps the real vocabulary size (the head is tied), but the rows of ids the 1024-token
 fixture tokenizer lacks are zero, so their logits are 0 and greedy text stays decodable.
-Reproducible: the same shape, dtype and seed give the same weights.
+Reproducible: the same shape, dtype and seed give the same weights. The mixture-of-experts shape
+has Qwen3-30B-A3B's layers (128 experts of width 768, 8 per token) but 4 of its 48, and a tied
+head like the dense ones, so a speed row measures the expert layers at a size a bench can load
+twice.
 
     python oracles/make_bench_models.py qwen3-0.6b [--dtype bfloat16] [--bits 4] [--out DIR]
 
@@ -24,24 +27,31 @@ from mlx.utils import tree_flatten
 from common import REPO, copy_tokenizer, fresh_dir, log, write_json
 from make_models import EOS, VOCAB, quantize_copy, tweak_init
 
-SHAPES = {
-    # Qwen3-0.6B and Qwen3-4B's configs (dense, tied head).
-    "qwen3-0.6b": (11, dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
-                            num_attention_heads=16, num_key_value_heads=8)),
-    "qwen3-4b": (12, dict(hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
-                          num_attention_heads=32, num_key_value_heads=8)),
-}
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128,
              rms_norm_eps=1e-6, vocab_size=151936, max_position_embeddings=40960,
              rope_theta=1000000.0, attention_bias=False, tie_word_embeddings=True,
              eos_token_id=EOS)
+QWEN3_MOE = dict(QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+SHAPES = {
+    # Qwen3-0.6B and Qwen3-4B's configs (dense, tied head).
+    "qwen3-0.6b": (11, dict(QWEN3, hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
+                            num_attention_heads=16, num_key_value_heads=8)),
+    "qwen3-4b": (12, dict(QWEN3, hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
+                          num_attention_heads=32, num_key_value_heads=8)),
+    # Qwen3-30B-A3B's layers, 4 of them.
+    "qwen3-30b-a3b-l4": (13, dict(QWEN3_MOE, hidden_size=2048, num_hidden_layers=4,
+                                  intermediate_size=6144, moe_intermediate_size=768,
+                                  num_experts=128, num_experts_per_tok=8,
+                                  num_attention_heads=32, num_key_value_heads=4)),
+}
 
 
 def build(shape: str, dtype: str):
     from mlx_lm.utils import _get_classes
 
     seed, dims = SHAPES[shape]
-    cfg = {**QWEN3, **dims, "torch_dtype": dtype}
+    cfg = {**dims, "torch_dtype": dtype}
     model_cls, args_cls = _get_classes(cfg)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(copy.deepcopy(cfg)))
