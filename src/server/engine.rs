@@ -468,14 +468,7 @@ impl Engine {
             self.keep_prefill(&prompt[..=end], hit);
             hit = self.prefix.borrow_mut().lookup(&self.namespace, &prompt);
         }
-        let start = match hit {
-            Some(h) => Start::Prefix {
-                caches: h.target,
-                draft: h.draft,
-                cached: h.cached,
-            },
-            None => Start::Fresh,
-        };
+        let start = Hit::start(hit);
         let lane = Lane {
             detok: self.target.tokenizer.detokenizer(),
             stop: StopMatcher::new(request.stop.clone()),
@@ -619,15 +612,10 @@ impl Engine {
     /// result in the prefix cache, through the decode a request takes (a drafter's caches are
     /// prefilled with the target's); the one token that decode then emits is dropped.
     fn keep_prefill(&self, tokens: &[u32], hit: Option<Hit>) {
-        let start = match hit {
-            Some(h) if h.cached + 1 == tokens.len() => return,
-            Some(h) => Start::Prefix {
-                caches: h.target,
-                draft: h.draft,
-                cached: h.cached,
-            },
-            None => Start::Fresh,
-        };
+        if hit.as_ref().is_some_and(|h| h.cached + 1 == tokens.len()) {
+            return;
+        }
+        let start = Hit::start(hit);
         let params = GenerateParams {
             prefill_step_size: self.config.prefill_step_size,
             max_kv_size: self.config.max_kv_size,

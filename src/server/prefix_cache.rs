@@ -17,6 +17,7 @@
 use mlx::Array;
 
 use crate::cache::LayerCache;
+use crate::decode::Start;
 use crate::speculative::DraftPrefix;
 
 /// One stored prompt prefix.
@@ -46,6 +47,20 @@ pub struct Hit {
     pub cached: usize,
     pub target: Vec<LayerCache>,
     pub draft: Option<DraftPrefix>,
+}
+
+impl Hit {
+    /// Where a decode starts from a lookup's result: the restored prefix, or fresh caches.
+    pub fn start(hit: Option<Hit>) -> Start {
+        match hit {
+            Some(h) => Start::Prefix {
+                caches: h.target,
+                draft: h.draft,
+                cached: h.cached,
+            },
+            None => Start::Fresh,
+        }
+    }
 }
 
 /// The stored prefixes under a byte budget.
