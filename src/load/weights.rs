@@ -127,6 +127,27 @@ impl Weights {
         self.tensors.insert(key, a);
     }
 
+    /// Takes the tensors `keys` and adds them stacked along a new first axis as `into`: a
+    /// sanitize step's per-expert tensors stacked into a SwitchGLU's, experts in order.
+    pub fn stack(
+        &mut self,
+        keys: impl IntoIterator<Item = String>,
+        into: String,
+    ) -> Result<(), LoadError> {
+        let parts = keys
+            .into_iter()
+            .map(|k| self.take(&k))
+            .collect::<Result<Vec<_>, _>>()?;
+        let stacked = mlx::ops::stack(&parts.iter().collect::<Vec<_>>(), 0).map_err(|source| {
+            LoadError::Mlx {
+                folder: self.folder.clone(),
+                source,
+            }
+        })?;
+        self.tensors.insert(into, stacked);
+        Ok(())
+    }
+
     /// Renames every tensor with `f`, dropping those it maps to None (sanitize steps).
     pub fn rename(&mut self, f: impl Fn(&str) -> Option<String>) {
         let old = std::mem::take(&mut self.tensors);

@@ -4,18 +4,14 @@
 //! GLM's sparse block in the others (MoEGate's grouped sigmoid router, plain shared experts),
 //! an untied lm_head whatever tie_word_embeddings says; no make_cache of its own.
 
-use mlx::{ops, Array};
 use serde::Deserialize;
 use serde_json::json;
 
 use super::layers::{
-    Attention, AttentionProjections, Dims, MoeShape, OuterLayers, PreNormBlock, QkNorm, RmsNorm,
-    Rope, Router, SharedShape,
+    Attention, AttentionProjections, Decoder, DecoderLayer, Dims, MoeShape, OuterLayers,
+    PreNormBlock, QkNorm, RmsNorm, Rope, Router, SharedShape,
 };
-use super::{rows, Forward, LanguageModel};
-use crate::cache::LayerCache;
-use crate::load::{Config, LoadError, LoadResult, QuantConfig, Weights};
-use crate::Result;
+use crate::load::{Config, LoadResult, QuantConfig, Weights};
 
 #[derive(Deserialize)]
 struct Args {
@@ -37,69 +33,55 @@ struct Args {
     topk_method: String,
 }
 
-/// Glm4MoE's DecoderLayer.
-struct Block {
-    attn: Attention,
-    block: PreNormBlock,
-}
-
-pub struct Model {
-    outer: OuterLayers,
-    layers: Vec<Block>,
-    head_dim: usize,
-}
-
-impl Model {
-    pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Model> {
-        let a: Args = config.args(json!({"topk_method": "noaux_tc"}))?;
-        let d = &a.dims;
-        // The Python dataclass requires these (rope_scaling too, which nothing reads).
-        let missing = |key: &str| config.error(format!("{key} is missing from the model config"));
-        let head_dim = d.head_dim.ok_or_else(|| missing("head_dim"))?;
-        d.num_key_value_heads
-            .ok_or_else(|| missing("num_key_value_heads"))?;
-        let moe = moe_shape(&a).map_err(|m| config.error(m))?;
-        let rope_dims =
-            rope_dims(head_dim, a.partial_rotary_factor).map_err(|m| config.error(m))?;
-        let rope = Rope::new(rope_dims, a.rope_theta, false, None).map_err(|m| config.error(m))?;
-        sanitize(w, d.num_hidden_layers, a.n_routed_experts.unwrap_or(0))?;
-        let mut layers = Vec::with_capacity(d.num_hidden_layers);
-        for i in 0..d.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let norm = |w: &mut Weights, path: &str, dims: i32| {
-                RmsNorm::load(w, &format!("{p}.{path}"), dims, d.rms_norm_eps)
-            };
-            let sparse = moe.filter(|_| i as i64 >= a.first_k_dense_replace);
-            let block = PreNormBlock::load_moe(w, q, &p, d, sparse)?;
-            let qk_norm = if a.use_qk_norm {
-                QkNorm::BeforeTranspose {
-                    q: norm(w, "self_attn.q_norm", head_dim)?,
-                    k: norm(w, "self_attn.k_norm", head_dim)?,
-                }
-            } else {
-                QkNorm::None
-            };
-            let biases = (a.attention_bias, false);
-            let proj =
-                AttentionProjections::load_biased(w, q, &format!("{p}.self_attn"), d, 1, biases)?;
-            layers.push(Block {
-                attn: Attention {
-                    proj,
-                    qk_norm,
-                    rope,
-                    n_heads: d.num_attention_heads,
-                    n_kv_heads: d.kv_heads(),
-                    scale: (head_dim as f64).powf(-0.5) as f32,
-                },
-                block,
-            });
-        }
-        Ok(Model {
-            outer: OuterLayers::load(w, q, "", d, false)?,
-            layers,
-            head_dim: head_dim as usize,
-        })
+/// The model (mlx-lm's Model class): a [`Decoder`] of its layers.
+pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Decoder> {
+    let a: Args = config.args(json!({"topk_method": "noaux_tc"}))?;
+    let d = &a.dims;
+    // The Python dataclass requires these (rope_scaling too, which nothing reads).
+    let missing = |key: &str| config.error(format!("{key} is missing from the model config"));
+    let head_dim = d.head_dim.ok_or_else(|| missing("head_dim"))?;
+    d.num_key_value_heads
+        .ok_or_else(|| missing("num_key_value_heads"))?;
+    let moe = moe_shape(&a).map_err(|m| config.error(m))?;
+    let rope_dims = rope_dims(head_dim, a.partial_rotary_factor).map_err(|m| config.error(m))?;
+    let rope = Rope::new(rope_dims, a.rope_theta, false, None).map_err(|m| config.error(m))?;
+    sanitize(w, d.num_hidden_layers, a.n_routed_experts.unwrap_or(0))?;
+    let mut layers = Vec::with_capacity(d.num_hidden_layers);
+    for i in 0..d.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        let norm = |w: &mut Weights, path: &str, dims: i32| {
+            RmsNorm::load(w, &format!("{p}.{path}"), dims, d.rms_norm_eps)
+        };
+        let sparse = moe.filter(|_| i as i64 >= a.first_k_dense_replace);
+        let block = PreNormBlock::load_moe(w, q, &p, d, sparse)?;
+        let qk_norm = if a.use_qk_norm {
+            QkNorm::BeforeTranspose {
+                q: norm(w, "self_attn.q_norm", head_dim)?,
+                k: norm(w, "self_attn.k_norm", head_dim)?,
+            }
+        } else {
+            QkNorm::None
+        };
+        let biases = (a.attention_bias, false);
+        let proj =
+            AttentionProjections::load_biased(w, q, &format!("{p}.self_attn"), d, 1, biases)?;
+        layers.push(DecoderLayer {
+            attn: Attention {
+                proj,
+                qk_norm,
+                rope,
+                n_heads: d.num_attention_heads,
+                n_kv_heads: d.kv_heads(),
+                scale: (head_dim as f64).powf(-0.5) as f32,
+            },
+            block,
+        });
     }
+    Ok(Decoder {
+        outer: OuterLayers::load(w, q, "", d, false)?,
+        layers,
+        head_dim: head_dim as usize,
+    })
 }
 
 /// nn.RoPE's dimensions, `int(head_dim * partial_rotary_factor)`; a factor outside (0, 1]
@@ -202,17 +184,8 @@ fn sanitize(w: &mut Weights, layers: usize, experts: i32) -> LoadResult<()> {
                 if experts == 0 || !w.contains(&format!("{prefix}.experts.0.{m}.{k}")) {
                     continue;
                 }
-                let parts = (0..experts)
-                    .map(|e| w.take(&format!("{prefix}.experts.{e}.{m}.{k}")))
-                    .collect::<LoadResult<Vec<_>>>()?;
-                let stacked =
-                    ops::stack(&parts.iter().collect::<Vec<_>>(), 0).map_err(|source| {
-                        LoadError::Mlx {
-                            folder: w.folder().into(),
-                            source,
-                        }
-                    })?;
-                w.insert(format!("{prefix}.switch_mlp.{m}.{k}"), stacked);
+                let parts = (0..experts).map(|e| format!("{prefix}.experts.{e}.{m}.{k}"));
+                w.stack(parts, format!("{prefix}.switch_mlp.{m}.{k}"))?;
             }
         }
     }
@@ -222,40 +195,4 @@ fn sanitize(w: &mut Weights, layers: usize, experts: i32) -> LoadResult<()> {
         w.take_optional(&k);
     }
     Ok(())
-}
-
-impl LanguageModel for Model {
-    fn forward_rows(
-        &self,
-        ids: &Array,
-        rows: &mut [&mut [LayerCache]],
-        lens: &[usize],
-        taps: &[usize],
-    ) -> Result<Forward> {
-        let h = self.outer.embed_tokens.forward(ids)?;
-        let masks = rows::masks(rows, lens, 0, None)?;
-        let layers = self.layers.len();
-        self.outer.run(h, rows, lens, layers, taps, |i, x, rows| {
-            let layer = &self.layers[i];
-            layer
-                .block
-                .forward(x, |x| layer.attn.forward(x, &masks, rows))
-        })
-    }
-
-    fn num_layers(&self) -> usize {
-        self.layers.len()
-    }
-
-    fn attention_head_dim(&self) -> usize {
-        self.head_dim
-    }
-
-    fn own_caches(&self) -> Option<Vec<LayerCache>> {
-        None
-    }
-
-    fn outer(&self) -> &OuterLayers {
-        &self.outer
-    }
 }

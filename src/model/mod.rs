@@ -119,9 +119,9 @@ pub fn load(dir: &Path) -> LoadResult<(Box<dyn LanguageModel>, Config)> {
         "gemma3_text" => Box::new(gemma3_text::Model::load(&config, &mut weights, &quant)?),
         "qwen3_next" => Box::new(qwen3_next::Model::load(&config, &mut weights, &quant)?),
         "qwen3_5" => Box::new(qwen3_5::load(&config, &mut weights, &quant)?),
-        "qwen3_moe" => Box::new(qwen3_moe::Model::load(&config, &mut weights, &quant)?),
+        "qwen3_moe" => Box::new(qwen3_moe::load(&config, &mut weights, &quant)?),
         "qwen3_5_moe" => Box::new(qwen3_5_moe::load(&config, &mut weights, &quant)?),
-        "glm4_moe" => Box::new(glm4_moe::Model::load(&config, &mut weights, &quant)?),
+        "glm4_moe" => Box::new(glm4_moe::load(&config, &mut weights, &quant)?),
         other => {
             return Err(LoadError::UnknownModelType {
                 path: config.path.clone(),

@@ -2,18 +2,14 @@
 //! scaling) with a sparse mixture-of-experts MLP in every `decoder_sparse_step`-th layer not
 //! listed in `mlp_only_layers`, the dense SwiGLU MLP in the others; no make_cache of its own.
 
-use mlx::{ops, Array};
 use serde::Deserialize;
 use serde_json::json;
 
 use super::layers::{
-    Attention, AttentionProjections, Dims, MoeShape, OuterLayers, PreNormBlock, QkNorm, RmsNorm,
-    Rope, Router,
+    Attention, AttentionProjections, Decoder, DecoderLayer, Dims, MoeShape, OuterLayers,
+    PreNormBlock, QkNorm, RmsNorm, Rope, Router,
 };
-use super::{rows, Forward, LanguageModel};
-use crate::cache::LayerCache;
-use crate::load::{Config, LoadError, LoadResult, QuantConfig, Weights};
-use crate::Result;
+use crate::load::{Config, LoadResult, QuantConfig, Weights};
 
 #[derive(Deserialize)]
 struct Args {
@@ -28,74 +24,61 @@ struct Args {
     rope_theta: f64,
 }
 
-/// Qwen3MoeDecoderLayer.
-struct Block {
-    attn: Attention,
-    block: PreNormBlock,
-}
-
-pub struct Model {
-    outer: OuterLayers,
-    layers: Vec<Block>,
-    head_dim: usize,
-}
-
-impl Model {
-    pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Model> {
-        let a: Args = config.args(json!({}))?;
-        let d = &a.dims;
-        // The Python dataclass requires these three.
-        let missing = |key: &str| config.error(format!("{key} is missing from the model config"));
-        let head_dim = d.head_dim.ok_or_else(|| missing("head_dim"))?;
-        d.num_key_value_heads
-            .ok_or_else(|| missing("num_key_value_heads"))?;
-        let tied = d
-            .tie_word_embeddings
-            .ok_or_else(|| missing("tie_word_embeddings"))?;
-        check_experts(&a).map_err(|m| config.error(m))?;
-        let rope = Rope::new(head_dim, a.rope_theta, false, None).map_err(|m| config.error(m))?;
-        sanitize(w, tied, a.num_experts)?;
-        let moe = MoeShape {
-            hidden: d.hidden_size,
-            experts: a.num_experts,
-            experts_per_token: a.num_experts_per_tok,
-            expert_hidden: a.moe_intermediate_size,
-            router: Router::Softmax {
-                norm_topk_prob: a.norm_topk_prob,
-            },
-            shared: None,
+/// The model (mlx-lm's Model class): a [`Decoder`] of its layers.
+pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Decoder> {
+    let a: Args = config.args(json!({}))?;
+    let d = &a.dims;
+    // The Python dataclass requires these three.
+    let missing = |key: &str| config.error(format!("{key} is missing from the model config"));
+    let head_dim = d.head_dim.ok_or_else(|| missing("head_dim"))?;
+    d.num_key_value_heads
+        .ok_or_else(|| missing("num_key_value_heads"))?;
+    let tied = d
+        .tie_word_embeddings
+        .ok_or_else(|| missing("tie_word_embeddings"))?;
+    check_experts(&a).map_err(|m| config.error(m))?;
+    let rope = Rope::new(head_dim, a.rope_theta, false, None).map_err(|m| config.error(m))?;
+    sanitize(w, tied, a.num_experts)?;
+    let moe = MoeShape {
+        hidden: d.hidden_size,
+        experts: a.num_experts,
+        experts_per_token: a.num_experts_per_tok,
+        expert_hidden: a.moe_intermediate_size,
+        router: Router::Softmax {
+            norm_topk_prob: a.norm_topk_prob,
+        },
+        shared: None,
+    };
+    let mut layers = Vec::with_capacity(d.num_hidden_layers);
+    for i in 0..d.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        let norm = |w: &mut Weights, path: &str, dims: i32| {
+            RmsNorm::load(w, &format!("{p}.{path}"), dims, d.rms_norm_eps)
         };
-        let mut layers = Vec::with_capacity(d.num_hidden_layers);
-        for i in 0..d.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let norm = |w: &mut Weights, path: &str, dims: i32| {
-                RmsNorm::load(w, &format!("{p}.{path}"), dims, d.rms_norm_eps)
-            };
-            let sparse =
-                !a.mlp_only_layers.contains(&i) && (i + 1) % a.decoder_sparse_step as usize == 0;
-            let block = PreNormBlock::load_moe(w, q, &p, d, sparse.then_some(moe))?;
-            let qk_norm = QkNorm::BeforeTranspose {
-                q: norm(w, "self_attn.q_norm", head_dim)?,
-                k: norm(w, "self_attn.k_norm", head_dim)?,
-            };
-            layers.push(Block {
-                attn: Attention {
-                    proj: AttentionProjections::load(w, q, &format!("{p}.self_attn"), d, 1, false)?,
-                    qk_norm,
-                    rope,
-                    n_heads: d.num_attention_heads,
-                    n_kv_heads: d.kv_heads(),
-                    scale: (head_dim as f64).powf(-0.5) as f32,
-                },
-                block,
-            });
-        }
-        Ok(Model {
-            outer: OuterLayers::load(w, q, "", d, tied)?,
-            layers,
-            head_dim: head_dim as usize,
-        })
+        let sparse =
+            !a.mlp_only_layers.contains(&i) && (i + 1) % a.decoder_sparse_step as usize == 0;
+        let block = PreNormBlock::load_moe(w, q, &p, d, sparse.then_some(moe))?;
+        let qk_norm = QkNorm::BeforeTranspose {
+            q: norm(w, "self_attn.q_norm", head_dim)?,
+            k: norm(w, "self_attn.k_norm", head_dim)?,
+        };
+        layers.push(DecoderLayer {
+            attn: Attention {
+                proj: AttentionProjections::load(w, q, &format!("{p}.self_attn"), d, 1, false)?,
+                qk_norm,
+                rope,
+                n_heads: d.num_attention_heads,
+                n_kv_heads: d.kv_heads(),
+                scale: (head_dim as f64).powf(-0.5) as f32,
+            },
+            block,
+        });
     }
+    Ok(Decoder {
+        outer: OuterLayers::load(w, q, "", d, tied)?,
+        layers,
+        head_dim: head_dim as usize,
+    })
 }
 
 /// The expert settings, which mlx-lm takes unchecked: a top k outside 1..=num_experts would
@@ -153,53 +136,9 @@ fn sanitize(w: &mut Weights, tied: bool, experts: i32) -> LoadResult<()> {
     for l in moe_layers {
         let prefix = format!("model.layers.{l}");
         for n in ["up_proj", "down_proj", "gate_proj"] {
-            let parts = (0..experts)
-                .map(|e| w.take(&format!("{prefix}.mlp.experts.{e}.{n}.weight")))
-                .collect::<LoadResult<Vec<_>>>()?;
-            let stacked = ops::stack(&parts.iter().collect::<Vec<_>>(), 0).map_err(|source| {
-                LoadError::Mlx {
-                    folder: w.folder().into(),
-                    source,
-                }
-            })?;
-            w.insert(format!("{prefix}.mlp.switch_mlp.{n}.weight"), stacked);
+            let parts = (0..experts).map(|e| format!("{prefix}.mlp.experts.{e}.{n}.weight"));
+            w.stack(parts, format!("{prefix}.mlp.switch_mlp.{n}.weight"))?;
         }
     }
     Ok(())
-}
-
-impl LanguageModel for Model {
-    fn forward_rows(
-        &self,
-        ids: &Array,
-        rows: &mut [&mut [LayerCache]],
-        lens: &[usize],
-        taps: &[usize],
-    ) -> Result<Forward> {
-        let h = self.outer.embed_tokens.forward(ids)?;
-        let masks = rows::masks(rows, lens, 0, None)?;
-        let layers = self.layers.len();
-        self.outer.run(h, rows, lens, layers, taps, |i, x, rows| {
-            let layer = &self.layers[i];
-            layer
-                .block
-                .forward(x, |x| layer.attn.forward(x, &masks, rows))
-        })
-    }
-
-    fn num_layers(&self) -> usize {
-        self.layers.len()
-    }
-
-    fn attention_head_dim(&self) -> usize {
-        self.head_dim
-    }
-
-    fn own_caches(&self) -> Option<Vec<LayerCache>> {
-        None
-    }
-
-    fn outer(&self) -> &OuterLayers {
-        &self.outer
-    }
 }

@@ -6,6 +6,7 @@
 
 mod attention;
 mod block;
+mod decoder;
 mod dims;
 mod embedding;
 mod linear;
@@ -18,6 +19,7 @@ mod switch;
 
 pub use attention::{attend, attend_rows, Attention, AttentionProjections};
 pub use block::PreNormBlock;
+pub use decoder::{Decoder, DecoderLayer};
 pub use dims::Dims;
 pub use embedding::Embedding;
 pub use linear::Linear;
