@@ -90,11 +90,14 @@ pub fn resolve(dir: &Path, cache: &Path) -> Result<PathBuf, DerivedError> {
 fn materialise(dir: &Path, cache: &Path) -> Result<PathBuf, DerivedError> {
     let spec_path = dir.join(DERIVATION);
     let derivation = read_derivation(&spec_path)?;
+    let Some(name) = dir.file_name() else {
+        return Err(DerivedError::BadDerivation {
+            path: spec_path,
+            message: "its folder must be named by a path that ends in the folder's name".into(),
+        });
+    };
     let source = source_weights(dir, &spec_path, &derivation)?;
     let (sums, want) = listed_hash(dir)?;
-    let name = dir
-        .file_name()
-        .expect("a folder with a derivation.json has a name");
     let out = cache.join(name);
     fs::create_dir_all(&out).map_err(|source| DerivedError::Io {
         path: out.clone(),
