@@ -90,7 +90,7 @@ impl Models {
             }
             Draft::Dflash { model, block_size } => {
                 validate::draft_block_size(*block_size)?;
-                let dir = self.path(model);
+                let dir = self.folder(model)?;
                 (DrafterSpec::Dflash { dir, chain: false }, block_size - 1)
             }
         })
@@ -103,7 +103,7 @@ impl Models {
             &Source::Ngram { min, max } => DrafterSpec::Ngram { min, max },
             Source::Mtp => DrafterSpec::Mtp { dir: None },
             Source::Dflash { model, chain } => DrafterSpec::Dflash {
-                dir: self.path(model),
+                dir: self.folder(model)?,
                 chain: *chain,
             },
         })
