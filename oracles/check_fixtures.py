@@ -12,6 +12,9 @@ train_dflash.py) is only loaded through mlx_vlm's load_drafter and bound to its 
 MTP drafter folder (model_type qwen3_5_mtp: split_mtp.py) is loaded the same way, and mlx_vlm's MTP
 loop with it on its source target equals the loop with the head split in memory.
 
+A derived folder (derivation.json, no weights: derive_trained.py) is loaded as its rebuilt copy
+under target/derived-models.
+
 Usage: check_fixtures.py [NAME ...]      (default: every folder under golden/models)
 """
 
@@ -186,7 +189,7 @@ def main():
                 log(f"  FAIL {name}: {e}")
             failed += [name] if errs else []
             continue
-        model, tok = load(str(path))
+        model, tok = load(str(common.loadable(path)))
         is_random = name.removesuffix("-4bit") in SPECS  # trained norms drift anywhere; skip those checks
         errs = check_tokenizer(name, tok, ref)
         if is_random:

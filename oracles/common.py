@@ -35,6 +35,9 @@ REPO = ORACLES.parent
 GOLDEN = REPO / "golden"
 MODELS = GOLDEN / "models"
 TOKENIZER = GOLDEN / "tokenizer"
+# Loadable copies of the fixture folders whose weights are derived, not shipped (a derivation.json
+# instead of model.safetensors: derive_trained.py). verity materialises the same copies there.
+DERIVED = REPO / "target" / "derived-models"
 
 # The tokenizer files every model folder carries (copied verbatim from golden/tokenizer).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -74,11 +77,23 @@ def read_json(path: Path):
 
 
 def model_dir(name: str) -> Path:
-    """An existing fixture folder (absolute path: relative names could turn into Hub ids)."""
+    """An existing fixture folder as it loads (absolute path: relative names could turn into Hub
+    ids); for a derived folder, its freshly built copy under target/derived-models."""
     d = MODELS / name
     if not (d / "config.json").is_file():
         die(f"{d} is not a model folder (no config.json); build it first")
-    return d
+    return loadable(d)
+
+
+def loadable(folder: Path) -> Path:
+    """`folder` itself, or, when it holds a derivation.json, its copy under DERIVED with the
+    weights rebuilt now (a second each), so an oracle never reads weights derived from older ones."""
+    folder = Path(folder)
+    if not (folder / "derivation.json").is_file():
+        return folder
+    from derive_trained import materialise  # imported here: derive_trained imports this module
+
+    return materialise(folder)
 
 
 def copy_tokenizer(dst: Path) -> None:

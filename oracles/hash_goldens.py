@@ -1,6 +1,9 @@
 """Write (or --check) golden/models/SHA256SUMS: sha256 of every file under golden/models and
 golden/tokenizer, paths relative to golden/, sorted by path, in `sha256sum -c` format (run it from
 golden/). Why: one small file that shows in a diff whenever any fixture byte changes.
+A derived folder's weights are not shipped (derive_trained.py): their line, under the path they
+would have in golden/, is the hash of the copy rebuilt now under target/derived-models, which verity
+checks its own materialised copy against (so `sha256sum -c` needs --ignore-missing).
 
 Usage: hash_goldens.py [--check]
 """
@@ -9,7 +12,7 @@ import argparse
 import hashlib
 import sys
 
-from common import GOLDEN, MODELS, TOKENIZER, die, log, write_text
+from common import GOLDEN, MODELS, TOKENIZER, die, loadable, log, write_text
 
 SUMS = MODELS / "SHA256SUMS"
 
@@ -19,8 +22,12 @@ def digest_lines() -> list[str]:
                    if p.is_file() and p != SUMS and "__pycache__" not in p.parts)
     if not files:
         die(f"nothing to hash under {GOLDEN}")
-    rows = sorted((p.relative_to(GOLDEN).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest()) for p in files)
-    return [f"{h}  {rel}" for rel, h in rows]
+    rows = [(p.relative_to(GOLDEN).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest()) for p in files]
+    for folder in sorted(p.parent for p in MODELS.glob("*/derivation.json")):
+        weights = loadable(folder) / "model.safetensors"
+        rows.append(((folder / weights.name).relative_to(GOLDEN).as_posix(),
+                     hashlib.sha256(weights.read_bytes()).hexdigest()))
+    return [f"{h}  {rel}" for rel, h in sorted(rows)]
 
 
 def main():

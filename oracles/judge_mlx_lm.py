@@ -25,6 +25,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache  # noqa: E4
 from mlx_lm.sample_utils import make_logits_processors, make_sampler  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from common import loadable  # noqa: E402
 from judge_protocol import Unsupported, answer_all  # noqa: E402
 from record import ROOT, top_entries  # noqa: E402
 
@@ -35,7 +36,7 @@ MODELS = {}
 def model(path):
     """mlx-lm's model and tokenizer of a repository-relative folder, loaded once."""
     if path not in MODELS:
-        MODELS[path] = load(str(ROOT / path))
+        MODELS[path] = load(str(loadable(ROOT / path)))
     return MODELS[path]
 
 

@@ -38,7 +38,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_promp
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from tqdm import tqdm
 
-from common import write_text
+from common import loadable, write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "golden"
@@ -137,7 +137,7 @@ class Models:
             path = GOLDEN / "models" / name
             if not (path / "config.json").is_file():
                 raise ManifestError(f"model folder {path} has no config.json")
-            self.cache[name] = load(str(path))
+            self.cache[name] = load(str(loadable(path)))
         return self.cache[name]
 
 

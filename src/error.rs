@@ -4,6 +4,7 @@
 
 use crate::grammar::GrammarError;
 use crate::load::LoadError;
+use crate::parity::derived::DerivedError;
 use crate::tokenizer::TokenizerError;
 
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +33,10 @@ pub enum Error {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     PromptCache(#[from] PromptFileError),
+    /// A fixture folder whose weights are derived could not be materialised (its
+    /// derivation.json, its source, or a result that is not the recorded one).
+    #[error(transparent)]
+    Derived(#[from] DerivedError),
     /// The caller asked to stop (a server's client went away) before the work was done.
     #[error("the request was cancelled")]
     Cancelled,
@@ -69,6 +74,8 @@ impl Error {
             | Error::Load(_)
             | Error::Tokenizer(_)
             | Error::PromptCache(_) => true,
+            // MLX failing mid-derivation is not the folder's fault; everything else is.
+            Error::Derived(e) => !matches!(e, DerivedError::Mlx { .. }),
             Error::Context { source, .. } => source.is_bad_input(),
             Error::Mlx(_) | Error::Unsupported(_) | Error::Contract(_) | Error::Cancelled => false,
         }

@@ -68,6 +68,8 @@ pub(crate) mod bridge {
         LogSumExp,
         All,
         Any,
+        /// The population standard deviation (ddof 0), `mx.std`'s default.
+        Std,
     }
 
     /// Functions defined in the shim and wrapped in `mx::compile`, mirroring the functions that

@@ -110,7 +110,7 @@ macro_rules! reductions {
 
 reductions! {
     sum => Sum, mean => Mean, prod => Prod, max => Max, min => Min, logsumexp => LogSumExp,
-    all => All, any => Any,
+    all => All, any => Any, std => Std,
 }
 
 macro_rules! scalar_ops {

@@ -325,6 +325,7 @@ ArrayPtr reduce(ReduceOp op, const Array& a, I32s axes_in, bool keepdims) {
     case ReduceOp::LogSumExp: return wrap(mx::logsumexp(x, axes, keepdims));
     case ReduceOp::All: return wrap(mx::all(x, axes, keepdims));
     case ReduceOp::Any: return wrap(mx::any(x, axes, keepdims));
+    case ReduceOp::Std: return wrap(mx::std(x, axes, keepdims));
   }
   throw std::invalid_argument("unknown reduction");
 }

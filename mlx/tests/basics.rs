@@ -50,6 +50,15 @@ fn clone_shares_and_drop_frees() {
 }
 
 #[test]
+fn std_is_the_population_deviation_over_every_axis() {
+    // ddof 0 over all four elements: mean 2.5, variance (2.25 + 0.25) * 2 / 4 = 1.25.
+    let a = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap();
+    let std = a.std(&[], false).unwrap();
+    assert_eq!(std.shape(), Vec::<i32>::new());
+    assert_eq!(std.item::<f32>().unwrap(), 1.25f32.sqrt());
+}
+
+#[test]
 fn split_and_concatenate_are_inverse() {
     let a = Array::arange(0.0, 10.0, 1.0, Dtype::Int32).unwrap();
     let parts = mlx::ops::split_sections(&a, &[3, 7], 0).unwrap();

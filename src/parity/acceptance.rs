@@ -26,7 +26,7 @@ pub fn acceptance(s: &SpeculationStats) -> Acceptance {
 /// The suite's statistics per num_draft_tokens, summed over its prompts.
 pub fn run_suite(suite: &Suite, models: &mut Models) -> Result<BTreeMap<usize, SpeculationStats>> {
     let target = models.get(&suite.target)?;
-    let spec = models.suite_drafter(&suite.source);
+    let spec = models.suite_drafter(&suite.source)?;
     let drafter = models.drafter(&suite.target, &spec)?;
     let params = GenerateParams::greedy(suite.max_tokens, target.eos_token_ids.clone());
     let mut out = BTreeMap::new();

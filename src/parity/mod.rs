@@ -5,6 +5,7 @@
 pub mod acceptance;
 pub mod bound;
 pub mod corpus;
+pub mod derived;
 pub mod judge;
 mod models;
 pub mod replay;

@@ -1,5 +1,6 @@
 //! Model folders named by traces and suites (repository-relative), each loaded once, and the
-//! one mapping of a trace's or a suite's draft source onto the drafter registry.
+//! one mapping of a trace's or a suite's draft source onto the drafter registry. A folder whose
+//! weights are derived is opened as its materialised copy ([`derived`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -8,6 +9,7 @@ use std::rc::Rc;
 use verity_harness::acceptance::Source;
 use verity_harness::trace::Draft;
 
+use super::derived;
 use crate::bundle::ModelBundle;
 use crate::speculative::{Drafter, DrafterSpec};
 use crate::{validate, Result};
@@ -15,6 +17,9 @@ use crate::{validate, Result};
 pub struct Models {
     root: PathBuf,
     loaded: HashMap<PathBuf, Rc<ModelBundle>>,
+    /// Model folders by their path as named, once resolved (a derived folder is materialised
+    /// and hashed once per run).
+    folders: HashMap<PathBuf, PathBuf>,
     /// Drafters by the target folder they were paired with and their spec.
     drafters: HashMap<(PathBuf, DrafterSpec), Rc<Drafter>>,
 }
@@ -25,6 +30,7 @@ impl Models {
         Models {
             root: root.to_path_buf(),
             loaded: HashMap::new(),
+            folders: HashMap::new(),
             drafters: HashMap::new(),
         }
     }
@@ -34,9 +40,21 @@ impl Models {
         self.root.join(relative)
     }
 
+    /// A repository-relative model folder as it loads: itself, or the materialised copy of a
+    /// derived one under `<root>/target/derived-models`.
+    fn folder(&mut self, relative: &str) -> Result<PathBuf> {
+        let named = self.path(relative);
+        if let Some(dir) = self.folders.get(&named) {
+            return Ok(dir.clone());
+        }
+        let dir = derived::resolve(&named, &self.root.join(derived::CACHE))?;
+        self.folders.insert(named, dir.clone());
+        Ok(dir)
+    }
+
     /// The bundle of a repository-relative model folder, loaded on first use.
     pub fn get(&mut self, relative: &str) -> Result<Rc<ModelBundle>> {
-        let dir = self.path(relative);
+        let dir = self.folder(relative)?;
         if let Some(m) = self.loaded.get(&dir) {
             return Ok(Rc::clone(m));
         }
@@ -60,34 +78,34 @@ impl Models {
 
     /// The drafter a trace was recorded with and its drafts per round (mlx-vlm's block is the
     /// round's verify input: the last token and its drafts).
-    pub fn trace_drafter(&self, draft: &Draft) -> Result<(DrafterSpec, usize)> {
+    pub fn trace_drafter(&mut self, draft: &Draft) -> Result<(DrafterSpec, usize)> {
         Ok(match draft {
             Draft::Model {
                 model,
                 num_draft_tokens,
-            } => (DrafterSpec::Model(self.path(model)), *num_draft_tokens),
+            } => (DrafterSpec::Model(self.folder(model)?), *num_draft_tokens),
             Draft::Mtp { block_size } => {
                 validate::draft_block_size(*block_size)?;
                 (DrafterSpec::Mtp { dir: None }, block_size - 1)
             }
             Draft::Dflash { model, block_size } => {
                 validate::draft_block_size(*block_size)?;
-                let dir = self.path(model);
+                let dir = self.folder(model)?;
                 (DrafterSpec::Dflash { dir, chain: false }, block_size - 1)
             }
         })
     }
 
     /// The drafter an acceptance suite runs.
-    pub fn suite_drafter(&self, source: &Source) -> DrafterSpec {
-        match source {
-            Source::Model { model } => DrafterSpec::Model(self.path(model)),
+    pub fn suite_drafter(&mut self, source: &Source) -> Result<DrafterSpec> {
+        Ok(match source {
+            Source::Model { model } => DrafterSpec::Model(self.folder(model)?),
             &Source::Ngram { min, max } => DrafterSpec::Ngram { min, max },
             Source::Mtp => DrafterSpec::Mtp { dir: None },
             Source::Dflash { model, chain } => DrafterSpec::Dflash {
-                dir: self.path(model),
+                dir: self.folder(model)?,
                 chain: *chain,
             },
-        }
+        })
     }
 }

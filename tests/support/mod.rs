@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use libtest_mimic::Arguments;
 use verity::bundle::ModelBundle;
 use verity::generate::GenerateParams;
-use verity::parity::replay;
+use verity::parity::{derived, replay};
 use verity::speculative::{DraftContext, DraftSource, PrefillMode, Verified};
 use verity_harness::trace::Trace;
 
@@ -48,9 +48,11 @@ pub fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// A fixture model folder under golden/models.
+/// A fixture model folder under golden/models, as it loads: a folder whose weights are derived
+/// is materialised under target/derived-models and verified against SHA256SUMS first.
 pub fn model_dir(name: &str) -> PathBuf {
-    root().join("golden/models").join(name)
+    let dir = root().join("golden/models").join(name);
+    derived::resolve(&dir, &root().join(derived::CACHE)).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A fixture model, tokenizer included.
