@@ -257,6 +257,74 @@ fn response_format_json_schema_constrains_the_output() {
     );
 }
 
+/// `tool_choice` forcing a call (mlx_lm.server has no such grammar, so there is no golden): the
+/// answer is one call whose arguments validate against the tool's parameters schema, finished
+/// as "tool_calls", and with a draft model it is the same call token for token and logprob bit
+/// for bit (grammar + speculation ≡ grammar alone), greedy and sampled.
+#[test]
+fn a_forced_tool_call_follows_the_schema_and_speculation_keeps_it() {
+    let template = support::root().join("golden/models/qwen3-chat/chat_template.jinja");
+    let template = template.to_str().unwrap();
+    let draft = model_dir("qwen3-draft");
+    let plain = Server::start(&model_dir(TARGET), &["--chat-template", template]);
+    let spec = Server::start(
+        &model_dir(TARGET),
+        &[
+            "--chat-template",
+            template,
+            "--draft-model",
+            draft.to_str().unwrap(),
+            "--num-draft-tokens",
+            "3",
+        ],
+    );
+    let trip = json!({"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "days"], "additionalProperties": false});
+    let clock = json!({"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": false});
+    let tools = json!([
+        {"type": "function", "function": {"name": "plan_trip", "parameters": trip}},
+        {"type": "function", "function": {"name": "get_time", "parameters": clock}},
+    ]);
+    let named = json!({"type": "function", "function": {"name": "plan_trip"}});
+    for (choice, temperature) in [(named.clone(), 0.0), (json!("required"), 0.0), (named, 0.9)] {
+        let body = json!({"messages": [{"role": "user", "content": "Where should I go?"}],
+            "tools": tools, "tool_choice": choice, "max_tokens": 96, "temperature": temperature,
+            "seed": 7, "logprobs": true});
+        let a = plain.ok("/v1/chat/completions", &body);
+        let b = spec.ok("/v1/chat/completions", &body);
+        assert_eq!(finish(&a), "tool_calls", "{a}");
+        let calls = a["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{a}");
+        let name = calls[0]["function"]["name"].as_str().unwrap();
+        let arguments: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        let schema = if name == "plan_trip" { &trip } else { &clock };
+        assert!(choice == "required" || name == "plan_trip", "{a}");
+        assert!(
+            jsonschema::is_valid(schema, &arguments),
+            "{name}: {arguments}"
+        );
+        let tokens = |v: &Value| -> Vec<(Value, f32)> {
+            v["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| (e["id"].clone(), e["logprob"].as_f64().unwrap() as f32))
+                .collect()
+        };
+        assert_eq!(tokens(&a), tokens(&b), "{choice}: speculative differs");
+        let message = |v: &Value| {
+            let mut m = v["choices"][0]["message"].clone();
+            m["tool_calls"][0].as_object_mut().unwrap().remove("id");
+            m
+        };
+        assert_eq!(message(&a), message(&b));
+    }
+}
+
 #[test]
 fn speculative_serving_equals_plain() {
     let plain = Server::start(&model_dir(TARGET), &[]);
@@ -527,6 +595,100 @@ fn bad_requests_are_400_naming_the_field_and_the_server_goes_on() {
             json!({"prompt": [1, -2]}),
             Some("prompt"),
             &["-2"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("tools", json!({"type": "function"})),
+            Some("tools"),
+            &[
+                "tools is {\"type\":\"function\"}",
+                "must be an array of function tools",
+            ],
+        ),
+        (
+            "/v1/chat/completions",
+            with(
+                "tools",
+                json!([{"type": "function", "function": {"description": "x"}}]),
+            ),
+            Some("tools[0].function.name"),
+            &[
+                "tools[0].function.name is null",
+                "must be a non-empty string",
+            ],
+        ),
+        (
+            "/v1/chat/completions",
+            with(
+                "tools",
+                json!([{"type": "function", "function": {"name": "f", "parameters": "city"}}]),
+            ),
+            Some("tools[0].function.parameters"),
+            &["\"city\"", "must be a JSON schema object"],
+        ),
+        (
+            "/v1/chat/completions",
+            with(
+                "tool_choice",
+                json!({"type": "function", "function": {"name": "nope"}}),
+            ),
+            Some("tool_choice"),
+            &["\"nope\"", "not in tools"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("tool_choice", json!("always")),
+            Some("tool_choice"),
+            &["\"always\"", "must be \"none\", \"auto\", \"required\""],
+        ),
+        (
+            "/v1/chat/completions",
+            with("tool_choice", json!("required")),
+            Some("tool_choice"),
+            &["the request has no tools"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("chat_template_kwargs", json!(["enable_thinking"])),
+            Some("chat_template_kwargs"),
+            &["[\"enable_thinking\"]", "must be an object"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("xtc_probability", json!(1.5)),
+            Some("xtc_probability"),
+            &["xtc_probability is 1.5, must be a number from 0 to 1"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("xtc_threshold", json!(0.7)),
+            Some("xtc_threshold"),
+            &["xtc_threshold is 0.7, must be a number from 0 to 0.5"],
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": null, "tool_calls": [
+                                    {"id": "c", "type": "function",
+                                     "function": {"name": "f", "arguments": "{city"}}]}]}),
+            Some("messages[1].tool_calls[0].function.arguments"),
+            &["\"{city\"", "must be JSON"],
+        ),
+        (
+            "/v1/chat/completions",
+            with(
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}}]),
+            )
+            .as_object()
+            .map(|b| {
+                let mut b = Value::Object(b.clone());
+                b["tool_choice"] = json!("required");
+                b
+            })
+            .unwrap(),
+            Some("tool_choice"),
+            &["no tool-call format verity parses"],
         ),
         (
             "/v1/completions",
