@@ -325,6 +325,51 @@ fn a_forced_tool_call_follows_the_schema_and_speculation_keeps_it() {
     }
 }
 
+/// Under tool_choice "auto" every call the model starts is held to a given tool's schema:
+/// qwen3-chat was trained to call get_weather for Paris, and a schema that allows only Rome or
+/// Oslo makes its call one of those, while its reasoning and text stay its own; an n-gram
+/// drafter gives the same answer token for token and logprob bit for bit, greedy and sampled.
+#[test]
+fn calls_the_model_starts_follow_the_schema_and_speculation_keeps_them() {
+    let plain = Server::start(&model_dir("qwen3-chat"), &[]);
+    let spec = Server::start(&model_dir("qwen3-chat"), &["--draft-ngram"]);
+    let cities = json!({"type": "object", "properties": {"city": {"enum": ["Rome", "Oslo"]}},
+        "required": ["city"], "additionalProperties": false});
+    let tools =
+        json!([{"type": "function", "function": {"name": "get_weather", "parameters": cities}}]);
+    for (temperature, seed) in [(0.0, 0), (1.0, 1), (1.0, 2)] {
+        let body = json!({"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": tools, "max_tokens": 96, "temperature": temperature, "seed": seed,
+            "logprobs": true});
+        let a = plain.ok("/v1/chat/completions", &body);
+        let b = spec.ok("/v1/chat/completions", &body);
+        assert_eq!(finish(&a), "tool_calls", "{a}");
+        let message = &a["choices"][0]["message"];
+        assert!(
+            message["reasoning"].as_str().is_some_and(|r| !r.is_empty()),
+            "{a}"
+        );
+        let calls = message["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{a}");
+        let arguments: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert!(jsonschema::is_valid(&cities, &arguments), "{arguments}");
+        let tokens = |v: &Value| -> Vec<(Value, f32)> {
+            v["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| (e["id"].clone(), e["logprob"].as_f64().unwrap() as f32))
+                .collect()
+        };
+        assert_eq!(
+            tokens(&a),
+            tokens(&b),
+            "temperature {temperature}: n-grams differ"
+        );
+    }
+}
+
 #[test]
 fn speculative_serving_equals_plain() {
     let plain = Server::start(&model_dir(TARGET), &[]);

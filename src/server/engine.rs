@@ -443,7 +443,7 @@ impl Engine {
                 ),
             ));
         }
-        let grammar = match self.forced_call(&request)? {
+        let grammar = match self.call_grammar(&request)? {
             Some(g) => Some(g),
             None => request.grammar.clone(),
         };
@@ -627,20 +627,26 @@ impl Engine {
         lane.outcome(decoded.speculation.as_ref())
     }
 
-    /// The grammar of a call `tool_choice` forces, if it forces one.
-    fn forced_call(&self, request: &GenRequest) -> Result<Option<Grammar>, ApiError> {
-        if matches!(request.tool_choice, ToolChoice::Auto | ToolChoice::None) {
+    /// The grammar of the request's tool calls: a call `tool_choice` forces, or under "auto"
+    /// (without a response_format grammar) every call the model starts.
+    fn call_grammar(&self, request: &GenRequest) -> Result<Option<Grammar>, ApiError> {
+        let forced = matches!(
+            request.tool_choice,
+            ToolChoice::Required | ToolChoice::Function(_)
+        );
+        let auto = request.tool_choice == ToolChoice::Auto && request.grammar.is_none();
+        let Some(tools) = request.tools.as_deref().filter(|_| forced || auto) else {
             return Ok(None);
-        }
-        let Some(markers) = self.target.tokenizer.tool_call_markers() else {
-            return Err(ApiError::invalid(
+        };
+        match self.target.tokenizer.tool_call_markers() {
+            Some(markers) => Ok(tools::call_grammar(tools, &request.tool_choice, markers)),
+            None if forced => Err(ApiError::invalid(
                 "tool_choice",
                 "tool_choice forces a tool call, but the model's chat template has no tool-call \
                  format verity parses (Qwen's <tool_call>{json}</tool_call>)",
-            ));
-        };
-        let tools = request.tools.as_deref().unwrap_or_default();
-        Ok(tools::forced_call(tools, &request.tool_choice, markers))
+            )),
+            None => Ok(None),
+        }
     }
 
     /// The splitter of a chat answer: the tokenizer's markers, starting in reasoning when the

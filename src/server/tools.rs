@@ -1,9 +1,10 @@
 //! Tool calls: the text between a template's tool-call markers parsed into OpenAI's
 //! `tool_calls` (mlx-lm's json_tools parser and server.py's `ToolCallFormatter`), and the
-//! grammar a forced call is generated under, which mlx-lm does not have: `tool_choice`
-//! "required" or a named function makes the answer one call, `<tool_call>` + a JSON object whose
-//! `name` is a given tool's and whose `arguments` match that tool's `parameters` schema +
-//! `</tool_call>`.
+//! grammars calls are generated under, which mlx-lm does not have: `tool_choice` "required" or a
+//! named function makes the answer one call, `<tool_call>` + a JSON object whose `name` is a
+//! given tool's and whose `arguments` match that tool's `parameters` schema + `</tool_call>`;
+//! under "auto" the answer is free text until the model writes the start marker, and each call
+//! it starts is held to the same object.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -86,12 +87,13 @@ impl CallFormatter {
 }
 
 /// The grammar of a forced call: one call of the named tool, or of any tool for "required";
-/// None when the choice forces nothing.
-pub fn forced_call(tools: &[Value], choice: &ToolChoice, markers: &Markers) -> Option<Grammar> {
+/// under "auto", text in which every call the model starts is a call of a given tool. None
+/// for "none".
+pub fn call_grammar(tools: &[Value], choice: &ToolChoice, markers: &Markers) -> Option<Grammar> {
     let wanted = |t: &&Value| match choice {
-        ToolChoice::Required => true,
+        ToolChoice::Required | ToolChoice::Auto => true,
         ToolChoice::Function(name) => t["function"]["name"] == json!(name),
-        ToolChoice::Auto | ToolChoice::None => false,
+        ToolChoice::None => false,
     };
     let calls: Vec<Value> = tools.iter().filter(wanted).map(call_schema).collect();
     if calls.is_empty() {
@@ -105,11 +107,32 @@ pub fn forced_call(tools: &[Value], choice: &ToolChoice, markers: &Markers) -> O
     schema["x-guidance"] =
         json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
     let literal = |s: &str| serde_json::to_string(s).expect("a string serializes");
-    Some(Grammar::Lark(format!(
-        "start: {} call {}\ncall: %json {schema}",
-        literal(&format!("{}\n", markers.start)),
-        literal(&format!("\n{}", markers.end)),
-    )))
+    let open = literal(&format!("{}\n", markers.start));
+    let close = literal(&format!("\n{}", markers.end));
+    let call = format!("call: %json {schema}");
+    Some(Grammar::Lark(if *choice == ToolChoice::Auto {
+        // FREE is any text without the start marker; `opened` is lazy, so it ends at the
+        // marker's first occurrence.
+        let marker = regex_escape(&markers.start);
+        format!(
+            "start: free | opened call {close} start\n\
+             free: FREE\n\
+             FREE: /(?s:.*)/ & ~/(?s:.*{marker}.*)/\n\
+             opened[suffix={open}]: /(?s:.*)/\n{call}"
+        )
+    } else {
+        format!("start: {open} call {close}\n{call}")
+    }))
+}
+
+/// `text` as a regex that matches it alone (inside a Lark `/.../`).
+fn regex_escape(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| {
+            let special = "\\.+*?()|[]{}^$#&-~/".contains(c);
+            special.then_some('\\').into_iter().chain([c])
+        })
+        .collect()
 }
 
 /// `{"name": <the tool's>, "arguments": <its parameters>}`, in that order.
