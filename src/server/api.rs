@@ -148,9 +148,10 @@ pub enum Prompt {
 /// Whether and which tool the model must call (`tool_choice`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ToolChoice {
-    /// The model decides (the default, and all mlx_lm.server does).
+    /// The model decides (the default, and all mlx_lm.server does); a call it starts is held
+    /// to a tool's schema.
     Auto,
-    /// As auto: verity does not keep a model from calling (neither does mlx_lm.server).
+    /// No grammar; verity does not keep a model from calling (neither does mlx_lm.server).
     None,
     /// One call of any given tool, generated under a grammar.
     Required,

@@ -1,5 +1,6 @@
 //! `verity serve`: an OpenAI-compatible HTTP server. The HTTP side (axum on tokio) reads and
-//! checks requests ([`api`]) and shapes responses ([`response`], [`sse`]); the one engine thread
+//! checks requests ([`api`]) and shapes responses ([`response`], [`sse`]), a chat answer split
+//! into content, reasoning and tool calls ([`channels`], [`tools`]); the one engine thread
 //! ([`engine`]) owns MLX and batches requests from a bounded queue, each request's lane
 //! (`lane`) releasing text through the stop-sequence matcher ([`stop`]) and keeping prompt prefixes across requests
 //! ([`prefix_cache`]). A full queue answers 503 with Retry-After at
