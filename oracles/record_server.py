@@ -87,6 +87,8 @@ CASES = [
      chat("Good morning.", max_tokens=64, stream=True, stream_options={"include_usage": True}), None),
     ("chat-reasoning-off", ["--model", "qwen3-chat"], "/v1/chat/completions",
      chat("Hello there.", max_tokens=64, chat_template_kwargs=NO_THINKING), None),
+    ("chat-reasoning-opened", ["--model", "qwen3-chat"], "/v1/chat/completions",
+     chat("Hello there.", max_tokens=64, chat_template_kwargs={"open_think": True}), None),
     ("chat-reasoning-cut", ["--model", "qwen3-chat"], "/v1/chat/completions", chat("Hi!", max_tokens=5), None),
     ("chat-tools", ["--model", "qwen3-chat"], "/v1/chat/completions",
      chat("What is the weather in Paris?", max_tokens=96, tools=[WEATHER]), None),
