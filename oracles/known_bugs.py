@@ -5,6 +5,7 @@ oracle still misbehaves. Exit 0 when all still do, 1 when one no longer does (re
     oracles/.venv/bin/python oracles/known_bugs.py [ID...]
 """
 
+import http.client
 import json
 import os
 import socket
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -124,6 +126,21 @@ def server_top_logprobs_unsorted():
     for entry in content:
         tops = [t["logprob"] for t in entry["top_logprobs"]]
         if tops != sorted(tops, reverse=True) or entry["logprob"] != max(tops):
+            return True
+    return False
+
+
+def server_xtc_threshold_above_half():
+    """mlx_lm.server accepts an xtc_threshold up to 1, but its sampler refuses one above 0.5, so
+    such a request gets no response at all: the connection closes without an answer."""
+    with Server("--model", str(MODELS / "qwen3-target")) as server:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 1.0,
+                "xtc_probability": 0.5, "xtc_threshold": 0.7}
+        try:
+            server.post("/v1/chat/completions", body)
+        except urllib.error.HTTPError:
+            return False  # a refusal is an answer
+        except (http.client.RemoteDisconnected, ConnectionError):
             return True
     return False
 

@@ -508,6 +508,21 @@ fn generate_cases() -> Vec<Case> {
             no_setup(),
         ),
         case(
+            "serve/chat-template-missing",
+            &[
+                "serve",
+                "--port",
+                "0",
+                "--model",
+                &q,
+                "--chat-template",
+                "{S}/no-such-template.jinja",
+            ],
+            2,
+            &["--chat-template", "no-such-template.jinja"],
+            no_setup(),
+        ),
+        case(
             "serve/dflash-taps-past-the-target",
             &[
                 "serve",

@@ -258,6 +258,119 @@ fn response_format_json_schema_constrains_the_output() {
     );
 }
 
+/// `tool_choice` forcing a call (mlx_lm.server has no such grammar, so there is no golden): the
+/// answer is one call whose arguments validate against the tool's parameters schema, finished
+/// as "tool_calls", and with a draft model it is the same call token for token and logprob bit
+/// for bit (grammar + speculation ≡ grammar alone), greedy and sampled.
+#[test]
+fn a_forced_tool_call_follows_the_schema_and_speculation_keeps_it() {
+    let template = support::root().join("golden/models/qwen3-chat/chat_template.jinja");
+    let template = template.to_str().unwrap();
+    let draft = model_dir("qwen3-draft");
+    let plain = Server::start(&model_dir(TARGET), &["--chat-template", template]);
+    let spec = Server::start(
+        &model_dir(TARGET),
+        &[
+            "--chat-template",
+            template,
+            "--draft-model",
+            draft.to_str().unwrap(),
+            "--num-draft-tokens",
+            "3",
+        ],
+    );
+    let trip = json!({"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "days"], "additionalProperties": false});
+    let clock = json!({"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": false});
+    let tools = json!([
+        {"type": "function", "function": {"name": "plan_trip", "parameters": trip}},
+        {"type": "function", "function": {"name": "get_time", "parameters": clock}},
+    ]);
+    let named = json!({"type": "function", "function": {"name": "plan_trip"}});
+    for (choice, temperature) in [(named.clone(), 0.0), (json!("required"), 0.0), (named, 0.9)] {
+        let body = json!({"messages": [{"role": "user", "content": "Where should I go?"}],
+            "tools": tools, "tool_choice": choice, "max_tokens": 96, "temperature": temperature,
+            "seed": 7, "logprobs": true});
+        let a = plain.ok("/v1/chat/completions", &body);
+        let b = spec.ok("/v1/chat/completions", &body);
+        assert_eq!(finish(&a), "tool_calls", "{a}");
+        let calls = a["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{a}");
+        let name = calls[0]["function"]["name"].as_str().unwrap();
+        let arguments: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        let schema = if name == "plan_trip" { &trip } else { &clock };
+        assert!(choice == "required" || name == "plan_trip", "{a}");
+        assert!(
+            jsonschema::is_valid(schema, &arguments),
+            "{name}: {arguments}"
+        );
+        let tokens = |v: &Value| -> Vec<(Value, f32)> {
+            v["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| (e["id"].clone(), e["logprob"].as_f64().unwrap() as f32))
+                .collect()
+        };
+        assert_eq!(tokens(&a), tokens(&b), "{choice}: speculative differs");
+        let message = |v: &Value| {
+            let mut m = v["choices"][0]["message"].clone();
+            m["tool_calls"][0].as_object_mut().unwrap().remove("id");
+            m
+        };
+        assert_eq!(message(&a), message(&b));
+    }
+}
+
+/// Under tool_choice "auto" every call the model starts is held to a given tool's schema:
+/// qwen3-chat was trained to call get_weather for Paris, and a schema that allows only Rome or
+/// Oslo makes its call one of those, while its reasoning and text stay its own; an n-gram
+/// drafter gives the same answer token for token and logprob bit for bit, greedy and sampled.
+#[test]
+fn calls_the_model_starts_follow_the_schema_and_speculation_keeps_them() {
+    let plain = Server::start(&model_dir("qwen3-chat"), &[]);
+    let spec = Server::start(&model_dir("qwen3-chat"), &["--draft-ngram"]);
+    let cities = json!({"type": "object", "properties": {"city": {"enum": ["Rome", "Oslo"]}},
+        "required": ["city"], "additionalProperties": false});
+    let tools =
+        json!([{"type": "function", "function": {"name": "get_weather", "parameters": cities}}]);
+    for (temperature, seed) in [(0.0, 0), (1.0, 1), (1.0, 2)] {
+        let body = json!({"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": tools, "max_tokens": 96, "temperature": temperature, "seed": seed,
+            "logprobs": true});
+        let a = plain.ok("/v1/chat/completions", &body);
+        let b = spec.ok("/v1/chat/completions", &body);
+        assert_eq!(finish(&a), "tool_calls", "{a}");
+        let message = &a["choices"][0]["message"];
+        assert!(
+            message["reasoning"].as_str().is_some_and(|r| !r.is_empty()),
+            "{a}"
+        );
+        let calls = message["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{a}");
+        let arguments: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert!(jsonschema::is_valid(&cities, &arguments), "{arguments}");
+        let tokens = |v: &Value| -> Vec<(Value, f32)> {
+            v["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| (e["id"].clone(), e["logprob"].as_f64().unwrap() as f32))
+                .collect()
+        };
+        assert_eq!(
+            tokens(&a),
+            tokens(&b),
+            "temperature {temperature}: n-grams differ"
+        );
+    }
+}
+
 #[test]
 fn speculative_serving_equals_plain() {
     let plain = Server::start(&model_dir(TARGET), &[]);
@@ -531,6 +644,100 @@ fn bad_requests_are_400_naming_the_field_and_the_server_goes_on() {
             &["-2"],
         ),
         (
+            "/v1/chat/completions",
+            with("tools", json!({"type": "function"})),
+            Some("tools"),
+            &[
+                "tools is {\"type\":\"function\"}",
+                "must be an array of function tools",
+            ],
+        ),
+        (
+            "/v1/chat/completions",
+            with(
+                "tools",
+                json!([{"type": "function", "function": {"description": "x"}}]),
+            ),
+            Some("tools[0].function.name"),
+            &[
+                "tools[0].function.name is null",
+                "must be a non-empty string",
+            ],
+        ),
+        (
+            "/v1/chat/completions",
+            with(
+                "tools",
+                json!([{"type": "function", "function": {"name": "f", "parameters": "city"}}]),
+            ),
+            Some("tools[0].function.parameters"),
+            &["\"city\"", "must be a JSON schema object"],
+        ),
+        (
+            "/v1/chat/completions",
+            with(
+                "tool_choice",
+                json!({"type": "function", "function": {"name": "nope"}}),
+            ),
+            Some("tool_choice"),
+            &["\"nope\"", "not in tools"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("tool_choice", json!("always")),
+            Some("tool_choice"),
+            &["\"always\"", "must be \"none\", \"auto\", \"required\""],
+        ),
+        (
+            "/v1/chat/completions",
+            with("tool_choice", json!("required")),
+            Some("tool_choice"),
+            &["the request has no tools"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("chat_template_kwargs", json!(["enable_thinking"])),
+            Some("chat_template_kwargs"),
+            &["[\"enable_thinking\"]", "must be an object"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("xtc_probability", json!(1.5)),
+            Some("xtc_probability"),
+            &["xtc_probability is 1.5, must be a number from 0 to 1"],
+        ),
+        (
+            "/v1/chat/completions",
+            with("xtc_threshold", json!(0.7)),
+            Some("xtc_threshold"),
+            &["xtc_threshold is 0.7, must be a number from 0 to 0.5"],
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": null, "tool_calls": [
+                                    {"id": "c", "type": "function",
+                                     "function": {"name": "f", "arguments": "{city"}}]}]}),
+            Some("messages[1].tool_calls[0].function.arguments"),
+            &["\"{city\"", "must be JSON"],
+        ),
+        (
+            "/v1/chat/completions",
+            with(
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}}]),
+            )
+            .as_object()
+            .map(|b| {
+                let mut b = Value::Object(b.clone());
+                b["tool_choice"] = json!("required");
+                b
+            })
+            .unwrap(),
+            Some("tool_choice"),
+            &["no tool-call format verity parses"],
+        ),
+        (
             "/v1/completions",
             json!({"prompt": [5000]}),
             None,
@@ -655,12 +862,13 @@ fn a_full_queue_answers_503_with_retry_after() {
     assert_eq!(completion_tokens(&v), 3);
 }
 
-/// The tokens (ids and logprob bits) and usage of a chat answer.
-fn answer(v: &Value) -> (String, Value, Value) {
+/// The message (content, reasoning, tool calls), the tokens (ids and logprob bits) and usage of
+/// a chat answer.
+fn answer(v: &Value) -> (Value, Value, Value) {
     let mut usage = v["usage"].clone();
     usage["prompt_tokens_details"] = Value::Null;
     (
-        content(v).to_string(),
+        v["choices"][0]["message"].clone(),
         v["choices"][0]["logprobs"].clone(),
         usage,
     )
@@ -743,10 +951,11 @@ fn each_turn_of_a_conversation_restores_the_last_answer_and_equals_a_cold_run() 
     // one (trained, whose answers come back token for token, and random, whose rendered
     // answers are other tokens than those generated), quantized KV caches and speculative
     // lanes (a draft model's caches and a DFlash drafter's taps kept with the target's), one
-    // request at a time as in a batch. --max-kv-size's windows past their size keep sink
+    // request at a time as in a batch, and a thinking model whose reasoning the client does not
+    // carry back (the template drops it from the history). --max-kv-size's windows past their size keep sink
     // tokens that a resumed prefill would attend and a cold one not: nothing is restored there.
     let (draft, dflash) = (model_dir("qwen3-draft"), model_dir("qwen3-target-dflash"));
-    let lanes: [(&str, &[&str], bool); 9] = [
+    let lanes: [(&str, &[&str], bool); 10] = [
         (TARGET, &[], true),
         ("qwen3_5-trained", &[], true),
         ("qwen3_5", &[], true),
@@ -755,6 +964,7 @@ fn each_turn_of_a_conversation_restores_the_last_answer_and_equals_a_cold_run() 
         (TARGET, &["--draft-model", draft.to_str().unwrap()], true),
         (TARGET, &["--draft-dflash", dflash.to_str().unwrap()], true),
         (TARGET, &["--max-num-seqs", "1"], true),
+        ("qwen3-chat", &[], true),
         (TARGET, &["--max-kv-size", "16"], false),
     ];
     for (model, args, restores) in lanes {
@@ -781,7 +991,10 @@ fn each_turn_of_a_conversation_restores_the_last_answer_and_equals_a_cold_run() 
             assert_eq!(answer(&w), answer(&c), "{model} {args:?} turn {k}");
             assert_eq!(cached_tokens(&c), 0);
             assert_eq!(cached_tokens(&w), held, "{model} {args:?} turn {k}");
-            messages.push(json!({"role": "assistant", "content": content(&w)}));
+            // As a client carries the answer back: its content ("" when all of it was
+            // reasoning), not its reasoning.
+            let said = w["choices"][0]["message"]["content"].as_str().unwrap_or("");
+            messages.push(json!({"role": "assistant", "content": said}));
         }
     }
 }

@@ -2,10 +2,10 @@
 //! a shared system prompt, next turns that carry the last answer, earlier turns edited, answers
 //! regenerated) sent to a server with a prefix cache and to one without, every answer equal
 //! token for token and logprob bit for bit, on a KV, a hybrid and a sliding-window model, with
-//! a draft model and a DFlash drafter, with quantized KV caches and with --max-kv-size's
-//! windows (which keep sink tokens). The prefix cache then restores prompts, answers, system
-//! prompts and prefixes cut back from longer entries in every order the tree makes
-//! (`src/server/prefix_cache.rs`).
+//! a draft model and a DFlash drafter, with quantized KV caches, with --max-kv-size's windows
+//! (which keep sink tokens) and on a thinking model. The prefix cache then restores prompts,
+//! answers, system prompts and prefixes cut back from longer entries in every order the tree
+//! makes (`src/server/prefix_cache.rs`).
 
 mod server_client;
 mod support;
@@ -61,7 +61,7 @@ fn user(m: usize) -> Value {
 /// The parts of an answer a prefix cache must not change.
 fn answer(v: &Value) -> (Value, Value, Value, Value) {
     (
-        v["choices"][0]["message"]["content"].clone(),
+        v["choices"][0]["message"].clone(),
         v["choices"][0]["logprobs"].clone(),
         v["usage"]["prompt_tokens"].clone(),
         v["usage"]["completion_tokens"].clone(),
@@ -139,12 +139,9 @@ fn play(warm: &Server, cold: &Server, turns: &[Turn]) -> Result<usize, TestCaseE
         restored += w["usage"]["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
             .unwrap() as usize;
-        conv.answer = Some(
-            w["choices"][0]["message"]["content"]
-                .as_str()
-                .unwrap()
-                .to_string(),
-        );
+        // As a client carries it back: the content ("" when all of it was reasoning).
+        let said = w["choices"][0]["message"]["content"].as_str().unwrap_or("");
+        conv.answer = Some(said.to_string());
     }
     Ok(restored)
 }
@@ -153,7 +150,7 @@ fn play(warm: &Server, cold: &Server, turns: &[Turn]) -> Result<usize, TestCaseE
 fn warm_answers_equal_cold_ones_over_random_conversation_trees() {
     let draft = model_dir("qwen3-draft");
     let dflash = model_dir("qwen3-target-dflash");
-    let lanes: [(&str, &[&str]); 7] = [
+    let lanes: [(&str, &[&str]); 8] = [
         ("qwen3-target", &[]),
         ("qwen3_5", &[]),
         ("gemma3", &[]),
@@ -164,6 +161,7 @@ fn warm_answers_equal_cold_ones_over_random_conversation_trees() {
         ),
         ("qwen3-target", &["--kv-bits", "4", "--kv-group-size", "32"]),
         ("qwen3_5-trained", &["--max-kv-size", "40"]),
+        ("qwen3-chat", &[]),
     ];
     for (model, args) in lanes {
         let warm = Server::start(&model_dir(model), args);

@@ -1,7 +1,8 @@
 //! Exchange goldens: the requests of golden/server/exchanges.json (recorded against
 //! mlx_lm.server by oracles/record_server.py, each on a freshly started server) sent to
-//! `verity serve` over real HTTP on 127.0.0.1, comparing text, finish reason, usage and the
-//! chosen tokens' ids and logprobs (ids, timestamps and fingerprints are not compared). A case
+//! `verity serve` over real HTTP on 127.0.0.1, comparing text, reasoning, tool calls (name and
+//! arguments), finish reason, usage and the chosen tokens' ids and logprobs (ids, timestamps and
+//! fingerprints are not compared). A case
 //! recorded under a known oracle bug (golden/known-oracle-bugs.toml) is judged at tier C: only
 //! what the bug leaves right is compared, and verity's own behaviour is checked instead.
 
@@ -32,6 +33,8 @@ fn server_for(case: &Value) -> Server {
     for (i, a) in args.iter().enumerate() {
         if i > 0 && args[i - 1] == "--draft-model" {
             mapped.push(model_dir(a).to_string_lossy().into_owned());
+        } else if i > 0 && args[i - 1] == "--chat-template" {
+            mapped.push(root().join(a).to_string_lossy().into_owned());
         } else {
             mapped.push(a.clone());
         }
@@ -40,30 +43,49 @@ fn server_for(case: &Value) -> Server {
     Server::start(&model_dir(case["model"].as_str().unwrap()), &mapped)
 }
 
-/// What a response says, whatever its shape: text, finish reason, usage, logprob entries.
+/// What a response says, whatever its shape: text, reasoning, tool calls (function name and
+/// arguments, and the stream index when streaming), finish reason, usage, logprob entries, and
+/// a whole chat answer's `content` as sent (null when empty).
 #[derive(Debug)]
 struct Outcome {
     text: String,
+    reasoning: String,
+    tool_calls: Vec<Value>,
     finish: String,
     usage: Value,
     logprobs: Vec<Value>,
+    content: Value,
+}
+
+/// A tool call without its id (a fresh random one on either side).
+fn call(entry: &Value) -> Value {
+    let mut c = entry.clone();
+    c.as_object_mut().unwrap().remove("id");
+    c
 }
 
 fn outcome(response: &Value) -> Outcome {
+    let mut o = Outcome {
+        text: String::new(),
+        reasoning: String::new(),
+        tool_calls: Vec::new(),
+        finish: String::new(),
+        usage: Value::Null,
+        logprobs: Vec::new(),
+        content: Value::Null,
+    };
     if let Some(chunks) = response.as_array() {
-        let mut o = Outcome {
-            text: String::new(),
-            finish: String::new(),
-            usage: Value::Null,
-            logprobs: Vec::new(),
-        };
         for c in chunks {
             match c["choices"].get(0) {
                 Some(choice) => {
-                    let text = choice["delta"]["content"]
-                        .as_str()
-                        .or(choice["text"].as_str());
+                    let delta = &choice["delta"];
+                    let text = delta["content"].as_str().or(choice["text"].as_str());
                     o.text.push_str(text.unwrap_or(""));
+                    o.reasoning
+                        .push_str(delta["reasoning"].as_str().unwrap_or(""));
+                    if let Some(calls) = delta["tool_calls"].as_array() {
+                        o.tool_calls.extend(calls.iter().map(call));
+                    }
                     if let Some(f) = choice["finish_reason"].as_str() {
                         o.finish = f.to_string();
                     }
@@ -74,18 +96,21 @@ fn outcome(response: &Value) -> Outcome {
         return o;
     }
     let choice = &response["choices"][0];
-    let text = choice["message"]["content"]
-        .as_str()
-        .or(choice["text"].as_str());
-    Outcome {
-        text: text.unwrap_or("").to_string(),
-        finish: choice["finish_reason"].as_str().unwrap().to_string(),
-        usage: response["usage"].clone(),
-        logprobs: choice["logprobs"]["content"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default(),
+    let message = &choice["message"];
+    let text = message["content"].as_str().or(choice["text"].as_str());
+    o.text = text.unwrap_or("").to_string();
+    o.content = message.get("content").cloned().unwrap_or(Value::Null);
+    o.reasoning = message["reasoning"].as_str().unwrap_or("").to_string();
+    if let Some(calls) = message["tool_calls"].as_array() {
+        o.tool_calls = calls.iter().map(call).collect();
     }
+    o.finish = choice["finish_reason"].as_str().unwrap().to_string();
+    o.usage = response["usage"].clone();
+    o.logprobs = choice["logprobs"]["content"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    o
 }
 
 /// The response `server` gives to the case's request (all its chunks when streaming).
@@ -107,6 +132,9 @@ fn judge(case: &Value, got: &Outcome) {
     let id = case["id"].as_str().unwrap();
     let want = outcome(&case["response"]);
     assert_eq!(got.text, want.text, "{id}: text");
+    assert_eq!(got.content, want.content, "{id}: message.content");
+    assert_eq!(got.reasoning, want.reasoning, "{id}: reasoning");
+    assert_eq!(got.tool_calls, want.tool_calls, "{id}: tool_calls");
     assert_eq!(got.finish, want.finish, "{id}: finish_reason");
     for key in ["prompt_tokens", "completion_tokens", "total_tokens"] {
         assert_eq!(got.usage[key], want.usage[key], "{id}: usage.{key}");

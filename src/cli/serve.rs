@@ -52,6 +52,10 @@ pub struct ServeArgs {
     prompt_cache_bytes: usize,
     #[command(flatten)]
     cache: CacheArgs,
+    /// A chat template file to use instead of the model's (mlx_lm.server's --chat-template,
+    /// which takes the template's text); the tool-call format is read from it.
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
     /// Seconds running requests get to end after SIGTERM or SIGINT before they are cut.
     #[arg(long, default_value_t = 5.0)]
     shutdown_timeout: f64,
@@ -153,6 +157,15 @@ pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     );
     let timeout = Duration::from_secs_f64(a.shutdown_timeout);
     let prompt = a.cache.prompt_params();
+    let chat_template = a
+        .chat_template
+        .as_ref()
+        .map(|path| {
+            std::fs::read_to_string(path)
+                .with_context(|| format!("--chat-template {}", path.display()))
+                .map(|source| (source, path.display().to_string()))
+        })
+        .transpose()?;
     let (handle, engine_thread) = engine::start(engine::EngineConfig {
         model: a.model.clone(),
         drafter: a.draft.spec(),
@@ -164,6 +177,7 @@ pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         max_kv_size: prompt.max_kv_size,
         kv_quantization: prompt.kv_quantization,
         prompt_cache_bytes: a.prompt_cache_bytes,
+        chat_template,
     })?;
     let app = server::router(handle.clone(), a.max_tokens);
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -145,6 +145,20 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
+/// Whether and which tool the model must call (`tool_choice`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// The model decides (the default, and all mlx_lm.server does); a call it starts is held
+    /// to a tool's schema.
+    Auto,
+    /// No grammar; verity does not keep a model from calling (neither does mlx_lm.server).
+    None,
+    /// One call of any given tool, generated under a grammar.
+    Required,
+    /// One call of this tool, generated under a grammar.
+    Function(String),
+}
+
 /// One request, every field read and range-checked; what the engine thread runs.
 #[derive(Clone, Debug)]
 pub struct GenRequest {
@@ -173,6 +187,14 @@ pub struct GenRequest {
     /// Report this many alternatives per token (sorted by logprob, then id).
     pub top_logprobs: usize,
     pub grammar: Option<Grammar>,
+    /// `tools` as given (each checked to be a function with a name), None when absent or empty
+    /// (mlx-lm's `body.get("tools") or None`); the chat template renders them.
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: ToolChoice,
+    /// Extra chat template variables (`enable_thinking`, ...), over the defaults.
+    pub chat_template_kwargs: Map<String, Value>,
+    pub xtc_probability: f64,
+    pub xtc_threshold: f64,
     pub num_draft_tokens: Option<usize>,
     pub stream: bool,
     pub include_usage: bool,
@@ -307,6 +329,25 @@ pub fn parse(
     let context = |name: &str| -> Result<usize, ApiError> {
         Ok(b.uint(name, 1, u32::MAX as u64)?.map_or(20, |n| n as usize))
     };
+    let tools = tools(&b)?;
+    let tool_choice = tool_choice(&b, tools.as_deref().unwrap_or_default())?;
+    let grammar = response_format(&b)?;
+    if grammar.is_some() && matches!(tool_choice, ToolChoice::Required | ToolChoice::Function(_)) {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "tool_choice forces a tool call, which cannot be combined with a response_format grammar",
+        ));
+    }
+    let chat_template_kwargs = match b.get("chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "chat_template_kwargs",
+                format!("chat_template_kwargs is {v}, must be an object of template variables"),
+            ))
+        }
+    };
     Ok(GenRequest {
         endpoint,
         model: b.string("model")?.unwrap_or(&defaults.model_id).to_string(),
@@ -328,7 +369,13 @@ pub fn parse(
         frequency_context_size: context("frequency_context_size")?,
         logprobs,
         top_logprobs,
-        grammar: response_format(&b)?,
+        grammar,
+        tools,
+        tool_choice,
+        chat_template_kwargs,
+        // mlx-lm's apply_xtc allows a threshold up to 0.5 (its server's check says 1).
+        xtc_probability: b.number("xtc_probability", 0.0, 1.0)?.unwrap_or(0.0),
+        xtc_threshold: b.number("xtc_threshold", 0.0, 0.5)?.unwrap_or(0.1),
         num_draft_tokens: b
             .uint(
                 "num_draft_tokens",
@@ -394,7 +441,35 @@ fn messages(b: &Body) -> Result<Vec<Value>, ApiError> {
             }
         }
     }
-    Ok(list.clone())
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| prepared(i, m))
+        .collect()
+}
+
+/// A message as mlx_lm.server's `process_message_content` hands it to the template: no content
+/// is empty content, and a tool call's arguments given as a JSON string are the object it holds.
+fn prepared(i: usize, message: &Value) -> Result<Value, ApiError> {
+    let mut m = message.clone();
+    if m.get("content").is_none_or(Value::is_null) {
+        m["content"] = json!("");
+    }
+    let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) else {
+        return Ok(m);
+    };
+    for (j, call) in calls.iter_mut().enumerate() {
+        let Some(arguments) = call.pointer_mut("/function/arguments") else {
+            continue;
+        };
+        if let Some(text) = arguments.as_str().filter(|t| !t.is_empty()) {
+            let parsed = serde_json::from_str(text).map_err(|e| {
+                let param = format!("messages[{i}].tool_calls[{j}].function.arguments");
+                ApiError::invalid(&param, format!("{param} is {text:?}, must be JSON: {e}"))
+            })?;
+            *arguments = parsed;
+        }
+    }
+    Ok(m)
 }
 
 /// `prompt`: a string, an array of one string, or an array of token ids.
@@ -536,4 +611,95 @@ fn response_format(b: &Body) -> Result<Option<Grammar>, ApiError> {
             ),
         )),
     }
+}
+
+/// `tools`: an array of `{"type": "function", "function": {"name", "description"?,
+/// "parameters"?}}`, the parameters a JSON schema object.
+fn tools(b: &Body) -> Result<Option<Vec<Value>>, ApiError> {
+    let list = match b.get("tools") {
+        None => return Ok(None),
+        Some(Value::Array(list)) => list,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "tools",
+                format!("tools is {v}, must be an array of function tools"),
+            ))
+        }
+    };
+    for (i, tool) in list.iter().enumerate() {
+        let param = format!("tools[{i}]");
+        let bad = |field: &str, v: &Value, allowed: &str| {
+            let name = format!("{param}{field}");
+            ApiError::invalid(&name, format!("{name} is {v}, must be {allowed}"))
+        };
+        if tool.get("type") != Some(&json!("function")) {
+            return Err(bad(
+                ".type",
+                tool.get("type").unwrap_or(&Value::Null),
+                "\"function\"",
+            ));
+        }
+        let Some(function) = tool.get("function").filter(|f| f.is_object()) else {
+            return Err(bad(
+                ".function",
+                tool.get("function").unwrap_or(&Value::Null),
+                "an object",
+            ));
+        };
+        match function.get("name") {
+            Some(Value::String(n)) if !n.is_empty() => {}
+            other => {
+                return Err(bad(
+                    ".function.name",
+                    other.unwrap_or(&Value::Null),
+                    "a non-empty string",
+                ))
+            }
+        }
+        match function.get("parameters") {
+            None | Some(Value::Null | Value::Object(_)) => {}
+            Some(p) => return Err(bad(".function.parameters", p, "a JSON schema object")),
+        }
+    }
+    Ok((!list.is_empty()).then(|| list.clone()))
+}
+
+/// `tool_choice`: "none", "auto", "required" or `{"type": "function", "function": {"name"}}`
+/// naming one of `tools`.
+fn tool_choice(b: &Body, tools: &[Value]) -> Result<ToolChoice, ApiError> {
+    let Some(v) = b.get("tool_choice") else {
+        return Ok(ToolChoice::Auto);
+    };
+    let choice = match v {
+        Value::String(s) if s == "auto" => return Ok(ToolChoice::Auto),
+        Value::String(s) if s == "none" => return Ok(ToolChoice::None),
+        Value::String(s) if s == "required" => ToolChoice::Required,
+        _ => match v.pointer("/function/name").and_then(Value::as_str) {
+            Some(name) if v.get("type") == Some(&json!("function")) => {
+                if !tools.iter().any(|t| t["function"]["name"] == json!(name)) {
+                    return Err(ApiError::invalid(
+                        "tool_choice",
+                        format!("tool_choice names the function {name:?}, which is not in tools"),
+                    ));
+                }
+                ToolChoice::Function(name.to_string())
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!(
+                        "tool_choice is {v}, must be \"none\", \"auto\", \"required\" or \
+                         {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+                    ),
+                ))
+            }
+        },
+    };
+    if tools.is_empty() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            format!("tool_choice is {v}, but the request has no tools to call"),
+        ));
+    }
+    Ok(choice)
 }

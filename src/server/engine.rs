@@ -19,19 +19,21 @@ use serde_json::{json, Map};
 use tokio::sync::mpsc;
 use tracing::{info, warn, Span};
 
-use super::api::{ApiError, GenRequest, Prompt};
+use super::api::{ApiError, GenRequest, Prompt, ToolChoice};
+use super::channels::Channels;
 use super::lane::{refusal, Lane, Outcome};
 pub use super::lane::{Finish, RequestStats, SpeculationReport, Summary, TokenInfo, TopLogprob};
 use super::metrics::Metrics;
 use super::prefix_cache::{all_trim, Hit, PrefixCache};
 use super::request_log;
 use super::stop::StopMatcher;
+use super::tools::{self, CallFormatter};
 use crate::batch::Batch;
 use crate::bundle::ModelBundle;
 use crate::cache::{KvQuantization, LayerCache};
 use crate::decode::{decode, Hooks, Request, Start};
 use crate::generate::{Control, GenerateParams, GeneratedToken};
-use crate::grammar::Constraint;
+use crate::grammar::{Constraint, Grammar};
 use crate::request::reproducible_seed;
 use crate::sample::{KeySchedule, ProcessorParams, SamplerParams};
 use crate::speculative::{DraftPrefix, Drafter, DrafterSpec};
@@ -54,6 +56,8 @@ pub struct EngineConfig {
     pub kv_quantization: Option<KvQuantization>,
     /// The prefix cache's budget in bytes (0: no prefix cache).
     pub prompt_cache_bytes: usize,
+    /// A chat template's text and where it came from, replacing the model's.
+    pub chat_template: Option<(String, String)>,
 }
 
 impl EngineConfig {
@@ -77,6 +81,8 @@ pub enum Event {
     /// The request passed validation and the prompt is being processed.
     Started {
         prompt_tokens: usize,
+        /// How a chat answer's text splits into content, reasoning and tool calls.
+        channels: Box<Channels>,
     },
     /// Text released by the stop matcher (possibly empty) and the tokens just generated.
     Delta {
@@ -233,7 +239,10 @@ impl Engine {
         metrics: Arc<Metrics>,
     ) -> anyhow::Result<Engine> {
         mlx::set_default_device(config.device)?;
-        let target = ModelBundle::load(&config.model)?;
+        let mut target = ModelBundle::load(&config.model)?;
+        if let Some((source, origin)) = &config.chat_template {
+            target.tokenizer = target.tokenizer.with_chat_template(source, origin);
+        }
         let drafter = config
             .drafter
             .as_ref()
@@ -444,8 +453,11 @@ impl Engine {
                 ),
             ));
         }
-        let constraint = request
-            .grammar
+        let grammar = match self.call_grammar(&request)? {
+            Some(g) => Some(g),
+            None => request.grammar.clone(),
+        };
+        let constraint = grammar
             .as_ref()
             .map(|g| self.target.constraint(g))
             .transpose()
@@ -453,6 +465,7 @@ impl Engine {
         if events
             .send(Event::Started {
                 prompt_tokens: prompt.len(),
+                channels: Box::new(self.channels(&request, &prompt)),
             })
             .is_err()
         {
@@ -500,20 +513,29 @@ impl Engine {
     }
 
     /// A finished lane's prompt and generated tokens, and the tokens the next turn of its
-    /// conversation starts with: the chat rendered with the answer the client received as the
-    /// assistant's message, but the template's last token (the next prompt goes on after the
-    /// end of the turn), when that goes on from the prompt. Otherwise (a raw prompt, or a
-    /// history the template renders otherwise) the prompt and the generated tokens.
+    /// conversation starts with: the chat rendered (with the request's template variables)
+    /// with the answer as the client carries it back as the assistant's message (its content
+    /// and tool calls; reasoning is not sent back), but the template's last token (the next
+    /// prompt goes on after the end of the turn), when that goes on from the prompt. Otherwise
+    /// (a raw prompt, or a history the template renders otherwise) the prompt and the
+    /// generated tokens.
     fn answered(&self, lane: &Lane) -> Answered {
         let generated = lane.tokens.clone();
         let prompt = &generated[..lane.prompt_tokens];
         let rendered = match &lane.request.prompt {
             Prompt::Messages(messages) => {
-                let answer = json!({"role": "assistant", "content": lane.text});
+                let mut channels = self.channels(&lane.request, prompt);
+                let mut said = channels.push(&lane.text);
+                said.extend(channels.finish(true));
+                let mut answer = json!({"role": "assistant", "content": said.content});
+                let calls = CallFormatter::new(false).format(&said.calls);
+                if !calls.is_empty() {
+                    answer["tool_calls"] = json!(calls);
+                }
                 let chat = [messages.as_slice(), &[answer]].concat();
                 let tokenizer = &self.target.tokenizer;
                 tokenizer
-                    .apply_chat_template(&chat, false, &Map::new())
+                    .apply_chat_template(&chat, false, &template_variables(&lane.request))
                     .ok()
                     .and_then(|text| tokenizer.encode(&text, false).ok())
             }
@@ -586,7 +608,7 @@ impl Engine {
         .concat();
         let tokenizer = &self.target.tokenizer;
         let text = tokenizer
-            .apply_chat_template(&opening, false, &Map::new())
+            .apply_chat_template(&opening, false, &template_variables(request))
             .ok()?;
         let opening = tokenizer.encode(&text, false).ok()?;
         let end = opening
@@ -762,14 +784,58 @@ impl Engine {
         lane.outcome(decoded.speculation.as_ref())
     }
 
-    /// The prompt as mlx_lm.server builds it (server.py:618): chat messages through the chat
-    /// template with the generation prompt, encoded without special tokens; raw text encoded
-    /// with them.
+    /// The grammar of the request's tool calls: a call `tool_choice` forces, or under "auto"
+    /// (without a response_format grammar) every call the model starts.
+    fn call_grammar(&self, request: &GenRequest) -> Result<Option<Grammar>, ApiError> {
+        let forced = matches!(
+            request.tool_choice,
+            ToolChoice::Required | ToolChoice::Function(_)
+        );
+        let auto = request.tool_choice == ToolChoice::Auto && request.grammar.is_none();
+        let Some(tools) = request.tools.as_deref().filter(|_| forced || auto) else {
+            return Ok(None);
+        };
+        match self.target.tokenizer.tool_call_markers() {
+            Some(markers) => Ok(tools::call_grammar(tools, &request.tool_choice, markers)),
+            None if forced => Err(ApiError::invalid(
+                "tool_choice",
+                "tool_choice forces a tool call, but the model's chat template has no tool-call \
+                 format verity parses (Qwen's <tool_call>{json}</tool_call>)",
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// The splitter of a chat answer: the tokenizer's markers, starting in reasoning when the
+    /// prompt's last think marker opens a block (mlx_lm.server's initial state, server.py:693).
+    /// Completions' text is not split.
+    fn channels(&self, request: &GenRequest, prompt: &[u32]) -> Channels {
+        let tokenizer = &self.target.tokenizer;
+        if !matches!(request.prompt, Prompt::Messages(_)) {
+            return Channels::new(None, None, false);
+        }
+        let think = tokenizer.thinking_markers();
+        let last = |text: &str| {
+            let ids = tokenizer.encode(text, false).unwrap_or_default();
+            (!ids.is_empty())
+                .then(|| prompt.windows(ids.len()).rposition(|w| w == ids))
+                .flatten()
+        };
+        let open = think
+            .is_some_and(|t| last(&t.start).is_some_and(|s| last(&t.end).is_none_or(|e| s > e)));
+        Channels::new(think.cloned(), tokenizer.tool_call_markers().cloned(), open)
+    }
+
+    /// The prompt as mlx_lm.server builds it (server.py:618): chat messages (as its
+    /// `process_message_content` leaves them) through the chat template with the generation
+    /// prompt, the request's tools and template variables, encoded without special tokens; raw
+    /// text encoded with them.
     fn prompt_tokens(&self, request: &GenRequest) -> crate::Result<Vec<u32>> {
         let tokenizer = &self.target.tokenizer;
         Ok(match &request.prompt {
             Prompt::Messages(messages) => {
-                let text = tokenizer.apply_chat_template(messages, true, &Map::new())?;
+                let extra = template_variables(request);
+                let text = tokenizer.apply_chat_template(messages, true, &extra)?;
                 tokenizer.encode(&text, false)?
             }
             Prompt::Text(text) => tokenizer.encode(text, true)?,
@@ -787,6 +853,8 @@ impl Engine {
                 top_p: r.top_p,
                 min_p: r.min_p,
                 top_k: r.top_k,
+                xtc_probability: r.xtc_probability,
+                xtc_threshold: r.xtc_threshold,
                 xtc_special_tokens: self.xtc_special_tokens.clone(),
                 ..SamplerParams::default()
             },
@@ -820,6 +888,16 @@ fn check_flags(target: &ModelBundle, config: &EngineConfig) -> anyhow::Result<()
     };
     validate::request(target.model(), &[0], &params)
         .map_err(|e| anyhow::anyhow!("verity serve's cache flags: {e}"))
+}
+
+/// The chat template's variables a request sets: its tools and its `chat_template_kwargs`.
+fn template_variables(request: &GenRequest) -> Map<String, serde_json::Value> {
+    let mut extra = Map::new();
+    if let Some(tools) = &request.tools {
+        extra.insert("tools".into(), serde_json::Value::Array(tools.clone()));
+    }
+    extra.extend(request.chat_template_kwargs.clone());
+    extra
 }
 
 /// An engine result as a lane sees it: cancelled during the prefill is no error (`None`).

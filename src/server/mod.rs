@@ -1,5 +1,6 @@
 //! `verity serve`: an OpenAI-compatible HTTP server. The HTTP side (axum on tokio) reads and
-//! checks requests ([`api`]) and shapes responses ([`response`], [`sse`]); the one engine thread
+//! checks requests ([`api`]) and shapes responses ([`response`], [`sse`]), a chat answer split
+//! into content, reasoning and tool calls ([`channels`], [`tools`]); the one engine thread
 //! ([`engine`]) owns MLX and batches requests from a bounded queue, each request's lane
 //! (`lane`) releasing text through the stop-sequence matcher ([`stop`]) and keeping prompt prefixes across requests
 //! ([`prefix_cache`]). A full queue answers 503 with Retry-After at
@@ -7,6 +8,7 @@
 //! what `GET /metrics` serves ([`metrics`]) and log each request in its span (`request_log`).
 
 pub mod api;
+pub mod channels;
 pub mod engine;
 mod lane;
 pub mod metrics;
@@ -15,6 +17,7 @@ mod request_log;
 pub mod response;
 pub mod sse;
 pub mod stop;
+pub mod tools;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -27,9 +30,11 @@ use tokio::sync::mpsc;
 use tracing::{Instrument, Span};
 
 use api::{ApiError, Defaults, Endpoint, GenRequest};
+use channels::{Channels, Parts};
 use engine::{EngineHandle, Event, Finish};
 use metrics::Tally;
-use response::Meta;
+use response::{Meta, Said};
+use tools::CallFormatter;
 
 /// What every handler needs.
 #[derive(Clone)]
@@ -89,12 +94,12 @@ async fn completions(State(app): State<App>, body: Bytes) -> Response {
 async fn generate(app: App, endpoint: Endpoint, body: Bytes) -> Response {
     let mut tally = Tally::new(app.engine.metrics.clone(), endpoint);
     let answered = match start(&app, endpoint, &body).await {
-        Ok((request, events)) => {
+        Ok((request, events, channels)) => {
             let meta = Meta::new(&request);
             if request.stream {
-                return sse::respond(events, meta, request, tally);
+                return sse::respond(events, meta, request, channels, tally);
             }
-            whole(events, meta, request).await
+            whole(events, meta, request, channels).await
         }
         Err(e) => Err(e),
     };
@@ -110,15 +115,15 @@ async fn generate(app: App, endpoint: Endpoint, body: Bytes) -> Response {
     }
 }
 
-/// The request parsed, queued and started by the engine.
+/// The request parsed, queued and started by the engine, and how its answer splits.
 async fn start(
     app: &App,
     endpoint: Endpoint,
     body: &[u8],
-) -> Result<(GenRequest, mpsc::UnboundedReceiver<Event>), ApiError> {
+) -> Result<(GenRequest, mpsc::UnboundedReceiver<Event>, Channels), ApiError> {
     let (request, mut events) = queue(app, endpoint, body).inspect_err(request_log::refused)?;
     match events.recv().await {
-        Some(Event::Started { .. }) => Ok((request, events)),
+        Some(Event::Started { channels, .. }) => Ok((request, events, *channels)),
         Some(Event::Failed(e)) => Err(e),
         _ => Err(ApiError::internal(
             "the engine stopped before the request started",
@@ -145,19 +150,27 @@ async fn whole(
     mut events: mpsc::UnboundedReceiver<Event>,
     meta: Meta,
     request: GenRequest,
+    mut channels: Channels,
 ) -> Result<(Value, Finish), ApiError> {
-    let (mut text, mut tokens) = (String::new(), Vec::new());
+    let (mut parts, mut tokens) = (Parts::default(), Vec::new());
     loop {
         match events.recv().await {
             Some(Event::Delta {
                 text: t,
                 tokens: ts,
             }) => {
-                text.push_str(&t);
+                parts.extend(channels.push(&t));
                 tokens.extend(ts);
             }
             Some(Event::Done(summary)) => {
-                let body = meta.complete(&request, &text, &tokens, &summary);
+                parts.extend(channels.finish(flushes(summary.finish_reason)));
+                let said = Said {
+                    tool_calls: CallFormatter::new(false).format(&parts.calls),
+                    content: parts.content,
+                    reasoning: parts.reasoning,
+                };
+                let finish = response::finish_reason(summary.finish_reason, channels.made_call());
+                let body = meta.complete(&request, &said, &tokens, &summary, finish);
                 return Ok((body, summary.finish_reason));
             }
             Some(Event::Failed(e)) => return Err(e),
@@ -169,4 +182,10 @@ async fn whole(
             }
         }
     }
+}
+
+/// Whether an answer's held-back text is kept at its end: mlx_lm.server flushes it at
+/// max_tokens and drops it at a stop (a partial marker before EOS).
+fn flushes(finish: Finish) -> bool {
+    finish != Finish::Decoded(crate::request::FinishReason::Stop)
 }

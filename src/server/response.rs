@@ -1,6 +1,8 @@
 //! The OpenAI response bodies, shaped as mlx_lm.server shapes them (server.py:1409
 //! `generate_response`, server.py:1720 `completion_usage_response`): a whole completion, a
-//! streaming chunk, the usage chunk. Two deliberate differences: a logprobs entry is the
+//! streaming chunk, the usage chunk. A chat answer's message carries its content (null when
+//! empty, in a whole answer), its reasoning as `reasoning` (mlx-lm's name) and its
+//! `tool_calls`, each only when there is some. Two deliberate differences: a logprobs entry is the
 //! chosen token's (mlx-lm 0.32.2 reports the top-1 alternative as the token when top_logprobs
 //! is set, server.py:1470), and the request's statistics ride next to usage as `verity_stats`.
 
@@ -10,7 +12,24 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde_json::{json, Map, Value};
 
 use super::api::{Endpoint, GenRequest};
-use super::engine::{Summary, TokenInfo};
+use super::engine::{Finish, Summary, TokenInfo};
+use crate::request::FinishReason;
+
+/// A chat answer's parts ready to send (tool calls formatted); a completion's text is `content`.
+#[derive(Debug, Default)]
+pub struct Said {
+    pub content: String,
+    pub reasoning: String,
+    pub tool_calls: Vec<Value>,
+}
+
+/// mlx_lm.server's finish reason: "tool_calls" for an answer that stopped after a tool call.
+pub fn finish_reason(finish: Finish, made_call: bool) -> String {
+    match finish {
+        Finish::Decoded(FinishReason::Stop) if made_call => "tool_calls".into(),
+        other => other.to_string(),
+    }
+}
 
 /// What every body of one response shares.
 #[derive(Clone, Debug)]
@@ -66,28 +85,30 @@ impl Meta {
     }
 
     /// The choice with its text: a chat `message` or `delta`, or a completion's `text`.
-    fn choice(&self, stream: bool, text: &str, finish: Option<String>) -> Map<String, Value> {
+    fn choice(&self, stream: bool, said: &Said, finish: Option<String>) -> Map<String, Value> {
         let mut c = Map::new();
         c.insert("index".into(), json!(0));
         c.insert("finish_reason".into(), json!(finish));
-        match self.endpoint {
-            Endpoint::Chat if stream => {
-                let mut delta = json!({"role": "assistant"});
-                if !text.is_empty() {
-                    delta["content"] = json!(text);
-                }
-                c.insert("delta".into(), delta);
-            }
-            Endpoint::Chat => {
-                c.insert(
-                    "message".into(),
-                    json!({"role": "assistant", "content": text}),
-                );
-            }
-            Endpoint::Completion => {
-                c.insert("text".into(), json!(text));
-            }
+        if self.endpoint == Endpoint::Completion {
+            c.insert("text".into(), json!(said.content));
+            return c;
         }
+        let mut m = Map::new();
+        m.insert("role".into(), json!("assistant"));
+        if !stream {
+            let content = Some(&said.content).filter(|t| !t.is_empty());
+            m.insert("content".into(), json!(content));
+        } else if !said.content.is_empty() {
+            m.insert("content".into(), json!(said.content));
+        }
+        if !said.reasoning.is_empty() {
+            m.insert("reasoning".into(), json!(said.reasoning));
+        }
+        if !said.tool_calls.is_empty() {
+            m.insert("tool_calls".into(), json!(said.tool_calls));
+        }
+        let key = if stream { "delta" } else { "message" };
+        c.insert(key.into(), Value::Object(m));
         c
     }
 
@@ -95,11 +116,12 @@ impl Meta {
     pub fn complete(
         &self,
         request: &GenRequest,
-        text: &str,
+        said: &Said,
         tokens: &[TokenInfo],
         s: &Summary,
+        finish: String,
     ) -> Value {
-        let mut choice = self.choice(false, text, Some(s.finish_reason.to_string()));
+        let mut choice = self.choice(false, said, Some(finish));
         if request.logprobs {
             choice.insert("logprobs".into(), self.logprobs(tokens));
         }
@@ -113,11 +135,11 @@ impl Meta {
     pub fn chunk(
         &self,
         request: &GenRequest,
-        text: &str,
+        said: &Said,
         tokens: &[TokenInfo],
         finish: Option<String>,
     ) -> Value {
-        let mut choice = self.choice(true, text, finish);
+        let mut choice = self.choice(true, said, finish);
         if request.logprobs && !tokens.is_empty() {
             choice.insert("logprobs".into(), self.logprobs(tokens));
         }

@@ -13,9 +13,11 @@ use futures_util::stream;
 use tokio::sync::mpsc;
 
 use super::api::{ApiError, GenRequest};
-use super::engine::Event;
+use super::channels::{Channels, Parts};
+use super::engine::{Event, TokenInfo};
 use super::metrics::Tally;
-use super::response::Meta;
+use super::response::{self, Meta, Said};
+use super::tools::CallFormatter;
 
 struct State {
     /// First, so that it is dropped first: a request whose client left is counted before the
@@ -24,6 +26,12 @@ struct State {
     events: mpsc::UnboundedReceiver<Event>,
     meta: Meta,
     request: GenRequest,
+    channels: Channels,
+    calls: CallFormatter,
+    /// What the answer said since the last chunk, and the tokens it came with: held while a
+    /// tool call is open (mlx_lm.server sends nothing then).
+    said: Parts,
+    tokens: Vec<TokenInfo>,
     out: VecDeque<SseEvent>,
     done: bool,
 }
@@ -33,20 +41,40 @@ fn data(value: serde_json::Value) -> SseEvent {
 }
 
 impl State {
+    /// What the answer said since the last chunk, its tool calls formatted.
+    fn take(&mut self) -> Said {
+        let parts = std::mem::take(&mut self.said);
+        Said {
+            tool_calls: self.calls.format(&parts.calls),
+            content: parts.content,
+            reasoning: parts.reasoning,
+        }
+    }
+
     /// Turns the next engine event into SSE events, marking the end after the last.
     async fn advance(&mut self) {
         match self.events.recv().await {
             Some(Event::Started { .. }) => {}
             Some(Event::Delta { text, tokens }) => {
-                if !text.is_empty() || (self.request.logprobs && !tokens.is_empty()) {
-                    let chunk = self.meta.chunk(&self.request, &text, &tokens, None);
+                self.said.extend(self.channels.push(&text));
+                self.tokens.extend(tokens);
+                let logprobs = self.request.logprobs && !self.tokens.is_empty();
+                if !self.channels.in_tool_call() && (!self.said.is_empty() || logprobs) {
+                    let said = self.take();
+                    let tokens = std::mem::take(&mut self.tokens);
+                    let chunk = self.meta.chunk(&self.request, &said, &tokens, None);
                     self.out.push_back(data(chunk));
                 }
             }
             Some(Event::Done(summary)) => {
                 self.tally.finished(summary.finish_reason);
-                let finish = Some(summary.finish_reason.to_string());
-                let last = self.meta.chunk(&self.request, "", &[], finish);
+                let flush = super::flushes(summary.finish_reason);
+                self.said.extend(self.channels.finish(flush));
+                let finish =
+                    response::finish_reason(summary.finish_reason, self.channels.made_call());
+                let said = self.take();
+                let tokens = std::mem::take(&mut self.tokens);
+                let last = self.meta.chunk(&self.request, &said, &tokens, Some(finish));
                 self.out.push_back(data(last));
                 if self.request.include_usage {
                     self.out.push_back(data(self.meta.usage_chunk(&summary)));
@@ -75,13 +103,18 @@ pub fn respond(
     events: mpsc::UnboundedReceiver<Event>,
     meta: Meta,
     request: GenRequest,
+    channels: Channels,
     tally: Tally,
 ) -> Response {
     let state = State {
         tally,
         events,
+        calls: CallFormatter::new(request.stream),
         meta,
         request,
+        channels,
+        said: Parts::default(),
+        tokens: Vec::new(),
         out: VecDeque::new(),
         done: false,
     };

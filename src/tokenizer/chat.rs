@@ -11,7 +11,7 @@ use minijinja::{Environment, Value};
 use serde_json::{json, Map, Value as Json};
 
 use super::jinja::{raised_message, rewrite_generation_tags, template_environment};
-use super::{Tokenizer, TokenizerError};
+use super::{markers, Markers, Tokenizer, TokenizerError};
 
 /// One user turn, as `mlx_lm.generate` turns its `--prompt` into tokens.
 #[derive(Clone, Debug, Default)]
@@ -30,6 +30,34 @@ impl Tokenizer {
     /// renderer (applying it then fails with [`TokenizerError::UnsupportedRenderer`]).
     pub fn has_chat_template(&self) -> bool {
         self.templates.is_some() || self.renderer.is_some()
+    }
+
+    /// The tokenizer with `source` as its only chat template, as mlx_lm.server's
+    /// `--chat-template` sets it (tokenizer_config's `chat_template`): the tool-call format is
+    /// inferred again from it.
+    pub fn with_chat_template(&self, source: &str, origin: &str) -> Tokenizer {
+        let templates = ChatTemplates::from_sources(vec![(
+            "default".into(),
+            origin.to_string(),
+            source.to_string(),
+        )]);
+        Tokenizer {
+            tool_calls: markers::tool_calls(self.tool_parser_type.as_deref(), Some(source)),
+            templates: Some(templates),
+            renderer: None,
+            ..self.clone()
+        }
+    }
+
+    /// The reasoning markers mlx-lm separates an answer's reasoning by, if the model has any.
+    pub fn thinking_markers(&self) -> Option<&Markers> {
+        self.thinking.as_ref()
+    }
+
+    /// The tool-call markers mlx-lm parses tool calls between, if the model's format is Qwen's
+    /// `<tool_call>{json}</tool_call>` (mlx-lm's json_tools).
+    pub fn tool_call_markers(&self) -> Option<&Markers> {
+        self.tool_calls.as_ref()
     }
 
     /// Renders the chat template like transformers' apply_chat_template(messages,
@@ -73,7 +101,10 @@ impl Tokenizer {
             .collect::<Result<Vec<_>, _>>()?;
 
         let mut context = self.special_tokens.clone();
-        context.insert("enable_thinking".into(), Json::Bool(self.has_thinking));
+        context.insert(
+            "enable_thinking".into(),
+            Json::Bool(self.thinking.is_some()),
+        );
         context.insert("tools".into(), Json::Null);
         context.insert("documents".into(), Json::Null);
         context.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
@@ -148,6 +179,9 @@ pub(super) struct ChatTemplates {
     roles: BTreeMap<String, String>,
     /// Syntax errors by origin, reported when that template is used.
     broken: BTreeMap<String, String>,
+    /// The template's text when there is one only (transformers' `chat_template` is then a
+    /// string, which mlx-lm reads the tool-call format from).
+    single: Option<String>,
 }
 
 impl ChatTemplates {
@@ -226,11 +260,16 @@ impl ChatTemplates {
         if sources.is_empty() {
             return Ok(None);
         }
+        Ok(Some(ChatTemplates::from_sources(sources)))
+    }
 
-        let mut env = template_environment().map_err(|e| TokenizerError::TemplateSyntax {
-            origin: "(environment)".into(),
-            message: e.to_string(),
-        })?;
+    /// Compiles (role, origin, source) templates; a syntax error is kept for when it is used.
+    fn from_sources(sources: Vec<(String, String, String)>) -> ChatTemplates {
+        let single = match sources.as_slice() {
+            [(role, _, source)] if role == "default" => Some(source.clone()),
+            _ => None,
+        };
+        let mut env = template_environment().expect("the environment's syntax settings are valid");
         let mut roles = BTreeMap::new();
         let mut broken = BTreeMap::new();
         for (role, origin, source) in sources {
@@ -240,7 +279,16 @@ impl ChatTemplates {
             }
             roles.insert(role, origin);
         }
-        Ok(Some(ChatTemplates { env, roles, broken }))
+        ChatTemplates {
+            env,
+            roles,
+            broken,
+            single,
+        }
+    }
+
+    pub(super) fn single_source(&self) -> Option<&str> {
+        self.single.as_deref()
     }
 
     /// transformers' `get_chat_template`: a single template is used as is; among named ones

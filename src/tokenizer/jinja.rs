@@ -237,6 +237,23 @@ fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Jin
     Ok(Value::from(out))
 }
 
+/// Python's `json.dumps(value, ensure_ascii=False)`: how mlx_lm.server writes a tool call's
+/// arguments.
+pub fn json_dumps(value: &serde_json::Value) -> String {
+    let dumper = JsonDumper {
+        ensure_ascii: false,
+        indent: None,
+        item_sep: ", ".into(),
+        key_sep: ": ".into(),
+        sort_keys: false,
+    };
+    let mut out = String::new();
+    dumper
+        .write(&mut out, &Value::from(minijinja::value::Serde(value)), 0)
+        .expect("JSON values serialize");
+    out
+}
+
 /// Python's `json.dumps` over template values.
 struct JsonDumper {
     ensure_ascii: bool,

@@ -11,10 +11,13 @@
 mod chat;
 mod detokenizer;
 mod jinja;
+mod markers;
 mod strftime;
 
 pub use chat::UserTurn;
 pub use detokenizer::StreamingDetokenizer;
+pub use jinja::json_dumps;
+pub use markers::Markers;
 
 use std::fs;
 use std::io;
@@ -93,18 +96,6 @@ const NAMED_SPECIAL_TOKENS: [&str; 7] = [
     "mask_token",
 ];
 
-/// mlx-lm's `_infer_thinking`: a model "has thinking" (and its template gets
-/// `enable_thinking=True` by default) when the vocabulary holds one of these pairs.
-const THINK_PAIRS: [(&str, &str); 4] = [
-    ("<think>", "</think>"),
-    ("<longcat_think>", "</longcat_think>"),
-    ("<|think:start|>", "<|think:end|>"),
-    ("<|channel>", "<channel|>"),
-];
-
-/// The vocabulary markers of mlx-lm's "xtml" format, which also implies thinking.
-const XTML_TOKENS: [&str; 4] = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"];
-
 /// The tokenizers backend plus transformers' post-decode cleanup; shared with the naive
 /// detokenizer because mlx-lm's naive strategy re-decodes through the full HF decode.
 struct Backend {
@@ -155,7 +146,12 @@ pub struct Tokenizer {
     special_tokens: Map<String, Json>,
     bos_token: Option<String>,
     eos_token_id: Option<u32>,
-    has_thinking: bool,
+    /// mlx-lm's reasoning markers, from the vocabulary.
+    thinking: Option<Markers>,
+    /// The config's `tool_parser_type`, which wins over what the template shows.
+    tool_parser_type: Option<String>,
+    /// mlx-lm's tool-call markers, from the config or the chat template (json_tools only).
+    tool_calls: Option<Markers>,
     /// Set when the config asks mlx-lm for a Python chat renderer instead of a template.
     renderer: Option<String>,
     detokenizer: DetokenizerKind,
@@ -223,10 +219,7 @@ impl Tokenizer {
         };
         let bos_token = named("bos_token");
         let eos_token_id = named("eos_token").and_then(|t| hf.token_to_id(&t));
-        let has_thinking = THINK_PAIRS
-            .iter()
-            .any(|(start, end)| hf.token_to_id(start).is_some() && hf.token_to_id(end).is_some())
-            || XTML_TOKENS.iter().all(|t| hf.token_to_id(t).is_some());
+        let thinking = markers::thinking(|t| hf.token_to_id(t).is_some());
 
         let clean_up_spaces = config
             .get("clean_up_tokenization_spaces")
@@ -240,6 +233,14 @@ impl Tokenizer {
             .filter(|v| truthy(v))
             .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_string));
         let templates = ChatTemplates::load(dir, &config, &config_path)?;
+        let tool_parser_type = config
+            .get("tool_parser_type")
+            .and_then(Json::as_str)
+            .map(str::to_string);
+        let tool_calls = markers::tool_calls(
+            tool_parser_type.as_deref(),
+            templates.as_ref().and_then(ChatTemplates::single_source),
+        );
 
         let backend = Arc::new(Backend {
             hf,
@@ -253,7 +254,9 @@ impl Tokenizer {
             special_tokens,
             bos_token,
             eos_token_id,
-            has_thinking,
+            thinking,
+            tool_parser_type,
+            tool_calls,
             renderer,
             detokenizer,
         })
