@@ -350,6 +350,7 @@ fn calls_the_model_starts_follow_the_schema_and_speculation_keeps_them() {
             message["reasoning"].as_str().is_some_and(|r| !r.is_empty()),
             "{a}"
         );
+        assert_eq!(message["reasoning_content"], message["reasoning"], "{a}");
         let calls = message["tool_calls"].as_array().unwrap();
         assert_eq!(calls.len(), 1, "{a}");
         let arguments: Value =

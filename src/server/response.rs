@@ -1,8 +1,9 @@
 //! The OpenAI response bodies, shaped as mlx_lm.server shapes them (server.py:1409
 //! `generate_response`, server.py:1720 `completion_usage_response`): a whole completion, a
 //! streaming chunk, the usage chunk. A chat answer's message carries its content (null when
-//! empty, in a whole answer), its reasoning as `reasoning` (mlx-lm's name) and its
-//! `tool_calls`, each only when there is some. Two deliberate differences: a logprobs entry is the
+//! empty, in a whole answer), its reasoning as `reasoning` (mlx-lm's name) and again as
+//! `reasoning_content` (the name vLLM's and DeepSeek's clients read), and its `tool_calls`,
+//! each only when there is some. Two deliberate differences: a logprobs entry is the
 //! chosen token's (mlx-lm 0.32.2 reports the top-1 alternative as the token when top_logprobs
 //! is set, server.py:1470), and the request's statistics ride next to usage as `verity_stats`.
 
@@ -103,6 +104,7 @@ impl Meta {
         }
         if !said.reasoning.is_empty() {
             m.insert("reasoning".into(), json!(said.reasoning));
+            m.insert("reasoning_content".into(), json!(said.reasoning));
         }
         if !said.tool_calls.is_empty() {
             m.insert("tool_calls".into(), json!(said.tool_calls));
