@@ -96,8 +96,8 @@ fn enqueue_by_groups(ends: &[Array]) -> mlx::Result<()> {
     Ok(())
 }
 
-/// Feeds `tokens` to the model in chunks of `prefill_step_size`, evaluating the caches after
-/// each chunk, and converting them to quantized KV caches when due (generate_step's prefill).
+/// Feeds `tokens` to the model in chunks of `prefill_step_size` (each also ending at the
+/// `prefill_splits` it reaches), evaluating the caches after each chunk, and converting them to quantized KV caches when due (generate_step's prefill).
 /// `on_chunk` sees each chunk (the processors' history collects them).
 pub fn prefill(
     model: &dyn LanguageModel,
@@ -121,8 +121,19 @@ pub fn prefill_tapped(
 ) -> Result<Vec<Array>> {
     let mut rest = tokens.clone();
     let mut chunks: Vec<Vec<Array>> = vec![Vec::new(); taps.len()];
+    let mut at = caches.first().map_or(0, LayerCache::offset);
     while rest.dim(0) > 0 {
-        let n = (params.prefill_step_size as i32).min(rest.dim(0));
+        let step = params.prefill_step_size.min(rest.dim(0) as usize);
+        let n = match params
+            .prefill_splits
+            .iter()
+            .find(|&&s| s > at && s < at + step)
+        {
+            Some(&split) => split - at,
+            None => step,
+        };
+        at += n;
+        let n = n as i32;
         let chunk = rest.slice_axis(0, 0, n)?;
         let groups = group_ends(n as usize, model.num_layers());
         let wanted: Vec<usize> = taps.iter().chain(&groups).copied().collect();

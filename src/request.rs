@@ -43,6 +43,11 @@ pub struct GenerateParams {
     /// How the seed keys each draw: mlx-lm's sequence or mlx-vlm's per-position keys.
     pub keys: KeySchedule,
     pub prefill_step_size: usize,
+    /// Cache offsets where a prefill chunk must end besides every `prefill_step_size` tokens:
+    /// where a prefix cache may resume the prompt, so that a prefill resumed there and one from
+    /// the start feed the same chunks. A sliding window's chunk attends the keys its cache
+    /// kept, which depend on where the chunk starts, so its bits do too.
+    pub prefill_splits: Vec<usize>,
     pub max_kv_size: Option<usize>,
     pub kv_quantization: Option<KvQuantization>,
     /// Tokens that end generation with finish reason "stop".
@@ -59,6 +64,7 @@ impl GenerateParams {
             seed: None,
             keys: KeySchedule::Sequence,
             prefill_step_size: 2048,
+            prefill_splits: Vec::new(),
             max_kv_size: None,
             kv_quantization: None,
             eos_token_ids,

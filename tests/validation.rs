@@ -144,6 +144,7 @@ fn run(model: &dyn LanguageModel, eos: &[u32], r: &Request) -> Result<Vec<u32>, 
         seed: Some(7),
         keys: r.keys,
         prefill_step_size: 4,
+        prefill_splits: Vec::new(),
         max_kv_size: r.max_kv_size,
         kv_quantization: r.kv.map(|(bits, group_size)| KvQuantization {
             bits,

@@ -272,6 +272,7 @@ fn generate_params(a: &GenerateArgs, bundle: &ModelBundle) -> anyhow::Result<Gen
         seed: reproducible_seed(a.seed, a.temp),
         keys: a.keys,
         prefill_step_size: a.cache.prefill_step_size,
+        prefill_splits: Vec::new(),
         max_kv_size: a.cache.max_kv_size,
         kv_quantization: a.cache.kv_quantization(),
         eos_token_ids: bundle.eos_token_ids.clone(),

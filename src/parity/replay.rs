@@ -73,6 +73,7 @@ pub fn params(trace: &Trace, eos_token_ids: Vec<u32>) -> Result<GenerateParams> 
             trace::Keys::Positioned => KeySchedule::Positioned,
         },
         prefill_step_size: p.prefill_step_size,
+        prefill_splits: Vec::new(),
         max_kv_size: p.max_kv_size,
         kv_quantization: p.kv_bits.map(|bits| KvQuantization {
             bits: bits as i32,

@@ -423,7 +423,7 @@ impl Engine {
         }
         let started = Instant::now();
         let prompt = self.prompt_tokens(&request).map_err(refusal)?;
-        let mut params = self.params(&request);
+        let mut params = self.params(&request, &prompt);
         validate::request(self.target.model(), &prompt, &params).map_err(refusal)?;
         if let Some(room) = self.context.and_then(|c| c.checked_sub(prompt.len())) {
             if params.max_tokens > room && request.max_tokens_named {
@@ -478,7 +478,7 @@ impl Engine {
             .system_end(&request, &prompt)
             .filter(|&end| end > cached)
         {
-            self.keep_prefill(&prompt[..=end], hit);
+            self.keep_prefill(&prompt[..=end], hit, &params.prefill_splits);
             hit = self.prefix.borrow_mut().lookup(&self.namespace, &prompt);
         }
         let start = Hit::start(hit);
@@ -548,10 +548,13 @@ impl Engine {
             }
             _ => generated.clone(),
         };
+        let mut splits = self.prefill_splits(&lane.request, prompt);
+        splits.push(prompt.len() - 1);
         Answered {
             prompt_tokens: prompt.len(),
             generated,
             next,
+            splits,
         }
     }
 
@@ -581,7 +584,7 @@ impl Engine {
                 prefix.insert(&self.namespace, held, &caches, None);
                 self.metrics.prefix_held(prefix.len(), prefix.bytes());
             }
-            None => self.prefill_answer(next, answered.prompt_tokens),
+            None => self.prefill_answer(next, answered.prompt_tokens, &answered.splits),
         }
     }
 
@@ -623,23 +626,25 @@ impl Engine {
     /// them, at least the first `prompt_tokens` but one (the prompt's), and keeps the result.
     /// Nothing happens when no entry holds the prompt any more: the next turn would prefill
     /// all of it anyway.
-    fn prefill_answer(&self, tokens: &[u32], prompt_tokens: usize) {
+    fn prefill_answer(&self, tokens: &[u32], prompt_tokens: usize, splits: &[usize]) {
         let hit = self.prefix.borrow_mut().lookup(&self.namespace, tokens);
         if let Some(hit) = hit.filter(|h| h.cached + 1 >= prompt_tokens) {
-            self.keep_prefill(tokens, Some(hit));
+            self.keep_prefill(tokens, Some(hit), splits);
         }
     }
 
-    /// Prefills `tokens` but the last from `hit` (fresh caches without one) and keeps the
-    /// result in the prefix cache, through the decode a request takes (a drafter's caches are
-    /// prefilled with the target's); the one token that decode then emits is dropped.
-    fn keep_prefill(&self, tokens: &[u32], hit: Option<Hit>) {
+    /// Prefills `tokens` but the last from `hit` (fresh caches without one), its chunks cut at
+    /// `splits` as a request's are ([`Engine::prefill_splits`]), and keeps the result in the
+    /// prefix cache, through the decode a request takes (a drafter's caches are prefilled with
+    /// the target's); the one token that decode then emits is dropped.
+    fn keep_prefill(&self, tokens: &[u32], hit: Option<Hit>, splits: &[usize]) {
         if hit.as_ref().is_some_and(|h| h.cached + 1 == tokens.len()) {
             return;
         }
         let start = Hit::start(hit);
         let params = GenerateParams {
             prefill_step_size: self.config.prefill_step_size,
+            prefill_splits: splits.to_vec(),
             max_kv_size: self.config.max_kv_size,
             kv_quantization: self.config.kv_quantization,
             ..GenerateParams::greedy(1, self.target.eos_token_ids.clone())
@@ -845,7 +850,7 @@ impl Engine {
 
     /// The request's generation parameters. Sampling without a seed uses seed 0 (as
     /// `verity generate` does), so every response can be reproduced.
-    fn params(&self, r: &GenRequest) -> GenerateParams {
+    fn params(&self, r: &GenRequest, prompt: &[u32]) -> GenerateParams {
         GenerateParams {
             max_tokens: r.max_tokens,
             sampler: SamplerParams {
@@ -870,10 +875,46 @@ impl Engine {
             seed: reproducible_seed(r.seed, r.temperature),
             keys: KeySchedule::Sequence,
             prefill_step_size: self.config.prefill_step_size,
+            prefill_splits: self.prefill_splits(r, prompt),
             max_kv_size: self.config.max_kv_size,
             kv_quantization: self.config.kv_quantization,
             eos_token_ids: self.target.eos_token_ids.clone(),
         }
+    }
+
+    /// Where a chat's prefill cuts its chunks, where the caches cannot be cut back (none
+    /// otherwise): wherever the prefix cache may hold an entry of this conversation (the end of
+    /// its system messages, and for each earlier turn the end of its prompt but the last token
+    /// and the end of its history entry, [`Engine::answered`]), so that a prefill resumed from
+    /// any of them and one from the start feed the same chunks. Earlier turns' renderings are
+    /// prefixes of this prompt, so their splits are this prompt's below them.
+    fn prefill_splits(&self, request: &GenRequest, prompt: &[u32]) -> Vec<usize> {
+        let Prompt::Messages(messages) = &request.prompt else {
+            return Vec::new();
+        };
+        if self.trims {
+            return Vec::new();
+        }
+        let (tokenizer, extra) = (&self.target.tokenizer, template_variables(request));
+        let tokens = |chat: &[serde_json::Value], generation: bool| {
+            let text = tokenizer
+                .apply_chat_template(chat, generation, &extra)
+                .ok()?;
+            tokenizer.encode(&text, false).ok().map(|t| t.len())
+        };
+        let mut splits: Vec<usize> = self.system_end(request, prompt).into_iter().collect();
+        for (i, _) in messages
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m["role"] == "assistant")
+        {
+            splits.extend(tokens(&messages[..i], true).map(|n| n.saturating_sub(1)));
+            splits.extend(tokens(&messages[..=i], false).map(|n| n.saturating_sub(2)));
+        }
+        splits.retain(|&s| s > 0 && s < prompt.len());
+        splits.sort_unstable();
+        splits.dedup();
+        splits
     }
 }
 
@@ -916,6 +957,9 @@ struct Answered {
     generated: Vec<u32>,
     /// What the next turn of its conversation starts with.
     next: Vec<u32>,
+    /// Where prefilling `next` cuts its chunks: the request's splits and the end of its
+    /// prompt's entry, which it resumes from.
+    splits: Vec<usize>,
 }
 
 /// A validated request whose client was told it started, and what its decode needs.
