@@ -19,6 +19,8 @@ pub enum Activation {
     Swiglu,
     /// `nn.gelu_approx(gate) * x` (gemma).
     GeluApprox,
+    /// gemma4_text's compiled `geglu(gate, x)`: the same expression fused into one graph.
+    Geglu,
 }
 
 impl GatedMlp {
@@ -45,6 +47,7 @@ impl GatedMlp {
         let h = match self.activation {
             Activation::Swiglu => compiled::swiglu(&gate, &up)?,
             Activation::GeluApprox => compiled::gelu_approx(&gate)?.multiply(&up)?,
+            Activation::Geglu => compiled::geglu(&gate, &up)?,
         };
         self.down_proj.forward(&h)
     }
