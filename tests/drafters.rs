@@ -26,7 +26,7 @@ fn bits(a: &Array) -> Vec<u8> {
     a.to_bytes().unwrap()
 }
 
-const ARCHITECTURES: [&str; 8] = [
+const ARCHITECTURES: [&str; 9] = [
     "llama",
     "qwen3",
     "gemma3",
@@ -35,6 +35,7 @@ const ARCHITECTURES: [&str; 8] = [
     "qwen3_moe",
     "qwen3_5_moe",
     "glm4_moe",
+    "gemma4",
 ];
 
 #[test]

@@ -288,6 +288,7 @@ pub struct Model {
     window: usize,
     /// Layers that own a cache (all but the KV-shared ones).
     owners: usize,
+    /// The sliding layers' head_dim (mlx-lm's `head_dim` property; full layers may be wider).
     head_dim: usize,
 }
 
@@ -595,6 +596,7 @@ impl LanguageModel for Model {
             Some(p) => Some(self.per_layer_inputs(p, ids, &h)?),
             None => None,
         };
+        // Checked before the masks read the rows' caches (run_with_caches checks again).
         rows::check(rows, lens, self.owners, h.dim(1) as usize)?;
         // One mask per layer type, from the first layer of that type (an owning layer).
         let first = |full: bool| self.layers.iter().position(|l| l.full == full);
