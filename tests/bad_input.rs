@@ -1111,9 +1111,27 @@ fn model_folder_cases() -> Vec<Case> {
             config_value("gemma4", "num_kv_shared_layers", json!(4)),
         ),
         folder(
-            "gemma4-moe-block",
-            &["config.json", "enable_moe_block is true", "not supported"],
+            "gemma4-moe-block-without-experts",
+            &[
+                "config.json",
+                "num_experts is missing",
+                "enable_moe_block is true",
+            ],
             config_value("gemma4", "enable_moe_block", json!(true)),
+        ),
+        folder(
+            "gemma4-moe-top-k-past-the-experts",
+            &[
+                "config.json",
+                "top_k_experts is 5",
+                "between 1 and num_experts (4)",
+            ],
+            config_value("gemma4_moe", "top_k_experts", json!(5)),
+        ),
+        folder(
+            "gemma4-moe-missing-router-scale",
+            &["missing tensor", "model.layers.1.router.per_expert_scale"],
+            without_tensor("gemma4_moe", "model.layers.1.router.per_expert_scale"),
         ),
         folder(
             "gemma4-layer-types-short",

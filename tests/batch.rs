@@ -359,6 +359,18 @@ fn gemma4_4bit_batch_rows_equal_their_lone_requests() {
     check_fixture("gemma4-4bit", Caches::Plain);
 }
 
+/// Gemma 4's MoE block: each row's tokens routed by their own scores, the packed prefill past
+/// SwitchGLU's 64 pairs where a row alone may not be.
+#[test]
+fn gemma4_moe_batch_rows_equal_their_lone_requests() {
+    check_fixture("gemma4_moe", Caches::Plain);
+}
+
+#[test]
+fn gemma4_moe_4bit_batch_rows_equal_their_lone_requests() {
+    check_fixture("gemma4_moe-4bit", Caches::Plain);
+}
+
 #[test]
 fn qwen3_4bit_quantized_kv_batch_rows_equal_their_lone_requests() {
     check_fixture("qwen3-4bit", Caches::QuantizedKv);

@@ -26,7 +26,7 @@ fn bits(a: &Array) -> Vec<u8> {
     a.to_bytes().unwrap()
 }
 
-const ARCHITECTURES: [&str; 9] = [
+const ARCHITECTURES: [&str; 10] = [
     "llama",
     "qwen3",
     "gemma3",
@@ -36,6 +36,7 @@ const ARCHITECTURES: [&str; 9] = [
     "qwen3_5_moe",
     "glm4_moe",
     "gemma4",
+    "gemma4_moe",
 ];
 
 #[test]

@@ -229,6 +229,11 @@ fn gemma4_rollback_equals_a_fresh_run() {
 }
 
 #[test]
+fn gemma4_moe_rollback_equals_a_fresh_run() {
+    check_architecture("gemma4_moe", None);
+}
+
+#[test]
 fn qwen3_4bit_with_quantized_kv_rollback_equals_a_fresh_run() {
     check_architecture(
         "qwen3-4bit",
