@@ -126,6 +126,39 @@ _GLM4_MOE = dict(
     rms_norm_eps=1e-5, vocab_size=VOCAB, max_position_embeddings=4096, scoring_func="sigmoid",
     topk_method="noaux_tc", tie_word_embeddings=False, eos_token_id=EOS,
 )
+# Five layers, sliding/full/sliding then two KV-shared ones (a sliding layer reading layer 2's
+# cache, a full one reading layer 1's, both with double-wide GeGLU MLPs); full layers 64 wide
+# with keys as values (attention_k_eq_v, two global KV heads) and proportional RoPE on a quarter
+# of each head, sliding ones 32 wide over a 16-token window; per-layer inputs 8 wide (their
+# projections, like the MLPs' down_proj, stay f32 in the -4bit copy: inputs below 64); tied
+# embeddings and soft-capped logits. No MoE block (gemma4_moe below has one).
+_GEMMA4 = dict(
+    architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", hidden_size=64,
+    num_hidden_layers=5, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=32, global_head_dim=64, num_global_key_value_heads=2, attention_k_eq_v=True,
+    num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                 "full_attention"],
+    rope_parameters=dict(
+        full_attention=dict(partial_rotary_factor=0.25, rope_theta=1000000.0,
+                            rope_type="proportional"),
+        sliding_attention=dict(partial_rotary_factor=1.0, rope_theta=10000.0,
+                               rope_type="default")),
+    final_logit_softcapping=30.0, use_double_wide_mlp=True, enable_moe_block=False,
+    rms_norm_eps=1e-6, vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=True,
+    eos_token_id=EOS,
+)
+# Gemma 4's MoE variant, small: three layers (sliding, full, then a sliding one reading layer
+# 0's cache), each with its MLP beside a block of 4 GeGLU experts (top 2, random router scales);
+# no per-layer inputs and no double-wide MLPs (the branches the dense fixture leaves out). Its
+# -4bit copy keeps mlx-lm's quant_predicate (the router projections at 8 bits).
+_GEMMA4_MOE = {
+    **_GEMMA4, "num_hidden_layers": 3, "num_kv_shared_layers": 1,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "hidden_size_per_layer_input": 0, "use_double_wide_mlp": False, "enable_moe_block": True,
+    "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+}
 # The experts the -4bit copy quantizes at 8 bits (besides mlx-lm's router gates): layer 2's.
 QWEN3_MOE_8BIT = "model.layers.2.mlp.switch_mlp."
 
@@ -163,6 +196,8 @@ SPECS = {
         architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe",
         text_config=_QWEN35_MOE_TEXT, tie_word_embeddings=True, eos_token_id=EOS)),
     "glm4_moe": (9, _GLM4_MOE),
+    "gemma4": (10, _GEMMA4),
+    "gemma4_moe": (11, _GEMMA4_MOE),
 }
 
 # Norm weights that HF stores zero-centred and the oracles shift by +1 when loading a Qwen3.5 HF
@@ -207,8 +242,16 @@ def build_mlx_lm(cfg: dict, seed: int) -> dict:
     weights = dict(tree_flatten(model.parameters()))
     if cfg.get("tie_word_embeddings") is False and not any(k.endswith("lm_head.weight") for k in weights):
         die(f"{cfg['model_type']}: tie_word_embeddings=false but the model has no lm_head")
-    gemma = cfg["model_type"].startswith("gemma")
-    return tweak_init(weights, seed, one_centred=not gemma)
+    # Only gemma3's norms scale by (1 + w); gemma4's are plain nn.RMSNorm.
+    out = tweak_init(weights, seed, one_centred=cfg["model_type"] != "gemma3_text")
+    # gemma4's per-layer scalars and router scales (ones at init) around 1 as well, so that a
+    # skipped one shows.
+    key = mx.random.key(20_000 + seed)
+    scales = (".layer_scalar", ".router.scale", ".router.per_expert_scale")
+    for name in sorted(k for k in out if k.endswith(scales)):
+        key, sub = mx.random.split(key)
+        out[name] = 1.0 + NORM_SIGMA * mx.random.normal(out[name].shape, key=sub)
+    return out
 
 
 def build_qwen3_5_hf(cfg: dict, seed: int) -> dict:

@@ -1099,6 +1099,82 @@ fn model_folder_cases() -> Vec<Case> {
             ),
         ),
         folder(
+            "gemma4-kv-sharing-past-the-layers",
+            &[
+                "config.json",
+                "num_kv_shared_layers is 7",
+                "below num_hidden_layers (5)",
+            ],
+            config_value("gemma4", "num_kv_shared_layers", json!(7)),
+        ),
+        folder(
+            "gemma4-every-layer-kv-shared",
+            &[
+                "config.json",
+                "num_kv_shared_layers is 5",
+                "below num_hidden_layers (5)",
+            ],
+            config_value("gemma4", "num_kv_shared_layers", json!(5)),
+        ),
+        folder(
+            "gemma4-kv-shared-layer-without-an-owner",
+            &[
+                "config.json",
+                "layer 1 is KV-shared (num_kv_shared_layers is 4)",
+                "no earlier layer is a full_attention",
+            ],
+            config_value("gemma4", "num_kv_shared_layers", json!(4)),
+        ),
+        folder(
+            "gemma4-moe-block-without-experts",
+            &[
+                "config.json",
+                "num_experts is missing",
+                "enable_moe_block is true",
+            ],
+            config_value("gemma4", "enable_moe_block", json!(true)),
+        ),
+        folder(
+            "gemma4-moe-top-k-past-the-experts",
+            &[
+                "config.json",
+                "top_k_experts is 5",
+                "between 1 and num_experts (4)",
+            ],
+            config_value("gemma4_moe", "top_k_experts", json!(5)),
+        ),
+        folder(
+            "gemma4-moe-missing-router-scale",
+            &["missing tensor", "model.layers.1.router.per_expert_scale"],
+            without_tensor("gemma4_moe", "model.layers.1.router.per_expert_scale"),
+        ),
+        folder(
+            "gemma4-layer-types-short",
+            &[
+                "config.json",
+                "layer_types has 1 entries",
+                "one per layer (5)",
+            ],
+            config_value("gemma4", "layer_types", json!(["full_attention"])),
+        ),
+        folder(
+            "gemma4-per-layer-vocab-too-small",
+            &[
+                "config.json",
+                "vocab_size_per_layer_input is 512",
+                "at least vocab_size (1024)",
+            ],
+            config_value("gemma4", "vocab_size_per_layer_input", json!(512)),
+        ),
+        folder(
+            "gemma4-missing-per-layer-tensor",
+            &[
+                "missing tensor",
+                "model.layers.2.per_layer_input_gate.weight",
+            ],
+            without_tensor("gemma4", "model.layers.2.per_layer_input_gate.weight"),
+        ),
+        folder(
             "quantization-group-zero",
             &["quantization.group_size is 0"],
             broken_config("qwen3-4bit", |c| {

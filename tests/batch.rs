@@ -347,6 +347,30 @@ fn glm4_moe_4bit_batch_rows_equal_their_lone_requests() {
     check_fixture("glm4_moe-4bit", Caches::Plain);
 }
 
+/// KV-shared layers: each row's shared layers attend over what that row's owner fetched from
+/// its own caches, at its own offset.
+#[test]
+fn gemma4_batch_rows_equal_their_lone_requests() {
+    check_fixture("gemma4", Caches::Plain);
+}
+
+#[test]
+fn gemma4_4bit_batch_rows_equal_their_lone_requests() {
+    check_fixture("gemma4-4bit", Caches::Plain);
+}
+
+/// Gemma 4's MoE block: each row's tokens routed by their own scores, the packed prefill past
+/// SwitchGLU's 64 pairs where a row alone may not be.
+#[test]
+fn gemma4_moe_batch_rows_equal_their_lone_requests() {
+    check_fixture("gemma4_moe", Caches::Plain);
+}
+
+#[test]
+fn gemma4_moe_4bit_batch_rows_equal_their_lone_requests() {
+    check_fixture("gemma4_moe-4bit", Caches::Plain);
+}
+
 #[test]
 fn qwen3_4bit_quantized_kv_batch_rows_equal_their_lone_requests() {
     check_fixture("qwen3-4bit", Caches::QuantizedKv);
@@ -450,6 +474,16 @@ fn qwen3_5_speculative_batch_rows_equal_their_lone_requests() {
 fn gemma3_speculative_batch_rows_equal_their_lone_requests() {
     check_speculative_fixture(
         "gemma3",
+        Caches::Plain,
+        &[DrafterSpec::Ngram { min: 1, max: 2 }],
+    );
+}
+
+/// KV-shared layers under speculation: a rejected draft is trimmed from the owners' caches only.
+#[test]
+fn gemma4_speculative_batch_rows_equal_their_lone_requests() {
+    check_speculative_fixture(
+        "gemma4",
         Caches::Plain,
         &[DrafterSpec::Ngram { min: 1, max: 2 }],
     );

@@ -221,6 +221,18 @@ fn glm4_moe_rollback_equals_a_fresh_run() {
     check_architecture("glm4_moe", None);
 }
 
+/// KV-shared layers: the rollback trims only the owning layers' caches (mlx-lm's make_cache),
+/// and the shared layers read whatever their owners then hold.
+#[test]
+fn gemma4_rollback_equals_a_fresh_run() {
+    check_architecture("gemma4", None);
+}
+
+#[test]
+fn gemma4_moe_rollback_equals_a_fresh_run() {
+    check_architecture("gemma4_moe", None);
+}
+
 #[test]
 fn qwen3_4bit_with_quantized_kv_rollback_equals_a_fresh_run() {
     check_architecture(
@@ -247,7 +259,14 @@ fn keeping_rejected_tokens_exceeds_the_gpu_tolerance() {
         }],
         next: 31,
     };
-    for fixture in ["llama", "qwen3", "gemma3", "qwen3_next", "qwen3_5"] {
+    for fixture in [
+        "llama",
+        "qwen3",
+        "gemma3",
+        "qwen3_next",
+        "qwen3_5",
+        "gemma4",
+    ] {
         let bundle = ModelBundle::load(&model_dir(fixture)).unwrap();
         let model = bundle.model.as_ref();
         let mut caches = make_caches(model, None);

@@ -114,6 +114,14 @@ fn gemma3_past_its_window_speculates_until_the_window_fills_then_refuses() {
     assert!(r.refused > 0, "no round was refused past the window: {r:?}");
 }
 
+/// gemma4's sliding owners refuse like gemma3's; its KV-shared layers follow their owners.
+#[test]
+fn gemma4_past_its_window_speculates_until_the_window_fills_then_refuses() {
+    let r = spec_equals_plain("gemma4", "gemma4/greedy/code", 6);
+    assert!(r.partial > 0, "no round was rolled back: {r:?}");
+    assert!(r.refused > 0, "no round was refused past the window: {r:?}");
+}
+
 #[test]
 fn qwen3_next_speculation_equals_plain_with_real_rollbacks() {
     let r = spec_equals_plain("qwen3_next", "qwen3_next/greedy/code", usize::MAX);

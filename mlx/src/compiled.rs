@@ -37,6 +37,17 @@ pub fn gelu_approx(x: &Array) -> Result<Array> {
     call(Kernel::GeluApprox, &[x])
 }
 
+/// `mlx_lm.models.gemma4_text.geglu(gate, x)`: `gelu_approx(gate) * x` as one compiled graph.
+pub fn geglu(gate: &Array, x: &Array) -> Result<Array> {
+    call(Kernel::Geglu, &[gate, x])
+}
+
+/// `mlx_lm.models.gemma4_text.logit_softcap(softcap, x)`: `tanh(x / softcap) * softcap`, with
+/// `softcap` a scalar in `x`'s dtype.
+pub fn logit_softcap(x: &Array, softcap: &Array) -> Result<Array> {
+    call(Kernel::LogitSoftcap, &[x, softcap])
+}
+
 /// `mlx.nn.softplus`: `logaddexp(x, 0)`.
 pub fn softplus(x: &Array) -> Result<Array> {
     call(Kernel::Softplus, &[x])

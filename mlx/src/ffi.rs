@@ -84,6 +84,8 @@ pub(crate) mod bridge {
         PreciseSwiglu,
         ComputeG,
         GatedDeltaStep,
+        Geglu,
+        LogitSoftcap,
     }
 
     unsafe extern "C++" {

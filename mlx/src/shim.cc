@@ -77,6 +77,20 @@ std::vector<mx::array> gelu_approx_fn(const std::vector<mx::array>& in) {
                        mx::add(mx::array(1.0f, dt), mx::tanh(inner)))};
 }
 
+// mlx_lm.models.gemma4_text.geglu(gate, x): `nn.gelu_approx(gate) * x`, compiled shapeless
+// (the nested compiled gelu_approx is traced into the same graph).
+std::vector<mx::array> geglu_fn(const std::vector<mx::array>& in) {
+  return {mx::multiply(gelu_approx_fn({in[0]})[0], in[1])};
+}
+
+// mlx_lm.models.gemma4_text.logit_softcap(softcap, x): `mx.tanh(x / softcap) * softcap`,
+// compiled shapeless; the Python float softcap arrives as a scalar in x's dtype (what the
+// weak scalar becomes).
+std::vector<mx::array> logit_softcap_fn(const std::vector<mx::array>& in) {
+  const auto &x = in[0], &cap = in[1];
+  return {mx::multiply(mx::tanh(mx::divide(x, cap)), cap)};
+}
+
 // mlx.nn.softplus: `mx.logaddexp(x, 0)`.
 std::vector<mx::array> softplus_fn(const std::vector<mx::array>& in) {
   return {mx::logaddexp(in[0], mx::array(0.0f, in[0].dtype()))};
@@ -168,6 +182,8 @@ const CompiledFn& kernel_fn(Kernel kernel) {
     case Kernel::Sigmoid: fn = mx::compile(sigmoid_fn, true); break;
     case Kernel::PreciseSwiglu: fn = mx::compile(precise_swiglu_fn, true); break;
     case Kernel::ComputeG: fn = mx::compile(compute_g_fn, true); break;
+    case Kernel::Geglu: fn = mx::compile(geglu_fn, true); break;
+    case Kernel::LogitSoftcap: fn = mx::compile(logit_softcap_fn, true); break;
     // `@mx.compile` without shapeless: retraced per shape, as in Python.
     case Kernel::GatedDeltaStep: fn = mx::compile(gated_delta_step_fn, false); break;
     default: throw std::invalid_argument("unknown compiled kernel");

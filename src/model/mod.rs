@@ -2,6 +2,7 @@
 
 pub mod dflash;
 pub mod gemma3_text;
+pub mod gemma4_text;
 pub mod glm4_moe;
 pub mod layers;
 pub mod llama;
@@ -58,6 +59,12 @@ pub trait LanguageModel {
     /// Layers in the model (`len(model.layers)`), one cache each.
     fn num_layers(&self) -> usize;
 
+    /// The caches one sequence holds: one per layer, except where later layers read an earlier
+    /// layer's cache (gemma4_text's KV-shared layers, which mlx-lm's make_cache leaves out).
+    fn num_caches(&self) -> usize {
+        self.num_layers()
+    }
+
     /// The caches of the Python class's own `make_cache`, for the families that define one;
     /// None where mlx-lm builds the default layout.
     fn own_caches(&self) -> Option<Vec<LayerCache>>;
@@ -104,6 +111,7 @@ pub const MODEL_TYPES: &[&str] = &[
     "qwen3_moe",
     "qwen3_5_moe",
     "glm4_moe",
+    "gemma4_text",
 ];
 
 /// Loads a model folder's config and weights (evaluated once, as mlx-lm does unless lazy)
@@ -122,6 +130,7 @@ pub fn load(dir: &Path) -> LoadResult<(Box<dyn LanguageModel>, Config)> {
         "qwen3_moe" => Box::new(qwen3_moe::load(&config, &mut weights, &quant)?),
         "qwen3_5_moe" => Box::new(qwen3_5_moe::load(&config, &mut weights, &quant)?),
         "glm4_moe" => Box::new(glm4_moe::load(&config, &mut weights, &quant)?),
+        "gemma4_text" => Box::new(gemma4_text::Model::load(&config, &mut weights, &quant)?),
         other => {
             return Err(LoadError::UnknownModelType {
                 path: config.path.clone(),

@@ -31,6 +31,14 @@ impl<'a> LayerRows<'a> {
         }
     }
 
+    /// The rows' lengths alone, for a layer that keeps no cache of its own.
+    pub(crate) fn without_caches(lens: &'a [usize]) -> Self {
+        LayerRows {
+            caches: Vec::new(),
+            lens,
+        }
+    }
+
     /// One sequence's view: its cache of the layer, `lens` its one length.
     pub fn one(cache: &'a mut LayerCache, lens: &'a [usize]) -> Self {
         LayerRows {

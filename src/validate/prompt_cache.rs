@@ -21,11 +21,11 @@ pub fn prompt_cache(
     caches: &[LayerCache],
     p: &GenerateParams,
 ) -> Result<()> {
-    if caches.len() != model.num_layers() {
+    if caches.len() != model.num_caches() {
         return Err(invalid(
             &format!("{file}: the number of cache layers"),
             caches.len(),
-            &format!("this model has {} layers", model.num_layers()),
+            &format!("this model has {} layer caches", model.num_caches()),
         ));
     }
     let mut probe = model.make_cache(p.max_kv_size);

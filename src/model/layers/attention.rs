@@ -131,17 +131,28 @@ pub fn attend_rows(
         let q = rope.forward(&q[r], offset)?;
         let k = rope.forward(&k[r], offset)?;
         let kv = cache.update_and_fetch(&k, &v[r])?;
-        let each_query = lone_rows::active()
-            && matches!(**cache, LayerCache::Kv(_))
-            && matches!(masks[r], Mask::Causal);
-        outs.push(match &kv {
-            KeysValues::Dense { keys, values } if each_query => {
-                attend_each_query(&q, keys, values, scale)?
-            }
-            _ => attend(&q, &kv, scale, &masks[r])?,
-        });
+        let plain = matches!(**cache, LayerCache::Kv(_));
+        outs.push(attend_row(&q, &kv, scale, &masks[r], plain)?);
     }
     rows.join(outs, 2)
+}
+
+/// One row's attention over the keys and values its cache returned: [`attend`], or, on the
+/// lone-row path over a plain KV cache (`plain_kv`) with a causal mask, one query at a time.
+pub fn attend_row(
+    q: &Array,
+    kv: &KeysValues,
+    scale: f32,
+    mask: &Mask,
+    plain_kv: bool,
+) -> crate::Result<Array> {
+    let each_query = lone_rows::active() && plain_kv && matches!(mask, Mask::Causal);
+    match kv {
+        KeysValues::Dense { keys, values } if each_query => {
+            Ok(attend_each_query(q, keys, values, scale)?)
+        }
+        _ => attend(q, kv, scale, mask),
+    }
 }
 
 /// Causal attention of `q`'s L queries (1, heads, L, head_dim), the last L of the keys, one

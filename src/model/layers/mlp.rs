@@ -19,6 +19,19 @@ pub enum Activation {
     Swiglu,
     /// `nn.gelu_approx(gate) * x` (gemma).
     GeluApprox,
+    /// gemma4_text's compiled `geglu(gate, x)`: the same expression fused into one graph.
+    Geglu,
+}
+
+impl Activation {
+    /// The gated activation of `gate` and `up`.
+    pub fn apply(self, gate: &Array, up: &Array) -> Result<Array> {
+        match self {
+            Activation::Swiglu => compiled::swiglu(gate, up),
+            Activation::GeluApprox => compiled::gelu_approx(gate)?.multiply(up),
+            Activation::Geglu => compiled::geglu(gate, up),
+        }
+    }
 }
 
 impl GatedMlp {
@@ -42,10 +55,6 @@ impl GatedMlp {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let gate = self.gate_proj.forward(x)?;
         let up = self.up_proj.forward(x)?;
-        let h = match self.activation {
-            Activation::Swiglu => compiled::swiglu(&gate, &up)?,
-            Activation::GeluApprox => compiled::gelu_approx(&gate)?.multiply(&up)?,
-        };
-        self.down_proj.forward(&h)
+        self.down_proj.forward(&self.activation.apply(&gate, &up)?)
     }
 }

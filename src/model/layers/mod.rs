@@ -17,7 +17,7 @@ mod outer;
 mod rope;
 mod switch;
 
-pub use attention::{attend, attend_rows, Attention, AttentionProjections};
+pub use attention::{attend, attend_row, attend_rows, Attention, AttentionProjections};
 pub use block::PreNormBlock;
 pub use decoder::{Decoder, DecoderLayer};
 pub use dims::Dims;

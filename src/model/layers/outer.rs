@@ -1,7 +1,7 @@
 //! What surrounds a decoder's layers: the embedding, the final norm and the output head, and
 //! the loop that runs the layers between them.
 
-use mlx::Array;
+use mlx::{compiled, Array};
 
 use super::{Dims, Embedding, Linear, RmsNorm};
 use crate::cache::LayerCache;
@@ -21,6 +21,9 @@ pub struct OuterLayers {
     pub embed_tokens: Embedding,
     pub norm: RmsNorm,
     pub head: Head,
+    /// gemma4_text's final_logit_softcapping: the head's logits go through the compiled
+    /// `tanh(x / cap) * cap`, here so that a drafter borrowing the head gets them too.
+    pub softcap: Option<f32>,
 }
 
 impl OuterLayers {
@@ -43,6 +46,7 @@ impl OuterLayers {
             } else {
                 Head::Separate(Linear::load(w, q, &path("lm_head"), h, vocab, false)?)
             },
+            softcap: None,
         })
     }
 
@@ -57,14 +61,29 @@ impl OuterLayers {
     /// layers: the final normed state), then the final norm and head.
     pub fn run(
         &self,
-        mut h: Array,
+        h: Array,
         rows: &mut [&mut [LayerCache]],
         lens: &[usize],
         layers: usize,
         taps: &[usize],
+        layer: impl FnMut(usize, &Array, &mut LayerRows) -> crate::Result<Array>,
+    ) -> crate::Result<Forward> {
+        self.run_with_caches(h, rows, lens, (layers, layers), taps, layer)
+    }
+
+    /// [`OuterLayers::run`] for a model whose first `caches` of its `layers` layers own a cache
+    /// each and whose later layers read an earlier layer's keys and values (gemma4_text's
+    /// KV-shared layers): those get a view of the rows without caches.
+    pub fn run_with_caches(
+        &self,
+        mut h: Array,
+        rows: &mut [&mut [LayerCache]],
+        lens: &[usize],
+        (layers, caches): (usize, usize),
+        taps: &[usize],
         mut layer: impl FnMut(usize, &Array, &mut LayerRows) -> crate::Result<Array>,
     ) -> crate::Result<Forward> {
-        rows::check(rows, lens, layers, h.dim(1) as usize)?;
+        rows::check(rows, lens, caches, h.dim(1) as usize)?;
         let mut hidden: Vec<Option<Array>> = vec![None; taps.len()];
         let mut capture = |index: usize, h: &Array| {
             for (slot, _) in hidden.iter_mut().zip(taps).filter(|(_, &t)| t == index) {
@@ -72,7 +91,12 @@ impl OuterLayers {
             }
         };
         for i in 0..layers {
-            h = layer(i, &h, &mut LayerRows::at(rows, lens, i))?;
+            let mut view = if i < caches {
+                LayerRows::at(rows, lens, i)
+            } else {
+                LayerRows::without_caches(lens)
+            };
+            h = layer(i, &h, &mut view)?;
             capture(i, &h);
         }
         let h = self.norm.forward(&h)?;
@@ -86,9 +110,13 @@ impl OuterLayers {
     /// The output head over final-normed hidden states (what a drafter borrowing the target's
     /// head, such as an MTP head, projects its own states with).
     pub fn logits(&self, h: &Array) -> mlx::Result<Array> {
-        match &self.head {
-            Head::Tied => self.embed_tokens.as_linear(h),
-            Head::Separate(lm_head) => lm_head.forward(h),
+        let logits = match &self.head {
+            Head::Tied => self.embed_tokens.as_linear(h)?,
+            Head::Separate(lm_head) => lm_head.forward(h)?,
+        };
+        match self.softcap {
+            Some(cap) => compiled::logit_softcap(&logits, &Array::scalar(cap, logits.dtype())?),
+            None => Ok(logits),
         }
     }
 }

@@ -2,8 +2,9 @@
 //! multiplied by the matrices of the experts it picked, through `gather_mm` or `gather_qmm`) and
 //! SwitchGLU over three of them, with the sort by expert that mlx-lm does for many tokens.
 
-use mlx::{compiled, ops, Array, Result};
+use mlx::{ops, Array, Result};
 
+use super::Activation;
 use crate::load::{LoadResult, QuantConfig, QuantParams, Weights};
 
 /// SwitchGLU sorts the (token, expert) pairs by expert once there are this many
@@ -89,12 +90,13 @@ impl SwitchLinear {
     }
 }
 
-/// switch_layers.SwitchGLU with its SwiGLU activation: `down(swiglu(gate(x), up(x)))` per picked
-/// expert.
+/// switch_layers.SwitchGLU: `down(act(gate(x), up(x)))` per picked expert, SwiGLU unless the
+/// model passes another activation (gemma4_text's GeGLU).
 pub struct SwitchGlu {
     pub gate_proj: SwitchLinear,
     pub up_proj: SwitchLinear,
     pub down_proj: SwitchLinear,
+    pub activation: Activation,
 }
 
 impl SwitchGlu {
@@ -114,6 +116,7 @@ impl SwitchGlu {
             gate_proj: proj(w, "gate_proj", dims, hidden)?,
             up_proj: proj(w, "up_proj", dims, hidden)?,
             down_proj: proj(w, "down_proj", hidden, dims)?,
+            activation: Activation::Swiglu,
         })
     }
 
@@ -130,9 +133,9 @@ impl SwitchGlu {
         }
         let x_up = self.up_proj.forward(&x, &idx, do_sort)?;
         let x_gate = self.gate_proj.forward(&x, &idx, do_sort)?;
-        let mut x = self
-            .down_proj
-            .forward(&compiled::swiglu(&x_gate, &x_up)?, &idx, do_sort)?;
+        let mut x =
+            self.down_proj
+                .forward(&self.activation.apply(&x_gate, &x_up)?, &idx, do_sort)?;
         if let Some(inv_order) = inv_order {
             x = scatter_unsort(&x, &inv_order, &indices.shape())?;
         }
