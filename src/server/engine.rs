@@ -560,32 +560,31 @@ impl Engine {
 
     /// Stores caches holding a finished request's `next` tokens but the last
     /// ([`Engine::answered`]) in the prefix cache, so that the next turn of a conversation
-    /// prefills only what it adds. A plain row's own KV and recurrent caches are kept as they
-    /// are when they hold exactly that (`generated` is `next`): they hold the same bits whether
-    /// a token was decoded or prefilled (on the CPU). Otherwise `next` is prefilled onto the
-    /// entry that holds the most of it (its prompt's), after the client has its response, so
-    /// that warm stays equal to cold: a rotating cache holds a decoded window in another order,
-    /// a quantized one was quantized at other points, a verify forward's rows are not a
-    /// prefill's, a lone request's caches were consumed by its decode, and the answer the
-    /// client carries back may be other tokens than those generated.
+    /// prefills only what it adds. A plain row's own KV and recurrent caches are kept first,
+    /// under what they hold, when `next` goes on from it (they hold the same bits whether a
+    /// token was decoded or prefilled, on the CPU). Then the rest of `next` is prefilled onto
+    /// the entry that holds the most of it, after the client has its response: the few tokens
+    /// the template adds after a kept row (its end of turn), or the whole answer onto the
+    /// prompt's entry where the row's own caches are not what a prefill makes (a rotating
+    /// cache holds a decoded window in another order, a quantized one was quantized at other
+    /// points, a verify forward's rows are not a prefill's, a lone request's caches were
+    /// consumed by its decode) or the answer the client carries back is other tokens than
+    /// those generated.
     fn keep_answer(&self, answered: &Answered, caches: Option<Vec<LayerCache>>) {
-        let next = &answered.next;
-        let held = &next[..next.len() - 1];
-        let exact = caches.filter(|caches| {
-            answered.generated == *next
+        let held = &answered.generated[..answered.generated.len() - 1];
+        let own = caches.filter(|caches| {
+            answered.next.starts_with(held)
                 && caches.iter().all(|c| {
                     matches!(c, LayerCache::Kv(_) | LayerCache::Recurrent(_))
                         && c.offset() == held.len()
                 })
         });
-        match exact {
-            Some(caches) => {
-                let mut prefix = self.prefix.borrow_mut();
-                prefix.insert(&self.namespace, held, &caches, None);
-                self.metrics.prefix_held(prefix.len(), prefix.bytes());
-            }
-            None => self.prefill_answer(next, answered.prompt_tokens, &answered.splits),
+        if let Some(caches) = own {
+            let mut prefix = self.prefix.borrow_mut();
+            prefix.insert(&self.namespace, held, &caches, None);
+            self.metrics.prefix_held(prefix.len(), prefix.bytes());
         }
+        self.prefill_answer(&answered.next, answered.prompt_tokens, &answered.splits);
     }
 
     /// Where a chat's system messages end in `prompt` (the tokens it shares with the system
