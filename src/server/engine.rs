@@ -15,11 +15,15 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Map};
 use tokio::sync::mpsc;
-use tracing::{info, warn, Span};
+use tracing::{info, Span};
 
-use super::api::{ApiError, GenRequest, Prompt, ToolChoice};
+mod history;
+mod prompt;
+
+use history::Answered;
+
+use super::api::{ApiError, GenRequest, Prompt};
 use super::channels::Channels;
 use super::lane::{refusal, Lane, Outcome};
 pub use super::lane::{Finish, RequestStats, SpeculationReport, Summary, TokenInfo, TopLogprob};
@@ -27,13 +31,12 @@ use super::metrics::Metrics;
 use super::prefix_cache::{all_trim, Hit, PrefixCache};
 use super::request_log;
 use super::stop::StopMatcher;
-use super::tools::{self, CallFormatter};
 use crate::batch::Batch;
 use crate::bundle::ModelBundle;
 use crate::cache::{KvQuantization, LayerCache};
 use crate::decode::{decode, Hooks, Request, Start};
 use crate::generate::{Control, GenerateParams, GeneratedToken};
-use crate::grammar::{Constraint, Grammar};
+use crate::grammar::Constraint;
 use crate::request::reproducible_seed;
 use crate::sample::{KeySchedule, ProcessorParams, SamplerParams};
 use crate::speculative::{DraftPrefix, Drafter, DrafterSpec};
@@ -512,179 +515,6 @@ impl Engine {
         }))
     }
 
-    /// A finished lane's prompt and generated tokens, and the tokens the next turn of its
-    /// conversation starts with: the chat rendered (with the request's template variables)
-    /// with the answer as the client carries it back as the assistant's message (its content
-    /// and tool calls; reasoning is not sent back), but the template's last token (the next
-    /// prompt goes on after the end of the turn), when that goes on from the prompt. Otherwise
-    /// (a raw prompt, or a history the template renders otherwise) the prompt and the
-    /// generated tokens.
-    fn answered(&self, lane: &Lane) -> Answered {
-        let generated = lane.tokens.clone();
-        let prompt = &generated[..lane.prompt_tokens];
-        let rendered = match &lane.request.prompt {
-            Prompt::Messages(messages) => {
-                let mut channels = self.channels(&lane.request, prompt);
-                let mut said = channels.push(&lane.text);
-                said.extend(channels.finish(true));
-                let mut answer = json!({"role": "assistant", "content": said.content});
-                let calls = CallFormatter::new(false).format(&said.calls);
-                if !calls.is_empty() {
-                    answer["tool_calls"] = json!(calls);
-                }
-                let chat = [messages.as_slice(), &[answer]].concat();
-                let tokenizer = &self.target.tokenizer;
-                tokenizer
-                    .apply_chat_template(&chat, false, &template_variables(&lane.request))
-                    .ok()
-                    .and_then(|text| tokenizer.encode(&text, false).ok())
-            }
-            Prompt::Text(_) | Prompt::Tokens(_) => None,
-        };
-        let next = match rendered {
-            Some(mut r) if r.len() > prompt.len() + 1 && r.starts_with(prompt) => {
-                r.pop();
-                r
-            }
-            _ => generated.clone(),
-        };
-        let mut splits = self.prefill_splits(&lane.request, prompt);
-        splits.push(prompt.len() - 1);
-        Answered {
-            prompt_tokens: prompt.len(),
-            generated,
-            next,
-            splits,
-        }
-    }
-
-    /// Stores caches holding a finished request's `next` tokens but the last
-    /// ([`Engine::answered`]) in the prefix cache, so that the next turn of a conversation
-    /// prefills only what it adds. A plain row's own KV and recurrent caches are kept first,
-    /// under what they hold, when `next` goes on from it (they hold the same bits whether a
-    /// token was decoded or prefilled, on the CPU). Then the rest of `next` is prefilled onto
-    /// the entry that holds the most of it, after the client has its response: the few tokens
-    /// the template adds after a kept row (its end of turn), or the whole answer onto the
-    /// prompt's entry where the row's own caches are not what a prefill makes (a rotating
-    /// cache holds a decoded window in another order, a quantized one was quantized at other
-    /// points, a verify forward's rows are not a prefill's, a lone request's caches were
-    /// consumed by its decode) or the answer the client carries back is other tokens than
-    /// those generated.
-    fn keep_answer(&self, answered: &Answered, caches: Option<Vec<LayerCache>>) {
-        let held = &answered.generated[..answered.generated.len() - 1];
-        let own = caches.filter(|caches| {
-            answered.next.starts_with(held)
-                && caches.iter().all(|c| {
-                    matches!(c, LayerCache::Kv(_) | LayerCache::Recurrent(_))
-                        && c.offset() == held.len()
-                })
-        });
-        if let Some(caches) = own {
-            let mut prefix = self.prefix.borrow_mut();
-            prefix.insert(&self.namespace, held, &caches, None);
-            self.metrics.prefix_held(prefix.len(), prefix.bytes());
-        }
-        self.prefill_answer(&answered.next, answered.prompt_tokens, &answered.splits);
-    }
-
-    /// Where a chat's system messages end in `prompt` (the tokens it shares with the system
-    /// messages rendered before an empty user message, as mlx_lm.server's `_tokenize` splits
-    /// its prompt), when the model's caches cannot be cut back: there the prefix cache keeps a
-    /// checkpoint, so that conversations that share a system prompt share its prefill. KV
-    /// caches need none, a longer entry is cut back to what prompts share.
-    fn system_end(&self, request: &GenRequest, prompt: &[u32]) -> Option<usize> {
-        let Prompt::Messages(messages) = &request.prompt else {
-            return None;
-        };
-        let systems = messages
-            .iter()
-            .take_while(|m| m["role"] == "system")
-            .count();
-        if self.trims || systems == 0 || messages.last()?["role"] != "user" {
-            return None;
-        }
-        let opening = [
-            &messages[..systems],
-            &[json!({"role": "user", "content": ""})],
-        ]
-        .concat();
-        let tokenizer = &self.target.tokenizer;
-        let text = tokenizer
-            .apply_chat_template(&opening, false, &template_variables(request))
-            .ok()?;
-        let opening = tokenizer.encode(&text, false).ok()?;
-        let end = opening
-            .iter()
-            .zip(prompt)
-            .take_while(|(a, b)| a == b)
-            .count();
-        (end > 0 && end + 1 < prompt.len()).then_some(end)
-    }
-
-    /// Prefills `tokens` but the last onto the prefix cache's entry that holds the most of
-    /// them, at least the first `prompt_tokens` but one (the prompt's), and keeps the result.
-    /// Nothing happens when no entry holds the prompt any more: the next turn would prefill
-    /// all of it anyway.
-    fn prefill_answer(&self, tokens: &[u32], prompt_tokens: usize, splits: &[usize]) {
-        let hit = self.prefix.borrow_mut().lookup(&self.namespace, tokens);
-        if let Some(hit) = hit.filter(|h| h.cached + 1 >= prompt_tokens) {
-            self.keep_prefill(tokens, Some(hit), splits);
-        }
-    }
-
-    /// Prefills `tokens` but the last from `hit` (fresh caches without one), its chunks cut at
-    /// `splits` as a request's are ([`Engine::prefill_splits`]), and keeps the result in the
-    /// prefix cache, through the decode a request takes (a drafter's caches are prefilled with
-    /// the target's); the one token that decode then emits is dropped.
-    fn keep_prefill(&self, tokens: &[u32], hit: Option<Hit>, splits: &[usize]) {
-        if hit.as_ref().is_some_and(|h| h.cached + 1 == tokens.len()) {
-            return;
-        }
-        let start = Hit::start(hit);
-        let params = GenerateParams {
-            prefill_step_size: self.config.prefill_step_size,
-            prefill_splits: splits.to_vec(),
-            max_kv_size: self.config.max_kv_size,
-            kv_quantization: self.config.kv_quantization,
-            ..GenerateParams::greedy(1, self.target.eos_token_ids.clone())
-        };
-        let mut keep = |target: &[LayerCache], draft: Option<&DraftPrefix>| {
-            self.keep_prefix(tokens, target, draft)
-        };
-        let mut stop = |_: &GeneratedToken| Control::Stop;
-        let hooks = Hooks {
-            on_token: &mut stop,
-            on_chunk: None,
-            on_prefilled: Some(&mut keep),
-        };
-        let request = Request {
-            prompt: tokens,
-            params: &params,
-            constraint: None,
-            num_draft_tokens: None,
-        };
-        let prefilled = panic::catch_unwind(AssertUnwindSafe(|| {
-            decode(
-                self.target.model(),
-                self.drafter.as_ref(),
-                start,
-                request,
-                hooks,
-            )
-        }));
-        if !matches!(prefilled, Ok(Ok(_))) {
-            warn!("a prefill for the prefix cache failed; the next request prefills it");
-        }
-    }
-
-    /// Stores the caches of `prompt` but its last token in the prefix cache.
-    fn keep_prefix(&self, prompt: &[u32], target: &[LayerCache], draft: Option<&DraftPrefix>) {
-        let head = &prompt[..prompt.len() - 1];
-        let mut prefix = self.prefix.borrow_mut();
-        prefix.insert(&self.namespace, head, target, draft);
-        self.metrics.prefix_held(prefix.len(), prefix.bytes());
-    }
-
     /// Admits `job` and prefills it into `batch` as row `id`, the running rows (`lanes`)
     /// stepping once after each prefill chunk.
     fn join<'s>(
@@ -788,65 +618,6 @@ impl Engine {
         lane.outcome(decoded.speculation.as_ref())
     }
 
-    /// The grammar of the request's tool calls: a call `tool_choice` forces, or under "auto"
-    /// (without a response_format grammar) every call the model starts.
-    fn call_grammar(&self, request: &GenRequest) -> Result<Option<Grammar>, ApiError> {
-        let forced = matches!(
-            request.tool_choice,
-            ToolChoice::Required | ToolChoice::Function(_)
-        );
-        let auto = request.tool_choice == ToolChoice::Auto && request.grammar.is_none();
-        let Some(tools) = request.tools.as_deref().filter(|_| forced || auto) else {
-            return Ok(None);
-        };
-        match self.target.tokenizer.tool_call_markers() {
-            Some(markers) => Ok(tools::call_grammar(tools, &request.tool_choice, markers)),
-            None if forced => Err(ApiError::invalid(
-                "tool_choice",
-                "tool_choice forces a tool call, but the model's chat template has no tool-call \
-                 format verity parses (Qwen's <tool_call>{json}</tool_call>)",
-            )),
-            None => Ok(None),
-        }
-    }
-
-    /// The splitter of a chat answer: the tokenizer's markers, starting in reasoning when the
-    /// prompt's last think marker opens a block (mlx_lm.server's initial state, server.py:693).
-    /// Completions' text is not split.
-    fn channels(&self, request: &GenRequest, prompt: &[u32]) -> Channels {
-        let tokenizer = &self.target.tokenizer;
-        if !matches!(request.prompt, Prompt::Messages(_)) {
-            return Channels::new(None, None, false);
-        }
-        let think = tokenizer.thinking_markers();
-        let last = |text: &str| {
-            let ids = tokenizer.encode(text, false).unwrap_or_default();
-            (!ids.is_empty())
-                .then(|| prompt.windows(ids.len()).rposition(|w| w == ids))
-                .flatten()
-        };
-        let open = think
-            .is_some_and(|t| last(&t.start).is_some_and(|s| last(&t.end).is_none_or(|e| s > e)));
-        Channels::new(think.cloned(), tokenizer.tool_call_markers().cloned(), open)
-    }
-
-    /// The prompt as mlx_lm.server builds it (server.py:618): chat messages (as its
-    /// `process_message_content` leaves them) through the chat template with the generation
-    /// prompt, the request's tools and template variables, encoded without special tokens; raw
-    /// text encoded with them.
-    fn prompt_tokens(&self, request: &GenRequest) -> crate::Result<Vec<u32>> {
-        let tokenizer = &self.target.tokenizer;
-        Ok(match &request.prompt {
-            Prompt::Messages(messages) => {
-                let extra = template_variables(request);
-                let text = tokenizer.apply_chat_template(messages, true, &extra)?;
-                tokenizer.encode(&text, false)?
-            }
-            Prompt::Text(text) => tokenizer.encode(text, true)?,
-            Prompt::Tokens(ids) => ids.clone(),
-        })
-    }
-
     /// The request's generation parameters. Sampling without a seed uses seed 0 (as
     /// `verity generate` does), so every response can be reproduced.
     fn params(&self, r: &GenRequest, prompt: &[u32]) -> GenerateParams {
@@ -880,41 +651,6 @@ impl Engine {
             eos_token_ids: self.target.eos_token_ids.clone(),
         }
     }
-
-    /// Where a chat's prefill cuts its chunks, where the caches cannot be cut back (none
-    /// otherwise): wherever the prefix cache may hold an entry of this conversation (the end of
-    /// its system messages, and for each earlier turn the end of its prompt but the last token
-    /// and the end of its history entry, [`Engine::answered`]), so that a prefill resumed from
-    /// any of them and one from the start feed the same chunks. Earlier turns' renderings are
-    /// prefixes of this prompt, so their splits are this prompt's below them.
-    fn prefill_splits(&self, request: &GenRequest, prompt: &[u32]) -> Vec<usize> {
-        let Prompt::Messages(messages) = &request.prompt else {
-            return Vec::new();
-        };
-        if self.trims {
-            return Vec::new();
-        }
-        let (tokenizer, extra) = (&self.target.tokenizer, template_variables(request));
-        let tokens = |chat: &[serde_json::Value], generation: bool| {
-            let text = tokenizer
-                .apply_chat_template(chat, generation, &extra)
-                .ok()?;
-            tokenizer.encode(&text, false).ok().map(|t| t.len())
-        };
-        let mut splits: Vec<usize> = self.system_end(request, prompt).into_iter().collect();
-        for (i, _) in messages
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| m["role"] == "assistant")
-        {
-            splits.extend(tokens(&messages[..i], true).map(|n| n.saturating_sub(1)));
-            splits.extend(tokens(&messages[..=i], false).map(|n| n.saturating_sub(2)));
-        }
-        splits.retain(|&s| s > 0 && s < prompt.len());
-        splits.sort_unstable();
-        splits.dedup();
-        splits
-    }
 }
 
 /// The server's own cache flags, checked as every request's parameters will be, so that a bad
@@ -930,16 +666,6 @@ fn check_flags(target: &ModelBundle, config: &EngineConfig) -> anyhow::Result<()
         .map_err(|e| anyhow::anyhow!("verity serve's cache flags: {e}"))
 }
 
-/// The chat template's variables a request sets: its tools and its `chat_template_kwargs`.
-fn template_variables(request: &GenRequest) -> Map<String, serde_json::Value> {
-    let mut extra = Map::new();
-    if let Some(tools) = &request.tools {
-        extra.insert("tools".into(), serde_json::Value::Array(tools.clone()));
-    }
-    extra.extend(request.chat_template_kwargs.clone());
-    extra
-}
-
 /// An engine result as a lane sees it: cancelled during the prefill is no error (`None`).
 fn checked<T>(result: crate::Result<T>) -> Result<Option<T>, ApiError> {
     match result {
@@ -947,18 +673,6 @@ fn checked<T>(result: crate::Result<T>) -> Result<Option<T>, ApiError> {
         Err(Error::Cancelled) => Ok(None),
         Err(e) => Err(refusal(e)),
     }
-}
-
-/// A finished request, as the prefix cache keeps it ([`Engine::answered`]).
-struct Answered {
-    prompt_tokens: usize,
-    /// The prompt and every generated token.
-    generated: Vec<u32>,
-    /// What the next turn of its conversation starts with.
-    next: Vec<u32>,
-    /// Where prefilling `next` cuts its chunks: the request's splits and the end of its
-    /// prompt's entry, which it resumes from.
-    splits: Vec<usize>,
 }
 
 /// A validated request whose client was told it started, and what its decode needs.
