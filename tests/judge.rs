@@ -2,7 +2,7 @@
 //! the very document `verity check --json` gives; the goldens' own steps as an engine's answers
 //! pass, one changed token diverges (exit 1) with the report naming the step; each kind of bad
 //! response is refused with exit 2 naming the case. The default run uses a few cases (--only);
-//! the mlx-lm adapter over the whole CPU set runs in the nextest profile `judge-mlx-lm` (its
+//! the mlx-lm adapter over the whole CPU set runs in the nextest profile `mlx-lm` (its
 //! Python is oracles/.venv/bin/python, or VERITY_ORACLE_PYTHON; a missing one is a failure).
 
 use std::fs;
@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 mod support;
 
-use support::{root, verity_cpu as verity};
+use support::{oracle_python, root, verity_cpu as verity};
 
 /// A scratch folder for one test's files.
 struct Scratch(PathBuf);
@@ -317,12 +317,6 @@ fn each_kind_of_bad_response_is_refused_naming_the_case() {
         "NaN",
         &[generated, "steps[1]", "NaN", "finite"],
     );
-}
-
-fn oracle_python() -> PathBuf {
-    std::env::var_os("VERITY_ORACLE_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("oracles/.venv/bin/python"))
 }
 
 /// mlx-lm itself, answering every CPU golden through the protocol (oracles/judge_mlx_lm.py):

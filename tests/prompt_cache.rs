@@ -1,13 +1,15 @@
 //! Prompt caches: files round-trip through mlx-lm's format for every cache kind, and a warm run
 //! that reuses the cached prefix of a byte-identical prompt equals the cold run bit for bit
 //! (the failure mlx-vlm #1715 reports). Files written by mlx-lm are covered by the
-//! prompt-cache golden traces; files written here load in mlx-lm per oracles/test_prompt_cache.py.
+//! prompt-cache golden traces; files written here load in mlx-lm (oracles/test_prompt_cache.py,
+//! in the `mlx-lm` profile).
 
 mod support;
 
 use std::collections::BTreeMap;
+use std::process::Command;
 
-use support::{bundle, golden_input, root};
+use support::{bundle, golden_input, oracle_python, root};
 use verity::cache::{load_prompt_cache, save_prompt_cache, KvQuantization, LayerCache};
 use verity::generate::{prefill, token_array, GenerateParams, Generation};
 use verity::model::LanguageModel;
@@ -108,4 +110,31 @@ fn a_file_that_is_not_a_prompt_cache_is_a_clear_error() {
         err.contains("model.safetensors") && err.contains("not an mlx-lm prompt cache"),
         "{err}"
     );
+}
+
+/// mlx-lm itself loads the prompt cache file verity writes for every prompt-cache golden (the
+/// same tensors and metadata as mlx-lm's own file) and continues from it to the golden's steps
+/// (oracles/test_prompt_cache.py). Runs in the `mlx-lm` profile, which has the oracle venv.
+#[test]
+fn mlx_lm_continues_every_prompt_cache_verity_writes() {
+    mlx::jit::isolate_per_test_slot();
+    // Each prompt-cache golden has a file of its own, written by mlx-lm.
+    let traces = std::fs::read_dir(root().join("golden/prompt-cache"))
+        .unwrap()
+        .count();
+    assert!(traces > 0, "no prompt-cache golden files");
+    let python = oracle_python();
+    let out = Command::new(&python)
+        .arg(root().join("oracles/test_prompt_cache.py"))
+        .arg(env!("CARGO_BIN_EXE_verity"))
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e} (run oracles/venv.sh)", python.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want = format!("{traces} of {traces} verity-written prompt caches load in mlx-lm exactly");
+    assert!(stdout.contains(&want), "{stdout}");
 }

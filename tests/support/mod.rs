@@ -43,6 +43,13 @@ pub fn verity_cpu(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// The oracle virtualenv's Python (oracles/venv.sh installs it), or VERITY_ORACLE_PYTHON.
+pub fn oracle_python() -> PathBuf {
+    std::env::var_os("VERITY_ORACLE_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("oracles/.venv/bin/python"))
+}
+
 /// The repository root (fixtures ship with the repo; a missing one is a failure).
 pub fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
