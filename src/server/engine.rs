@@ -23,7 +23,8 @@ mod prompt;
 
 use history::Answered;
 
-use super::api::{ApiError, GenRequest, Prompt};
+use super::api::{GenRequest, Prompt};
+use super::error::ApiError;
 use super::channels::Channels;
 use super::lane::{refusal, Lane, Outcome};
 pub use super::lane::{Finish, RequestStats, SpeculationReport, Summary, TokenInfo, TopLogprob};

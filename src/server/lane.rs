@@ -11,7 +11,8 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 use tracing::Span;
 
-use super::api::{ApiError, GenRequest};
+use super::api::GenRequest;
+use super::error::ApiError;
 use super::engine::Event;
 use super::metrics::Running;
 use super::stop::{Pushed, StopMatcher};

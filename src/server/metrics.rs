@@ -16,7 +16,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Metric, Registry};
 
-use super::api::{ApiError, Endpoint};
+use super::api::Endpoint;
+use super::error::ApiError;
 use super::lane::{Finish, Summary};
 use crate::batch::StepSplit;
 use crate::speculative::DrafterSpec;

@@ -10,6 +10,7 @@
 pub mod api;
 pub mod channels;
 pub mod engine;
+pub mod error;
 mod lane;
 pub mod metrics;
 pub mod prefix_cache;
@@ -29,7 +30,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tracing::{Instrument, Span};
 
-use api::{ApiError, Defaults, Endpoint, GenRequest};
+use api::{Defaults, Endpoint, GenRequest};
+use error::ApiError;
 use channels::{Channels, Parts};
 use engine::{EngineHandle, Event, Finish};
 use metrics::Tally;

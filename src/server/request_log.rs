@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use axum::http::StatusCode;
 use tracing::{info, info_span, warn, Span};
 
-use super::api::{ApiError, Endpoint};
+use super::api::Endpoint;
+use super::error::ApiError;
 use super::lane::Summary;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);

@@ -12,7 +12,8 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream;
 use tokio::sync::mpsc;
 
-use super::api::{ApiError, GenRequest};
+use super::api::GenRequest;
+use super::error::ApiError;
 use super::channels::{Channels, Parts};
 use super::engine::{Event, TokenInfo};
 use super::metrics::Tally;
