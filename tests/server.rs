@@ -1212,6 +1212,51 @@ fn concurrent_requests_batch_and_each_equals_its_answer_alone() {
     }
 }
 
+/// A long prompt joining a running stream is prefilled a chunk at a time with the running row
+/// stepping after each chunk (mlx_lm.server interleaves prompt and decode steps too), so the
+/// stream is held up a chunk at a time, not for the whole prefill; the joined answer equals its
+/// request alone, with and without a drafter.
+#[test]
+fn a_long_prompt_joining_is_prefilled_between_the_running_rows_steps() {
+    let draft = model_dir("qwen3-draft");
+    let prompt: Vec<u32> = (0..400).map(|i| 10 + i % 300).collect();
+    let join = json!({"prompt": prompt, "max_tokens": 6, "logprobs": 2});
+    for args in [&[][..], &["--draft-model", draft.to_str().unwrap()][..]] {
+        let s = Server::start(
+            &model_dir(TARGET),
+            &[args, &["--prefill-step-size", "16"]].concat(),
+        );
+        // The running row: EOS biased away and far more tokens than the join takes; it is
+        // dropped once the joined request has its answer.
+        let running = json!({"prompt": "def f():", "max_tokens": 4000, "stream": true,
+            "logit_bias": {"2": -100, "0": -100}});
+        let lines = s.open_stream("/v1/completions", &running, 2);
+        let joined = s.ok("/v1/completions", &join);
+        drop(lines);
+        s.log_when(|l| l.contains("cancelled by the client tokens="));
+        let alone = s.ok("/v1/completions", &join);
+        assert_eq!(joined["choices"], alone["choices"], "{args:?}");
+        let log = s.log_when(|l| l.matches(" finished ").count() == 2);
+        let line = log
+            .lines()
+            .find(|l| l.contains(" finished ") && field(l, "prompt_tokens") == Some("400"))
+            .unwrap_or_else(|| panic!("{args:?}: the joined request did not finish: {log}"));
+        // All but the last prompt token, in chunks of 16.
+        let chunks = (prompt.len() - 1).div_ceil(16);
+        assert_eq!(field(line, "batch_rows"), Some("2"), "{line}");
+        assert_eq!(
+            field(line, "prefill_chunks"),
+            Some(&*chunks.to_string()),
+            "{line}"
+        );
+        assert_eq!(
+            field(line, "interleaved_steps"),
+            Some(&*chunks.to_string()),
+            "{args:?}: the running row did not step after every chunk: {line}"
+        );
+    }
+}
+
 #[test]
 fn sigterm_ends_every_open_stream_with_done_and_exits_0_within_the_drain_timeout() {
     let mut s = Server::start(&model_dir(TARGET), &["--shutdown-timeout", "1"]);

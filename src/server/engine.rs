@@ -5,7 +5,7 @@
 //! them, each joining between steps and leaving when it ends. A client that goes away closes its event channel; the engine notices at the next
 //! prefill chunk or the next token (within a speculative round too) and stops it there.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::PathBuf;
@@ -24,8 +24,8 @@ mod prompt;
 use history::Answered;
 
 use super::api::{GenRequest, Prompt};
-use super::error::ApiError;
 use super::channels::Channels;
+use super::error::ApiError;
 use super::lane::{refusal, Lane, Outcome};
 pub use super::lane::{Finish, RequestStats, SpeculationReport, Summary, TokenInfo, TopLogprob};
 use super::metrics::Metrics;
@@ -499,6 +499,8 @@ impl Engine {
             tokens: prompt.clone(),
             text: String::new(),
             batch_rows: 1,
+            prefill_chunks: 0,
+            interleaved_steps: 0,
             finish: None,
             shutdown: self.shutdown.clone(),
             _running: self.metrics.running(),
@@ -530,15 +532,18 @@ impl Engine {
             Err(ended) => return Ok(Err(ended)),
         };
         let Admitted {
-            lane,
+            mut lane,
             prompt,
             params,
             constraint,
             start,
         } = admitted;
+        let num_draft_tokens = lane.request.num_draft_tokens.or(self.num_draft_tokens);
         let mut between_chunks = |batch: &mut Batch<'s>, _| {
+            lane.prefill_chunks += 1;
             if !lanes.is_empty() {
                 self.step(batch, lanes);
+                lane.interleaved_steps += 1;
             }
             lane.gone()
         };
@@ -549,7 +554,7 @@ impl Engine {
             prompt: &prompt,
             params: &params,
             constraint,
-            num_draft_tokens: lane.request.num_draft_tokens.or(self.num_draft_tokens),
+            num_draft_tokens,
         };
         let drafter = self.drafter.as_ref();
         let added = batch.add(
@@ -582,7 +587,9 @@ impl Engine {
         } = admitted;
         let num_draft_tokens = lane.request.num_draft_tokens.or(self.num_draft_tokens);
         let events = lane.events.clone();
+        let chunks = Cell::new(0);
         let mut gone = |_| {
+            chunks.set(chunks.get() + 1);
             if events.is_closed() {
                 Control::Stop
             } else {
@@ -615,6 +622,7 @@ impl Engine {
         let Some(decoded) = checked(decoded)? else {
             return Ok(Outcome::CancelledInPrefill);
         };
+        lane.prefill_chunks = chunks.get();
         *answered = lane.answered().then(|| self.answered(&lane));
         lane.outcome(decoded.speculation.as_ref())
     }

@@ -12,8 +12,8 @@ use tokio::sync::mpsc;
 use tracing::Span;
 
 use super::api::GenRequest;
-use super::error::ApiError;
 use super::engine::Event;
+use super::error::ApiError;
 use super::metrics::Running;
 use super::stop::{Pushed, StopMatcher};
 use crate::bundle::ModelBundle;
@@ -92,6 +92,12 @@ pub struct Summary {
     pub stats: RequestStats,
     /// The most rows the request decoded beside in one batch step (1: alone).
     pub batch_rows: usize,
+    /// The chunks its prompt was prefilled in (0 when the prefix cache held all but its last
+    /// token).
+    pub prefill_chunks: usize,
+    /// The batch steps the running rows took between those chunks: a long prompt joining
+    /// delays them by a chunk at a time, not by its whole prefill.
+    pub interleaved_steps: usize,
 }
 
 /// Why a request ended, as the API names it.
@@ -151,6 +157,8 @@ pub(super) struct Lane {
     pub(super) text: String,
     /// The widest batch step this lane took part in.
     pub(super) batch_rows: usize,
+    pub(super) prefill_chunks: usize,
+    pub(super) interleaved_steps: usize,
     pub(super) finish: Option<FinishReason>,
     /// Set by the server's shutdown (`EngineHandle::cut_running`): the lane ends at its next
     /// token, with its held-back text released.
@@ -219,6 +227,8 @@ impl Lane {
             cached_tokens: cached,
             stats,
             batch_rows: self.batch_rows,
+            prefill_chunks: self.prefill_chunks,
+            interleaved_steps: self.interleaved_steps,
         }))
     }
 

@@ -31,9 +31,9 @@ use tokio::sync::mpsc;
 use tracing::{Instrument, Span};
 
 use api::{Defaults, Endpoint, GenRequest};
-use error::ApiError;
 use channels::{Channels, Parts};
 use engine::{EngineHandle, Event, Finish};
+use error::ApiError;
 use metrics::Tally;
 use response::{Meta, Said};
 use tools::CallFormatter;

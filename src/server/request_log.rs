@@ -23,7 +23,8 @@ pub fn span(endpoint: Endpoint) -> Span {
 }
 
 /// The line of a finished request: its tokens, times and finish reason, how full the prefix
-/// cache is now, the widest batch it decoded in, and its drafts' acceptance when speculative.
+/// cache is now, the widest batch it decoded in, the chunks of its prefill and the running rows'
+/// steps between them, and its drafts' acceptance when speculative.
 pub fn finished(s: &Summary, prefix_entries: usize, prefix_bytes: usize) {
     let st = &s.stats;
     let sp = st.speculation.as_ref();
@@ -36,6 +37,8 @@ pub fn finished(s: &Summary, prefix_entries: usize, prefix_bytes: usize) {
         prompt_tokens_per_second = %format_args!("{:.1}", st.prompt_tokens_per_second),
         decode_tokens_per_second = %format_args!("{:.1}", st.decode_tokens_per_second),
         batch_rows = s.batch_rows,
+        prefill_chunks = s.prefill_chunks,
+        interleaved_steps = s.interleaved_steps,
         prefix_cache_entries = prefix_entries,
         prefix_cache_bytes = prefix_bytes,
         speculative_rounds = sp.map(|sp| sp.rounds),

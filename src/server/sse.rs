@@ -13,9 +13,9 @@ use futures_util::stream;
 use tokio::sync::mpsc;
 
 use super::api::GenRequest;
-use super::error::ApiError;
 use super::channels::{Channels, Parts};
 use super::engine::{Event, TokenInfo};
+use super::error::ApiError;
 use super::metrics::Tally;
 use super::response::{self, Meta, Said};
 use super::tools::CallFormatter;

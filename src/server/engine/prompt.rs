@@ -6,8 +6,8 @@ use serde_json::Map;
 use super::Engine;
 use crate::grammar::Grammar;
 use crate::server::api::{GenRequest, Prompt, ToolChoice};
-use crate::server::error::ApiError;
 use crate::server::channels::Channels;
+use crate::server::error::ApiError;
 use crate::server::tools;
 
 impl Engine {
