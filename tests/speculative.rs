@@ -136,6 +136,25 @@ fn qwen3_5_speculation_equals_plain_with_real_rollbacks() {
     assert_eq!(r.refused, 0);
 }
 
+/// The mixture-of-experts families under both sources (mlx-lm's goldens cover only a draft
+/// model on qwen3_moe and glm4_moe; it refuses the hybrid qwen3_5_moe, whose recurrent layers
+/// roll back through snapshots here), and gemma4_moe inside its window.
+#[test]
+fn mixture_of_experts_speculation_equals_plain_with_both_sources() {
+    for (family, trace, prompt_len) in [
+        ("qwen3_moe", "qwen3_moe/greedy/code", usize::MAX),
+        ("qwen3_5_moe", "qwen3_5_moe/greedy/chat", usize::MAX),
+        ("glm4_moe", "glm4_moe/greedy/code", usize::MAX),
+        ("gemma4_moe", "gemma4_moe/greedy/code", 6),
+    ] {
+        let r = spec_equals_plain(family, trace, prompt_len);
+        assert!(
+            r.partial > 0,
+            "{family}: no partial rollback happened: {r:?}"
+        );
+    }
+}
+
 #[test]
 fn greedy_speculation_with_logits_processors_equals_plain() {
     // mlx-lm hides the prompt from the processors when speculating (known-oracle-bugs.toml);
