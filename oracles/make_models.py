@@ -48,6 +48,7 @@ import common  # noqa: F401  (offline guard first)
 
 import argparse
 import copy
+import json
 import shutil
 from pathlib import Path
 
@@ -388,6 +389,33 @@ def build_glm4_moe_lite_hf(cfg: dict, seed: int) -> dict:
     return out
 
 
+def glm_lite_kv_b_quantized(dst: Path, layer: int) -> None:
+    """In the -4bit copy, layer `layer`'s embed_q / unembed_out (as convert quantized them) joined
+    back into a 4-bit kv_b_proj, as a quantized HF-layout checkpoint stores it: mlx-lm's sanitize
+    then dequantizes it and requantizes the two halves, with the bits and group size it infers
+    from the packing. The other layer keeps convert's own layout, so both load paths run."""
+    path = dst / "model.safetensors"
+    weights, metadata = mx.load(str(path), return_metadata=True)
+    prefix = f"model.layers.{layer}.self_attn"
+    q = json.loads((dst / "config.json").read_text())["quantization"]
+    half = {}
+    for name in ("embed_q", "unembed_out"):
+        w, scales, biases = (weights.pop(f"{prefix}.{name}.{k}") for k in ("weight", "scales", "biases"))
+        half[name] = mx.dequantize(w, scales, biases, group_size=q["group_size"], bits=q["bits"])
+    kv_b = mx.concatenate([half["embed_q"].swapaxes(-1, -2), half["unembed_out"]], axis=1)
+    kv_b = kv_b.reshape(-1, kv_b.shape[-1])
+    packed = mx.quantize(kv_b, group_size=q["group_size"], bits=q["bits"])
+    for k, v in zip(("weight", "scales", "biases"), packed):
+        weights[f"{prefix}.kv_b_proj.{k}"] = v
+    weights = {k: weights[k] for k in sorted(weights)}
+    mx.eval(list(weights.values()))
+    mx.save_safetensors(str(path), weights, metadata=metadata)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    index["metadata"]["total_size"] = sum(v.nbytes for v in weights.values())
+    index["weight_map"] = {k: "model.safetensors" for k in weights}
+    write_json(dst / "model.safetensors.index.json", index)
+
+
 def qwen3_moe_predicate(path, module, config=None):
     """mlx-lm's qwen3_moe quant_predicate (router gates at 8 bits, group 64) plus the experts of
     the QWEN3_MOE_8BIT layer at 8 bits; everything else at the convert's 4 bits."""
@@ -452,7 +480,9 @@ def main():
         else:
             src = save(name, cfg, build_mlx_lm(cfg, seed))
         if not args.no_quant:
-            quantize_copy(src, MODELS / f"{name}-4bit", predicate)
+            dst = quantize_copy(src, MODELS / f"{name}-4bit", predicate)
+            if name == "glm4_moe_lite":
+                glm_lite_kv_b_quantized(dst, layer=1)
 
 
 if __name__ == "__main__":
