@@ -1148,6 +1148,16 @@ fn model_folder_cases() -> Vec<Case> {
             config_value("glm4_moe_lite", "qk_rope_head_dim", json!(8)),
         ),
         folder(
+            "glm-lite-q-lora-rank-null-over-low-rank-weights",
+            &["missing tensor", "model.layers.0.self_attn.q_proj.weight"],
+            config_value("glm4_moe_lite", "q_lora_rank", Value::Null),
+        ),
+        folder(
+            "glm-lite-moe-layer-freq-zero",
+            &["config.json", "moe_layer_freq is 0", "at least 1"],
+            config_value("glm4_moe_lite", "moe_layer_freq", json!(0)),
+        ),
+        folder(
             "glm-lite-zero-kv-lora-rank",
             &["config.json", "kv_lora_rank is 0", "at least 1"],
             config_value("glm4_moe_lite", "kv_lora_rank", json!(0)),
