@@ -48,6 +48,7 @@ import common  # noqa: F401  (offline guard first)
 
 import argparse
 import copy
+import json
 import shutil
 from pathlib import Path
 
@@ -126,6 +127,24 @@ _GLM4_MOE = dict(
     rms_norm_eps=1e-5, vocab_size=VOCAB, max_position_embeddings=4096, scoring_func="sigmoid",
     topk_method="noaux_tc", tie_word_embeddings=False, eos_token_id=EOS,
 )
+# GLM-4.7-Flash's shape, small: MLA attention (q through a rank-64 LoRA with its norm, a 64-wide
+# latent KV plus 16 RoPE'd dims shared by both heads, traditional RoPE; nope and latent widths 64
+# so the -4bit copy quantizes embed_q and unembed_out, the transposed and the plain product),
+# biases on q_a / kv_a / o; a dense layer then a MoE one: 8 experts ungrouped (n_group 1, the
+# branch glm4_moe leaves out), top 3 renormalised x1.8, a shared expert; expert 5 of the MoE layer
+# has a correction bias of -10, so no token ever picks it.
+_GLM4_MOE_LITE = dict(
+    architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite", hidden_size=64,
+    num_hidden_layers=2, intermediate_size=32, moe_intermediate_size=16, num_attention_heads=2,
+    num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=64,
+    qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=3, n_group=1, topk_group=1, norm_topk_prob=True,
+    routed_scaling_factor=1.8, first_k_dense_replace=1, moe_layer_freq=1, attention_bias=True,
+    rope_theta=1000000.0, rope_scaling=None, partial_rotary_factor=1.0, rms_norm_eps=1e-5,
+    vocab_size=VOCAB, max_position_embeddings=4096, scoring_func="sigmoid", topk_method="noaux_tc",
+    tie_word_embeddings=False, num_nextn_predict_layers=1, eos_token_id=EOS,
+)
+GLM_LITE_DEAD_EXPERT = 5
 # Five layers, sliding/full/sliding then two KV-shared ones (a sliding layer reading layer 2's
 # cache, a full one reading layer 1's, both with double-wide GeGLU MLPs); full layers 64 wide
 # with keys as values (attention_k_eq_v, two global KV heads) and proportional RoPE on a quarter
@@ -198,6 +217,7 @@ SPECS = {
     "glm4_moe": (9, _GLM4_MOE),
     "gemma4": (10, _GEMMA4),
     "gemma4_moe": (11, _GEMMA4_MOE),
+    "glm4_moe_lite": (12, _GLM4_MOE_LITE),
 }
 
 # Norm weights that HF stores zero-centred and the oracles shift by +1 when loading a Qwen3.5 HF
@@ -353,6 +373,49 @@ def build_glm4_moe_hf(cfg: dict, seed: int) -> dict:
     return out
 
 
+def build_glm4_moe_lite_hf(cfg: dict, seed: int) -> dict:
+    """glm4_moe's HF layout (per-expert tensors, random router and correction bias, an MTP layer to
+    drop) with each layer's embed_q / unembed_out (scaled like the projections) joined back into
+    the HF kv_b_proj that mlx-lm's sanitize splits, and GLM_LITE_DEAD_EXPERT's bias at -10."""
+    out = build_glm4_moe_hf(cfg, seed)
+    heads, nope = cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
+    for stem in sorted({k.rpartition(".embed_q.")[0] for k in out if ".embed_q." in k}):
+        wk = out.pop(f"{stem}.embed_q.weight") * LINEAR_GAIN  # (heads, kv_lora, nope)
+        wv = out.pop(f"{stem}.unembed_out.weight") * LINEAR_GAIN  # (heads, v_head, kv_lora)
+        kv_b = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1)
+        out[f"{stem}.kv_b_proj.weight"] = kv_b.reshape(heads * (nope + cfg["v_head_dim"]), -1)
+    for k in sorted(k for k in out if k.endswith(".e_score_correction_bias")):
+        out[k] = out[k].at[GLM_LITE_DEAD_EXPERT].add(-10.0)
+    return out
+
+
+def glm_lite_kv_b_quantized(dst: Path, layer: int) -> None:
+    """In the -4bit copy, layer `layer`'s embed_q / unembed_out (as convert quantized them) joined
+    back into a 4-bit kv_b_proj, as a quantized HF-layout checkpoint stores it: mlx-lm's sanitize
+    then dequantizes it and requantizes the two halves, with the bits and group size it infers
+    from the packing. The other layer keeps convert's own layout, so both load paths run."""
+    path = dst / "model.safetensors"
+    weights, metadata = mx.load(str(path), return_metadata=True)
+    prefix = f"model.layers.{layer}.self_attn"
+    q = json.loads((dst / "config.json").read_text())["quantization"]
+    half = {}
+    for name in ("embed_q", "unembed_out"):
+        w, scales, biases = (weights.pop(f"{prefix}.{name}.{k}") for k in ("weight", "scales", "biases"))
+        half[name] = mx.dequantize(w, scales, biases, group_size=q["group_size"], bits=q["bits"])
+    kv_b = mx.concatenate([half["embed_q"].swapaxes(-1, -2), half["unembed_out"]], axis=1)
+    kv_b = kv_b.reshape(-1, kv_b.shape[-1])
+    packed = mx.quantize(kv_b, group_size=q["group_size"], bits=q["bits"])
+    for k, v in zip(("weight", "scales", "biases"), packed):
+        weights[f"{prefix}.kv_b_proj.{k}"] = v
+    weights = {k: weights[k] for k in sorted(weights)}
+    mx.eval(list(weights.values()))
+    mx.save_safetensors(str(path), weights, metadata=metadata)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    index["metadata"]["total_size"] = sum(v.nbytes for v in weights.values())
+    index["weight_map"] = {k: "model.safetensors" for k in weights}
+    write_json(dst / "model.safetensors.index.json", index)
+
+
 def qwen3_moe_predicate(path, module, config=None):
     """mlx-lm's qwen3_moe quant_predicate (router gates at 8 bits, group 64) plus the experts of
     the QWEN3_MOE_8BIT layer at 8 bits; everything else at the convert's 4 bits."""
@@ -409,13 +472,17 @@ def main():
             src = save(name, cfg, build_qwen3_5_moe_hf(cfg, seed), fmt="pt")
         elif name == "glm4_moe":
             src = save(name, cfg, build_glm4_moe_hf(cfg, seed))
+        elif name == "glm4_moe_lite":
+            src = save(name, cfg, build_glm4_moe_lite_hf(cfg, seed))
         elif name == "qwen3_moe":
             src = save(name, cfg, build_qwen3_moe_hf(cfg, seed))
             predicate = qwen3_moe_predicate
         else:
             src = save(name, cfg, build_mlx_lm(cfg, seed))
         if not args.no_quant:
-            quantize_copy(src, MODELS / f"{name}-4bit", predicate)
+            dst = quantize_copy(src, MODELS / f"{name}-4bit", predicate)
+            if name == "glm4_moe_lite":
+                glm_lite_kv_b_quantized(dst, layer=1)
 
 
 if __name__ == "__main__":

@@ -408,6 +408,16 @@ fn generate_cases() -> Vec<Case> {
             no_setup(),
         ));
     }
+    // glm4_moe_lite's latent attention scores its RoPE part against the cached values, which a
+    // quantized cache holds packed (mlx-lm fails there): refused before anything runs.
+    let lite = model_arg("glm4_moe_lite");
+    cases.push(case(
+        "generate/kv-bits-on-latent-attention",
+        &["generate", "--model", &lite, "-m", "4", "--kv-bits", "8"],
+        2,
+        &["kv_bits", "8", "glm4_moe_lite", "plain KV caches only"],
+        no_setup(),
+    ));
     cases.push(case(
         "generate/positioned-keys-with-top-p",
         &[
@@ -1097,6 +1107,60 @@ fn model_folder_cases() -> Vec<Case> {
                 "glm4_moe",
                 "model.layers.1.mlp.gate.e_score_correction_bias",
             ),
+        ),
+        folder(
+            "glm-lite-more-experts-per-token-than-experts",
+            &[
+                "config.json",
+                "num_experts_per_tok is 9",
+                "between 1 and n_routed_experts (8)",
+            ],
+            config_value("glm4_moe_lite", "num_experts_per_tok", json!(9)),
+        ),
+        folder(
+            "glm-lite-missing-expert-tensor",
+            &[
+                "missing tensor",
+                "model.layers.1.mlp.experts.7.gate_proj.weight",
+            ],
+            without_tensor(
+                "glm4_moe_lite",
+                "model.layers.1.mlp.experts.7.gate_proj.weight",
+            ),
+        ),
+        folder(
+            "glm-lite-kv-lora-rank-not-the-weights",
+            &[
+                "config.json",
+                "model.layers.0.self_attn.kv_b_proj",
+                "[192, 64]",
+                "kv_lora_rank is [192, 48]",
+            ],
+            config_value("glm4_moe_lite", "kv_lora_rank", json!(48)),
+        ),
+        folder(
+            "glm-lite-rope-head-dim-not-the-weights",
+            &[
+                "model.layers.0.self_attn.q_b_proj.weight",
+                "[160, 64]",
+                "the config implies [144, 64]",
+            ],
+            config_value("glm4_moe_lite", "qk_rope_head_dim", json!(8)),
+        ),
+        folder(
+            "glm-lite-q-lora-rank-null-over-low-rank-weights",
+            &["missing tensor", "model.layers.0.self_attn.q_proj.weight"],
+            config_value("glm4_moe_lite", "q_lora_rank", Value::Null),
+        ),
+        folder(
+            "glm-lite-moe-layer-freq-zero",
+            &["config.json", "moe_layer_freq is 0", "at least 1"],
+            config_value("glm4_moe_lite", "moe_layer_freq", json!(0)),
+        ),
+        folder(
+            "glm-lite-zero-kv-lora-rank",
+            &["config.json", "kv_lora_rank is 0", "at least 1"],
+            config_value("glm4_moe_lite", "kv_lora_rank", json!(0)),
         ),
         folder(
             "gemma4-kv-sharing-past-the-layers",

@@ -216,6 +216,21 @@ fn check_fixture(fixture: &str, caches: Caches) {
 /// The property on `fixture`, its rows speculative or plain at random, each speculative one
 /// with one of `drafters`.
 fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterSpec]) {
+    check_speculation(fixture, caches, drafters, Verify::AsDecode);
+}
+
+/// How a fixture's verify forward computes its tokens.
+#[derive(Clone, Copy, PartialEq)]
+enum Verify {
+    /// As its one-token steps do, bit for bit: speculation keeps greedy output.
+    AsDecode,
+    /// By another path, as mlx-lm's does (glm4_moe_lite: latent-expanding for k+1 tokens,
+    /// absorbed for one), so speculative and plain greedy rows differ in the last bits; the
+    /// batch still equals each row alone.
+    OwnPath,
+}
+
+fn check_speculation(fixture: &str, caches: Caches, drafters: &[DrafterSpec], verify: Verify) {
     support::on_invariant_device();
     let b = bundle(fixture);
     let model = b.model();
@@ -245,7 +260,7 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
                 };
                 let (want, want_stats) =
                     alone_with_stats(model, drafter, k, &row.prompt, &params[i]);
-                if drafter.is_some() && row.seed.is_none() {
+                if drafter.is_some() && row.seed.is_none() && verify == Verify::AsDecode {
                     let plain = alone(model, None, None, &row.prompt, &params[i]);
                     prop_assert_eq!(
                         &want,
@@ -345,6 +360,18 @@ fn glm4_moe_batch_rows_equal_their_lone_requests() {
 #[test]
 fn glm4_moe_4bit_batch_rows_equal_their_lone_requests() {
     check_fixture("glm4_moe-4bit", Caches::Plain);
+}
+
+/// MLA: each row takes the path its own length picks (absorbed for a decode step's one token,
+/// latent-expanding for a prefill chunk), over its own latent cache.
+#[test]
+fn glm4_moe_lite_batch_rows_equal_their_lone_requests() {
+    check_fixture("glm4_moe_lite", Caches::Plain);
+}
+
+#[test]
+fn glm4_moe_lite_4bit_batch_rows_equal_their_lone_requests() {
+    check_fixture("glm4_moe_lite-4bit", Caches::Plain);
 }
 
 /// KV-shared layers: each row's shared layers attend over what that row's owner fetched from
@@ -476,6 +503,21 @@ fn gemma3_speculative_batch_rows_equal_their_lone_requests() {
         "gemma3",
         Caches::Plain,
         &[DrafterSpec::Ngram { min: 1, max: 2 }],
+    );
+}
+
+/// MLA under speculation: a row's verify forward takes the latent-expanding path, its lone
+/// request's too; rejected drafts trimmed from the latent caches.
+#[test]
+fn glm4_moe_lite_speculative_batch_rows_equal_their_lone_requests() {
+    check_speculation(
+        "glm4_moe_lite",
+        Caches::Plain,
+        &[
+            DrafterSpec::Model(support::model_dir("glm4_moe_lite-4bit")),
+            DrafterSpec::Ngram { min: 1, max: 2 },
+        ],
+        Verify::OwnPath,
     );
 }
 

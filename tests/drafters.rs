@@ -26,7 +26,7 @@ fn bits(a: &Array) -> Vec<u8> {
     a.to_bytes().unwrap()
 }
 
-const ARCHITECTURES: [&str; 10] = [
+const ARCHITECTURES: [&str; 11] = [
     "llama",
     "qwen3",
     "gemma3",
@@ -35,6 +35,7 @@ const ARCHITECTURES: [&str; 10] = [
     "qwen3_moe",
     "qwen3_5_moe",
     "glm4_moe",
+    "glm4_moe_lite",
     "gemma4",
     "gemma4_moe",
 ];

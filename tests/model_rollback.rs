@@ -149,7 +149,24 @@ fn fresh(model: &dyn LanguageModel, kv: Option<KvQuantization>, case: &Case) -> 
     forward(model, &mut caches, &[case.next])
 }
 
+/// The case with every round that keeps one of its several tokens made to keep two (or all,
+/// for two): glm4_moe_lite computes a lone token by another path than a token among several
+/// (mlx-lm's absorbed attention for one token), so such a round has no fresh run that feeds
+/// the same computation; the rollback itself is what the property still checks.
+fn keeping_no_lone_token(mut case: Case) -> Case {
+    for round in &mut case.rounds {
+        if round.tokens.len() > 1 && round.tokens.len() - round.reject == 1 {
+            round.reject -= 1;
+        }
+    }
+    case
+}
+
 fn check_architecture(fixture: &str, kv: Option<KvQuantization>) {
+    check_cases(fixture, kv, |case| case)
+}
+
+fn check_cases(fixture: &str, kv: Option<KvQuantization>, adapt: fn(Case) -> Case) {
     mlx::jit::isolate_per_test_slot();
     let bundle = ModelBundle::load(&model_dir(fixture)).unwrap();
     let model = bundle.model.as_ref();
@@ -163,7 +180,7 @@ fn check_architecture(fixture: &str, kv: Option<KvQuantization>) {
     let mut runner = TestRunner::new(config);
     let rolled_back = std::cell::Cell::new(0);
     runner
-        .run(&cases(1024), |case| {
+        .run(&cases(1024).prop_map(adapt), |case| {
             let (spec, n) = speculative(model, kv, &case);
             rolled_back.set(rolled_back.get() + n);
             let differs = agree(&spec, &fresh(model, kv, &case), tolerance).err();
@@ -219,6 +236,17 @@ fn qwen3_5_moe_rollback_equals_a_fresh_run() {
 #[test]
 fn glm4_moe_rollback_equals_a_fresh_run() {
     check_architecture("glm4_moe", None);
+}
+
+/// The latent KV cache (latent and RoPE part as one KV head of different widths) trimmed.
+#[test]
+fn glm4_moe_lite_rollback_equals_a_fresh_run() {
+    check_cases("glm4_moe_lite", None, keeping_no_lone_token);
+}
+
+#[test]
+fn glm4_moe_lite_4bit_rollback_equals_a_fresh_run() {
+    check_cases("glm4_moe_lite-4bit", None, keeping_no_lone_token);
 }
 
 /// KV-shared layers: the rollback trims only the owning layers' caches (mlx-lm's make_cache),

@@ -377,3 +377,58 @@ fn front_door(
     let out = decode(target.model(), drafter, start, request, hooks).unwrap();
     (steps, out.speculation)
 }
+
+/// glm4_moe_lite's verify forward takes the latent-expanding path (as mlx-lm's does; its draft
+/// model traces are tier A in golden/), its one-token steps the absorbed one, so speculation
+/// is not plain decoding to the bit there: with a draft model and with n-gram lookup, on two
+/// golden prompts, it emits plain greedy's tokens with logprobs within 1e-5 of plain's, and
+/// the bits do differ (the two paths are really taken).
+#[test]
+fn glm4_moe_lite_speculation_emits_plain_tokens_through_its_own_verify_path() {
+    support::on_cpu();
+    let target = bundle("glm4_moe_lite");
+    let draft = bundle("glm4_moe_lite-4bit");
+    let (mut bit_differences, mut accepted) = (0, [0; 2]);
+    for trace in ["glm4_moe_lite/greedy/code", "glm4_moe_lite/greedy/chat"] {
+        let (prompt, params) = golden_input(trace, 48);
+        let want = plain(&target, &prompt, &params);
+        for (i, mut source) in both_sources(&draft).into_iter().enumerate() {
+            let (got, stats) = speculative(&target, source.as_mut(), &prompt, &params, 3, None);
+            accepted[i] += stats.accepted;
+            let tokens = |s: &Steps| s.iter().map(|t| (t.0, t.2)).collect::<Vec<_>>();
+            assert_eq!(
+                tokens(&got),
+                tokens(&want),
+                "{trace}: tokens differ from plain"
+            );
+            for (g, w) in got.iter().zip(&want) {
+                let (g, w) = (floats(&g.1), floats(&w.1));
+                let worst = g
+                    .iter()
+                    .zip(&w)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                assert!(
+                    worst <= 1e-5,
+                    "{trace}: logprobs differ from plain by {worst:e}"
+                );
+                bit_differences += usize::from(g != w);
+            }
+        }
+    }
+    assert!(
+        bit_differences > 0,
+        "no step differed from plain in any bit"
+    );
+    assert!(
+        accepted.iter().all(|&a| a > 0),
+        "accepted drafts per source: {accepted:?}"
+    );
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}

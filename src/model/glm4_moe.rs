@@ -17,19 +17,26 @@ use crate::load::{Config, LoadResult, QuantConfig, Weights};
 struct Args {
     #[serde(flatten)]
     dims: Dims,
+    #[serde(flatten)]
+    moe: MoeArgs,
+    rope_theta: f64,
+    use_qk_norm: bool,
+    attention_bias: bool,
+    partial_rotary_factor: f64,
+}
+
+/// The expert settings GLM's MoE families share (glm4_moe, glm4_moe_lite).
+#[derive(Deserialize)]
+pub(super) struct MoeArgs {
     moe_intermediate_size: i32,
     norm_topk_prob: bool,
     n_group: i32,
     topk_group: i32,
     n_shared_experts: Option<i32>,
-    n_routed_experts: Option<i32>,
+    pub(super) n_routed_experts: Option<i32>,
     routed_scaling_factor: f64,
     num_experts_per_tok: i32,
-    first_k_dense_replace: i64,
-    rope_theta: f64,
-    use_qk_norm: bool,
-    attention_bias: bool,
-    partial_rotary_factor: f64,
+    pub(super) first_k_dense_replace: i64,
     topk_method: String,
 }
 
@@ -42,17 +49,17 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<Dec
     let head_dim = d.head_dim.ok_or_else(|| missing("head_dim"))?;
     d.num_key_value_heads
         .ok_or_else(|| missing("num_key_value_heads"))?;
-    let moe = moe_shape(&a).map_err(|m| config.error(m))?;
+    let moe = moe_shape(&a.moe, d.hidden_size).map_err(|m| config.error(m))?;
     let rope_dims = rope_dims(head_dim, a.partial_rotary_factor).map_err(|m| config.error(m))?;
     let rope = Rope::new(rope_dims, a.rope_theta, false, None).map_err(|m| config.error(m))?;
-    sanitize(w, d.num_hidden_layers, a.n_routed_experts.unwrap_or(0))?;
+    sanitize(w, d.num_hidden_layers, a.moe.n_routed_experts.unwrap_or(0))?;
     let mut layers = Vec::with_capacity(d.num_hidden_layers);
     for i in 0..d.num_hidden_layers {
         let p = format!("model.layers.{i}");
         let norm = |w: &mut Weights, path: &str, dims: i32| {
             RmsNorm::load(w, &format!("{p}.{path}"), dims, d.rms_norm_eps)
         };
-        let sparse = moe.filter(|_| i as i64 >= a.first_k_dense_replace);
+        let sparse = moe.filter(|_| i as i64 >= a.moe.first_k_dense_replace);
         let block = PreNormBlock::load_moe(w, q, &p, d, sparse)?;
         let qk_norm = if a.use_qk_norm {
             QkNorm::BeforeTranspose {
@@ -100,7 +107,7 @@ fn rope_dims(head_dim: i32, factor: f64) -> std::result::Result<i32, String> {
 /// argpartition fail or pick nothing, experts not divisible into `n_group` groups (or groups of
 /// one expert, whose top-2 sum fails) make the router's unflatten or topk fail, a `topk_group`
 /// outside 1..=n_group keeps no group or makes argpartition fail.
-fn moe_shape(a: &Args) -> std::result::Result<Option<MoeShape>, String> {
+pub(super) fn moe_shape(a: &MoeArgs, hidden: i32) -> std::result::Result<Option<MoeShape>, String> {
     let Some(experts) = a.n_routed_experts else {
         return Ok(None);
     };
@@ -109,7 +116,7 @@ fn moe_shape(a: &Args) -> std::result::Result<Option<MoeShape>, String> {
     }
     if a.topk_method != "noaux_tc" {
         return Err(format!(
-            "topk_method is {:?}, mlx-lm's glm4_moe supports only \"noaux_tc\"",
+            "topk_method is {:?}, mlx-lm's GLM MoE supports only \"noaux_tc\"",
             a.topk_method
         ));
     }
@@ -156,7 +163,7 @@ fn moe_shape(a: &Args) -> std::result::Result<Option<MoeShape>, String> {
         ));
     }
     Ok(Some(MoeShape {
-        hidden: a.dims.hidden_size,
+        hidden,
         experts,
         experts_per_token: a.num_experts_per_tok,
         expert_hidden: a.moe_intermediate_size,
@@ -172,11 +179,23 @@ fn moe_shape(a: &Args) -> std::result::Result<Option<MoeShape>, String> {
     }))
 }
 
-/// Model.sanitize: in each layer with expert 0's `<proj>.{weight,scales,biases}`, stacks the
-/// per-expert tensors `mlp.experts.<e>.<proj>.<k>` into `mlp.switch_mlp.<proj>.<k>`, experts
-/// in order; then drops every key that starts with `model.layers.<num_hidden_layers>` (the
-/// multi-token-prediction layer; Python's plain prefix test, kept as it is).
+/// Model.sanitize: [`stack_experts`], then drops every key that starts with
+/// `model.layers.<num_hidden_layers>` (the multi-token-prediction layer; Python's plain prefix
+/// test, kept as it is).
 fn sanitize(w: &mut Weights, layers: usize, experts: i32) -> LoadResult<()> {
+    stack_experts(w, layers, experts)?;
+    let mtp = format!("model.layers.{layers}");
+    let dropped: Vec<String> = w.keys().filter(|k| k.starts_with(&mtp)).cloned().collect();
+    for k in dropped {
+        w.take_optional(&k);
+    }
+    Ok(())
+}
+
+/// In each layer with expert 0's `<proj>.{weight,scales,biases}`, stacks the per-expert tensors
+/// `mlp.experts.<e>.<proj>.<k>` into `mlp.switch_mlp.<proj>.<k>`, experts in order (GLM's
+/// sanitize steps for its HF checkpoints).
+pub(super) fn stack_experts(w: &mut Weights, layers: usize, experts: i32) -> LoadResult<()> {
     for l in 0..layers {
         let prefix = format!("model.layers.{l}.mlp");
         for m in ["gate_proj", "down_proj", "up_proj"] {
@@ -188,11 +207,6 @@ fn sanitize(w: &mut Weights, layers: usize, experts: i32) -> LoadResult<()> {
                 w.stack(parts, format!("{prefix}.switch_mlp.{m}.{k}"))?;
             }
         }
-    }
-    let mtp = format!("model.layers.{layers}");
-    let dropped: Vec<String> = w.keys().filter(|k| k.starts_with(&mtp)).cloned().collect();
-    for k in dropped {
-        w.take_optional(&k);
     }
     Ok(())
 }

@@ -4,6 +4,7 @@ pub mod dflash;
 pub mod gemma3_text;
 pub mod gemma4_text;
 pub mod glm4_moe;
+pub mod glm4_moe_lite;
 pub mod layers;
 pub mod llama;
 pub mod lone_rows;
@@ -89,6 +90,12 @@ pub trait LanguageModel {
     /// cache's group size must divide).
     fn attention_head_dim(&self) -> usize;
 
+    /// Whether its attention runs over a quantized KV cache (not glm4_moe_lite's latent
+    /// attention, whose RoPE scores need the cached values unpacked; mlx-lm fails there).
+    fn quantizes_kv(&self) -> bool {
+        true
+    }
+
     /// The width of the logits.
     fn vocab_size(&self) -> usize {
         self.outer().vocab()
@@ -111,6 +118,7 @@ pub const MODEL_TYPES: &[&str] = &[
     "qwen3_moe",
     "qwen3_5_moe",
     "glm4_moe",
+    "glm4_moe_lite",
     "gemma4_text",
 ];
 
@@ -130,6 +138,7 @@ pub fn load(dir: &Path) -> LoadResult<(Box<dyn LanguageModel>, Config)> {
         "qwen3_moe" => Box::new(qwen3_moe::load(&config, &mut weights, &quant)?),
         "qwen3_5_moe" => Box::new(qwen3_5_moe::load(&config, &mut weights, &quant)?),
         "glm4_moe" => Box::new(glm4_moe::load(&config, &mut weights, &quant)?),
+        "glm4_moe_lite" => Box::new(glm4_moe_lite::Model::load(&config, &mut weights, &quant)?),
         "gemma4_text" => Box::new(gemma4_text::Model::load(&config, &mut weights, &quant)?),
         other => {
             return Err(LoadError::UnknownModelType {

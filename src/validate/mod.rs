@@ -82,6 +82,13 @@ pub fn token_ids(input: &str, ids: &[u32], vocab: usize) -> Result<()> {
 /// KV quantization bits and group size mlx supports, with the group dividing the model's
 /// attention head dimension (mx.quantize quantizes along it).
 pub fn kv_quantization(model: &dyn LanguageModel, bits: i32, group_size: i32) -> Result<()> {
+    if !model.quantizes_kv() {
+        return Err(invalid(
+            "kv_bits",
+            bits,
+            "this model's attention (glm4_moe_lite's latent KV) runs over plain KV caches only",
+        ));
+    }
     if !KV_BITS.contains(&bits) {
         return Err(invalid(
             "kv_bits",

@@ -279,7 +279,7 @@ fn quantized_attention(
 }
 
 /// `mx.finfo(dtype).min` as an f32 (exact for every float dtype MLX models use).
-fn finfo_min(dtype: Dtype) -> f32 {
+pub fn finfo_min(dtype: Dtype) -> f32 {
     match dtype {
         Dtype::Float16 => -65504.0,
         Dtype::Bfloat16 => f32::from_bits(0xff7f_0000),

@@ -4,28 +4,17 @@
 
 use mlx::{ops, Array, Result};
 
+use super::multi_linear::Stacked;
 use super::Activation;
-use crate::load::{LoadResult, QuantConfig, QuantParams, Weights};
+use crate::load::{LoadResult, QuantConfig, Weights};
 
 /// SwitchGLU sorts the (token, expert) pairs by expert once there are this many
 /// (`indices.size >= 64`); fewer are gathered in token order.
 const SORT_FROM: usize = 64;
 
-/// The stacked expert weights of a SwitchLinear, as stored or packed by mlx-lm's quantization.
-enum ExpertWeights {
-    /// (experts, out_dims, in_dims).
-    Dense(Array),
-    Packed {
-        weight: Array,
-        scales: Array,
-        biases: Option<Array>,
-        params: QuantParams,
-    },
-}
-
 /// switch_layers.SwitchLinear / QuantizedSwitchLinear without a bias (SwitchGLU's default).
 pub struct SwitchLinear {
-    weights: ExpertWeights,
+    weights: Stacked,
 }
 
 impl SwitchLinear {
@@ -39,26 +28,7 @@ impl SwitchLinear {
         in_dims: i32,
         out_dims: i32,
     ) -> LoadResult<SwitchLinear> {
-        let weights = match q.for_module(path, in_dims, w)? {
-            Some(params) => {
-                let groups = [experts, out_dims, in_dims / params.group_size];
-                let words = [experts, out_dims, in_dims * params.bits / 32];
-                let biases = if w.contains(&format!("{path}.biases")) {
-                    Some(w.take_shaped(&format!("{path}.biases"), &groups)?)
-                } else {
-                    None
-                };
-                ExpertWeights::Packed {
-                    weight: w.take_shaped(&format!("{path}.weight"), &words)?,
-                    scales: w.take_shaped(&format!("{path}.scales"), &groups)?,
-                    biases,
-                    params,
-                }
-            }
-            None => ExpertWeights::Dense(
-                w.take_shaped(&format!("{path}.weight"), &[experts, out_dims, in_dims])?,
-            ),
-        };
+        let weights = Stacked::load(w, q, path, (experts, out_dims, in_dims))?;
         Ok(SwitchLinear { weights })
     }
 
@@ -66,10 +36,8 @@ impl SwitchLinear {
     /// axes against the indices'; `sorted` tells MLX the indices ascend.
     pub fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
         match &self.weights {
-            ExpertWeights::Dense(w) => {
-                ops::gather_mm(x, &w.transpose(&[0, 2, 1])?, indices, sorted)
-            }
-            ExpertWeights::Packed {
+            Stacked::Dense(w) => ops::gather_mm(x, &w.transpose(&[0, 2, 1])?, indices, sorted),
+            Stacked::Packed {
                 weight,
                 scales,
                 biases,
