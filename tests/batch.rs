@@ -216,21 +216,6 @@ fn check_fixture(fixture: &str, caches: Caches) {
 /// The property on `fixture`, its rows speculative or plain at random, each speculative one
 /// with one of `drafters`.
 fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterSpec]) {
-    check_speculation(fixture, caches, drafters, Verify::AsDecode);
-}
-
-/// How a fixture's verify forward computes its tokens.
-#[derive(Clone, Copy, PartialEq)]
-enum Verify {
-    /// As its one-token steps do, bit for bit: speculation keeps greedy output.
-    AsDecode,
-    /// By another path, as mlx-lm's does (glm4_moe_lite: latent-expanding for k+1 tokens,
-    /// absorbed for one), so speculative and plain greedy rows differ in the last bits; the
-    /// batch still equals each row alone.
-    OwnPath,
-}
-
-fn check_speculation(fixture: &str, caches: Caches, drafters: &[DrafterSpec], verify: Verify) {
     support::on_invariant_device();
     let b = bundle(fixture);
     let model = b.model();
@@ -260,7 +245,7 @@ fn check_speculation(fixture: &str, caches: Caches, drafters: &[DrafterSpec], ve
                 };
                 let (want, want_stats) =
                     alone_with_stats(model, drafter, k, &row.prompt, &params[i]);
-                if drafter.is_some() && row.seed.is_none() && verify == Verify::AsDecode {
+                if drafter.is_some() && row.seed.is_none() {
                     let plain = alone(model, None, None, &row.prompt, &params[i]);
                     prop_assert_eq!(
                         &want,
@@ -506,18 +491,17 @@ fn gemma3_speculative_batch_rows_equal_their_lone_requests() {
     );
 }
 
-/// MLA under speculation: a row's verify forward takes the latent-expanding path, its lone
-/// request's too; rejected drafts trimmed from the latent caches.
+/// MLA under speculation: a row's verify forward takes each token as its one-token step (the
+/// absorbed path); rejected drafts trimmed from the latent caches.
 #[test]
 fn glm4_moe_lite_speculative_batch_rows_equal_their_lone_requests() {
-    check_speculation(
+    check_speculative_fixture(
         "glm4_moe_lite",
         Caches::Plain,
         &[
             DrafterSpec::Model(support::model_dir("glm4_moe_lite-4bit")),
             DrafterSpec::Ngram { min: 1, max: 2 },
         ],
-        Verify::OwnPath,
     );
 }
 

@@ -5,7 +5,10 @@
 //! values, mlx-lm's default KVCache). A multi-token forward (prefill, a speculative verify)
 //! expands the latent into per-head keys and values (`embed_q`, `unembed_out`); a one-token
 //! step absorbs `embed_q` into the query and `unembed_out` into the output instead, attending
-//! the latent itself: the two orders round differently, so each is ported as it is. The RoPE
+//! the latent itself: the two orders round differently, so each is ported as it is, and a
+//! decode forward's rows (a speculative verify) take the one-token step token by token unless
+//! the forward replays mlx-lm ([`lone_rows::as_one_token_steps`]), so that speculation never
+//! changes the output. The RoPE
 //! part's scores enter attention as its additive mask. Then glm4_moe's blocks: dense MLPs in the
 //! first `first_k_dense_replace` layers (and off `moe_layer_freq`), GLM's sparse block in the
 //! others; an untied lm_head.
@@ -18,6 +21,7 @@ use super::glm4_moe::{moe_shape, stack_experts, MoeArgs};
 use super::layers::{
     attend, finfo_min, Dims, Linear, MultiLinear, OuterLayers, PreNormBlock, RmsNorm, Rope,
 };
+use super::lone_rows;
 use super::rows::{self, LayerRows};
 use super::{Forward, LanguageModel};
 use crate::cache::{create_causal_mask, KeysValues, LayerCache, Mask};
@@ -108,6 +112,21 @@ impl Mla {
         cache: &mut LayerCache,
     ) -> Result<Array> {
         let l = q.dim(1);
+        if l > 1 && lone_rows::as_one_token_steps() {
+            // A verify row: each token as the one-token step that plain decoding takes.
+            let mut outs = Vec::with_capacity(l as usize);
+            for t in 0..l {
+                let token = |a: &Array| a.slice_axis(1, t, t + 1);
+                outs.push(self.attend_row(
+                    &token(q)?,
+                    &token(latent)?,
+                    &token(k_pe)?,
+                    None,
+                    cache,
+                )?);
+            }
+            return Ok(ops::concatenate(&outs.iter().collect::<Vec<_>>(), 1)?);
+        }
         let q = q
             .reshape(&[1, l, self.heads, -1])?
             .transpose(&[0, 2, 1, 3])?;

@@ -34,6 +34,9 @@ thread_local! {
     /// Whether the forward running on this thread (the engine thread) is a decode forward
     /// inside [`decode_rows`] on a GPU.
     static ACTIVE: Cell<bool> = const { Cell::new(false) };
+    /// Whether the forward running on this thread is a decode forward inside [`decode_rows`]
+    /// whose tokens must each get their one-token step's bits, on any device.
+    static AS_ONE_TOKEN_STEPS: Cell<bool> = const { Cell::new(false) };
     /// Whether this thread is inside [`oracle_kernels`].
     static AS_ORACLE: Cell<bool> = const { Cell::new(false) };
     /// Whether this thread is inside [`on_any_device`].
@@ -75,11 +78,22 @@ pub fn on_any_device<T>(f: impl FnOnce() -> T) -> T {
 /// enabled and the default device is a GPU.
 pub fn decode_rows<T>(forward: impl FnOnce() -> T) -> T {
     let gpu = mlx::default_device() == mlx::Device::Gpu;
-    let on = enabled() && !AS_ORACLE.get() && (gpu || ON_ANY_DEVICE.get());
-    let outer = ACTIVE.replace(on);
+    let exact = enabled() && !AS_ORACLE.get();
+    let on = exact && (gpu || ON_ANY_DEVICE.get());
+    let outer = (ACTIVE.replace(on), AS_ONE_TOKEN_STEPS.replace(exact));
     let out = forward();
-    ACTIVE.set(outer);
+    ACTIVE.set(outer.0);
+    AS_ONE_TOKEN_STEPS.set(outer.1);
     out
+}
+
+/// Whether the forward in progress is a decode forward (a verify, a batch step) whose every
+/// token must get its one-token step's bits, on any device. A family whose one-token step is
+/// another computation than a multi-token forward (MLA's absorbed attention, glm4_moe_lite)
+/// then runs each token of a row as that step, so that speculation never changes its output;
+/// golden replay runs what mlx-lm runs ([`oracle_kernels`]).
+pub(crate) fn as_one_token_steps() -> bool {
+    AS_ONE_TOKEN_STEPS.get()
 }
 
 /// Whether the forward in progress computes its rows with the lone-row kernels.
