@@ -123,15 +123,12 @@ pub fn prefill_tapped(
     let mut chunks: Vec<Vec<Array>> = vec![Vec::new(); taps.len()];
     let mut at = caches.first().map_or(0, LayerCache::offset);
     while rest.dim(0) > 0 {
-        let step = params.prefill_step_size.min(rest.dim(0) as usize);
-        let n = match params
-            .prefill_splits
-            .iter()
-            .find(|&&s| s > at && s < at + step)
-        {
-            Some(&split) => split - at,
-            None => step,
-        };
+        let n = chunk_len(
+            at,
+            rest.dim(0) as usize,
+            params.prefill_step_size,
+            &params.prefill_splits,
+        );
         at += n;
         let n = n as i32;
         let chunk = rest.slice_axis(0, 0, n)?;
@@ -156,6 +153,29 @@ pub fn prefill_tapped(
         .filter(|parts| !parts.is_empty())
         .map(|parts| Ok(ops::concatenate(&parts.iter().collect::<Vec<_>>(), 1)?))
         .collect()
+}
+
+/// The length of the prefill chunk at position `at` with `remaining` tokens to feed: the step,
+/// or less where a split or the end comes first.
+fn chunk_len(at: usize, remaining: usize, step: usize, splits: &[usize]) -> usize {
+    let step = step.min(remaining);
+    match splits.iter().find(|&&s| s > at && s < at + step) {
+        Some(&split) => split - at,
+        None => step,
+    }
+}
+
+/// Where the chunks of a prefill of `len` tokens from position 0 end, in order (`len` last),
+/// with `prefill_step_size` `step` and `prefill_splits` `splits`. A prefill that goes on from
+/// one of them feeds the chunks one from the start feeds there.
+pub fn chunk_ends(len: usize, step: usize, splits: &[usize]) -> Vec<usize> {
+    let mut ends = Vec::new();
+    let mut at = 0;
+    while at < len {
+        at += chunk_len(at, len - at, step, splits);
+        ends.push(at);
+    }
+    ends
 }
 
 /// mlx_lm.cache_prompt: fresh caches holding all of `tokens`, processed as generate_step with

@@ -956,8 +956,10 @@ fn each_turn_of_a_conversation_restores_the_last_answer_and_equals_a_cold_run() 
     // carry back (the template drops it from the history). --max-kv-size's windows past their size keep sink
     // tokens that a resumed prefill would attend and a cold one not: nothing is restored there.
     let (draft, dflash) = (model_dir("qwen3-draft"), model_dir("qwen3-target-dflash"));
-    let lanes: [(&str, &[&str], bool); 10] = [
+    let lanes: [(&str, &[&str], bool); 12] = [
         (TARGET, &[], true),
+        ("glm4_moe_lite", &[], true),
+        ("glm4_moe_lite", &["--prefill-step-size", "16"], true),
         ("qwen3_5-trained", &[], true),
         ("qwen3_5", &[], true),
         ("gemma3", &[], true),

@@ -436,6 +436,10 @@ impl LanguageModel for Model {
         false
     }
 
+    fn one_token_path(&self) -> bool {
+        true
+    }
+
     fn own_caches(&self) -> Option<Vec<LayerCache>> {
         None
     }

@@ -96,6 +96,14 @@ pub trait LanguageModel {
         true
     }
 
+    /// Whether a one-token forward computes its token otherwise than a longer forward does
+    /// (MLA's absorbed attention, glm4_moe_lite). Then caches built by decode steps are not
+    /// what a prefill builds, and a prefill's bits depend on where its chunks end, so a
+    /// prefill may go on only from where one from the start ends a chunk.
+    fn one_token_path(&self) -> bool {
+        false
+    }
+
     /// The width of the logits.
     fn vocab_size(&self) -> usize {
         self.outer().vocab()

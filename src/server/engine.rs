@@ -228,7 +228,9 @@ struct Engine {
     xtc_special_tokens: Vec<u32>,
     /// Shared by the lanes (the engine thread's alone).
     prefix: RefCell<PrefixCache>,
-    /// Whether the target's caches (and a draft model's) can all be cut back to a prefix.
+    /// Whether a prefill may go on from any prefix of an entry: the target's caches (and a
+    /// draft model's) can all be cut back to a prefix, and the model computes a token alike in
+    /// any chunk ([`LanguageModel::one_token_path`] is false).
     trims: bool,
     namespace: String,
     /// [`EngineHandle::cut_running`]'s flag.
@@ -268,10 +270,13 @@ impl Engine {
             prefix: RefCell::new(PrefixCache::new(prompt_cache_bytes)),
             trims: config.kv_quantization.is_none()
                 && all_trim(&target.model().make_cache(config.max_kv_size))
+                && !target.model().one_token_path()
                 && drafter
                     .as_ref()
                     .and_then(Drafter::draft_model)
-                    .is_none_or(|d| all_trim(&d.model().make_cache(None))),
+                    .is_none_or(|d| {
+                        all_trim(&d.model().make_cache(None)) && !d.model().one_token_path()
+                    }),
             namespace: config.namespace(),
             context: target.context_length(),
             xtc_special_tokens: target.xtc_special_tokens()?,
@@ -475,7 +480,11 @@ impl Engine {
         {
             return Ok(Err(Outcome::Cancelled { tokens: 0 }));
         }
-        let mut hit = self.prefix.borrow_mut().lookup(&self.namespace, &prompt);
+        let resume = self.resume(prompt.len(), &params.prefill_splits);
+        let mut hit = self
+            .prefix
+            .borrow_mut()
+            .lookup(&self.namespace, &prompt, &resume);
         let cached = hit.as_ref().map_or(0, |h| h.cached);
         self.metrics.prefix_lookup(cached);
         if let Some(end) = self
@@ -483,7 +492,10 @@ impl Engine {
             .filter(|&end| end > cached)
         {
             self.keep_prefill(&prompt[..=end], hit, &params.prefill_splits);
-            hit = self.prefix.borrow_mut().lookup(&self.namespace, &prompt);
+            hit = self
+                .prefix
+                .borrow_mut()
+                .lookup(&self.namespace, &prompt, &resume);
         }
         let start = Hit::start(hit);
         let lane = Lane {

@@ -92,8 +92,15 @@ impl PrefixCache {
     /// shared copies: an entry whose key starts the prompt, or a longer one that shares a
     /// prefix with it and whose caches all trim (KV caches), cut back to that prefix, as the
     /// next turn of a conversation that renders the last answer otherwise than it was
-    /// generated.
-    pub fn lookup(&mut self, namespace: &str, prompt: &[u32]) -> Option<Hit> {
+    /// generated. `resume(n)` is the furthest point up to `n` that the prompt's prefill may go
+    /// on from (`n` itself but for a model whose one-token forward takes its own path:
+    /// [`crate::model::LanguageModel::one_token_path`]).
+    pub fn lookup(
+        &mut self,
+        namespace: &str,
+        prompt: &[u32],
+        resume: impl Fn(usize) -> usize,
+    ) -> Option<Hit> {
         self.clock += 1;
         let usable = &prompt[..prompt.len().saturating_sub(1)];
         let (entry, reach) = self
@@ -107,7 +114,9 @@ impl PrefixCache {
                     .zip(usable)
                     .take_while(|(a, b)| a == b)
                     .count();
-                let reach = if shared == e.tokens.len() || e.trims() {
+                let reach = if e.trims() {
+                    resume(shared)
+                } else if shared == e.tokens.len() && resume(shared) == shared {
                     shared
                 } else {
                     0

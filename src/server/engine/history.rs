@@ -12,7 +12,7 @@ use super::prompt::template_variables;
 use super::{Engine, Lane};
 use crate::cache::LayerCache;
 use crate::decode::{decode, Hooks, Request};
-use crate::generate::{Control, GenerateParams, GeneratedToken};
+use crate::generate::{chunk_ends, Control, GenerateParams, GeneratedToken};
 use crate::server::api::{GenRequest, Prompt};
 use crate::server::prefix_cache::Hit;
 use crate::server::tools::CallFormatter;
@@ -80,7 +80,8 @@ impl Engine {
     pub(super) fn keep_answer(&self, answered: &Answered, caches: Option<Vec<LayerCache>>) {
         let held = &answered.generated[..answered.generated.len() - 1];
         let own = caches.filter(|caches| {
-            answered.next.starts_with(held)
+            !self.target.model().one_token_path()
+                && answered.next.starts_with(held)
                 && caches.iter().all(|c| {
                     matches!(c, LayerCache::Kv(_) | LayerCache::Recurrent(_))
                         && c.offset() == held.len()
@@ -133,7 +134,11 @@ impl Engine {
     /// Nothing happens when no entry holds the prompt any more: the next turn would prefill
     /// all of it anyway.
     pub(super) fn prefill_answer(&self, tokens: &[u32], prompt_tokens: usize, splits: &[usize]) {
-        let hit = self.prefix.borrow_mut().lookup(&self.namespace, tokens);
+        let resume = self.resume(tokens.len(), splits);
+        let hit = self
+            .prefix
+            .borrow_mut()
+            .lookup(&self.namespace, tokens, resume);
         if let Some(hit) = hit.filter(|h| h.cached + 1 >= prompt_tokens) {
             self.keep_prefill(tokens, Some(hit), splits);
         }
@@ -181,6 +186,27 @@ impl Engine {
         }));
         if !matches!(prefilled, Ok(Ok(_))) {
             warn!("a prefill for the prefix cache failed; the next request prefills it");
+        }
+    }
+
+    /// Where a prefill of a prompt of `len` tokens, its chunks cut at `splits`, may go on from,
+    /// at most `n`: `n` itself, or where a prefill from the start ends a chunk at or before `n`
+    /// when the model computes a token otherwise alone than among others
+    /// ([`crate::model::LanguageModel::one_token_path`]): a resumed prefill then feeds the very
+    /// chunks a cold one feeds.
+    pub(super) fn resume(&self, len: usize, splits: &[usize]) -> impl Fn(usize) -> usize {
+        let ends = if self.target.model().one_token_path() {
+            let step = self.config.prefill_step_size;
+            Some(chunk_ends(len.saturating_sub(1), step, splits))
+        } else {
+            None
+        };
+        move |n| match &ends {
+            Some(ends) => ends[..ends.partition_point(|&e| e <= n)]
+                .last()
+                .copied()
+                .unwrap_or(0),
+            None => n,
         }
     }
 
