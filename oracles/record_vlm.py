@@ -8,7 +8,9 @@ with oracle.tool = "mlx-vlm". Each case runs through mlx_vlm.generate.stream_gen
 speculative ones with the checkpoint's own MTP head split off by
 mlx_vlm.speculative.drafters.load_drafter(kind="mtp"), or, in a group that names
 `drafter = "<folder under golden/models>"`, with that DFlash drafter (load_drafter(kind="dflash");
-N is then mlx-vlm's draft_block_size, the ceiling of the block it adapts per round).
+N is then mlx-vlm's draft_block_size, the ceiling of the block it adapts per round). A target
+is asked for its MTP head only when a group records MTP runs on it, so a DFlash group may name a
+target without one (qwen3_5-4bit).
 
 mlx-vlm's speculative loop reports logprobs for the first token only (mlx_vlm/speculative/
 utils.py, run_speculative_rounds yields (token, None) afterwards), so an MTP trace takes its
@@ -17,17 +19,21 @@ emitted the same tokens (mlx-vlm's own speculative == plain claim); its from_dra
 from the drafter's per-round accept_lens, and `mtp_drafts` (a field the harness ignores) lists
 each round's draft tokens as the drafter's draft_block returned them, so a test can compare
 verity's drafts with mlx-vlm's round by round. A DFlash trace lists them as `dflash_drafts`: the
-greedy loop calls the drafter's draft_block_greedy, whose blocks are recorded (one list of
-block - 1 drafts per round, so the adapted block sizes show). Traces this script owns (oracle.tool "mlx-vlm") that
+greedy loop calls the drafter's draft_block_greedy, the sampled one its draft_block, whose blocks
+are recorded (one list of block - 1 drafts per round, so the adapted block sizes show). Traces this script owns (oracle.tool "mlx-vlm") that
 it did not write this run are deleted.
 
 A group with `temp` and `seed` samples: mlx-vlm then picks its positioned sampler
 (mlx_vlm/generate/ar.py:292-305, `_PositionedTargetSampler`: generated position p draws with
 key(_position_seed(seed, 0, p))), its MTP loop drafts greedily and samples the target at each
 verified position (speculative/mtp.py:785, 289-313), so speculative and plain runs sample the
-same tokens. Such traces carry `"keys": "positioned"` in their params and live under
-vlm-<plain|mtpN>-seed<seed>/. `top_k` may be given too (the other filters make mlx-vlm fall back
-to its global key sequence, which no trace records).
+same tokens. Its DFlash loop samples the drafts too, from the drafter's logits with the key of
+the position each proposes (speculative/dflash.py:351-362, `_PositionedDraftSampler`), and
+accepts a draft when it equals the target's sample there. Such traces carry `"keys":
+"positioned"` in their params and live under vlm-<plain|mtpN|dflashN>-seed<seed>/ (with
+`-topp<P>` appended when the group gives `top_p`). `top_k` and `top_p` may be given (applied per
+position, top-p as `top_p_sampling` writes it); the other filters make mlx-vlm fall back to its
+global key sequence, which no trace records.
 
     oracles/.venv/bin/python oracles/record_vlm.py [--only SUBSTRING]...
 
@@ -67,10 +73,11 @@ def expand(manifest):
             raise ManifestError(f"vlm_group #{g + 1}: give both temp and seed, or neither")
         if sampling(group) and not (group["temp"] > 0 and isinstance(group["seed"], int) and group["seed"] >= 0):
             raise ManifestError(f"vlm_group #{g + 1}: temp must be > 0 and seed an integer >= 0")
-        if "top_k" in group and not sampling(group):
-            raise ManifestError(f"vlm_group #{g + 1}: top_k without temp and seed")
-        if sampling(group) and drafter:
-            raise ManifestError(f"vlm_group #{g + 1}: sampled DFlash runs are not recorded")
+        for key in ("top_k", "top_p"):
+            if key in group and not sampling(group):
+                raise ManifestError(f"vlm_group #{g + 1}: {key} without temp and seed")
+        if "top_p" in group and not 0 < group["top_p"] < 1:
+            raise ManifestError(f"vlm_group #{g + 1}: top_p must be within (0, 1)")
         for model in group["models"]:
             for bs in group["block_sizes"]:
                 if bs != 0 and not 2 <= bs <= 257:
@@ -80,6 +87,8 @@ def expand(manifest):
                 variant = "vlm-plain" if bs == 0 else f"vlm-dflash{bs}" if drafter else f"vlm-mtp{bs}"
                 if sampling(group):
                     variant += f"-seed{group['seed']}"
+                if "top_p" in group:
+                    variant += f"-topp{group['top_p']}"
                 for pname in group["prompts"]:
                     if pname not in prompts:
                         raise ManifestError(f"vlm_group #{g + 1}: unknown prompt '{pname}'")
@@ -101,14 +110,21 @@ def sampling_kwargs(group):
     """stream_generate's sampling arguments for a group (greedy when it names no seed)."""
     if not sampling(group):
         return {"temperature": 0.0}
-    return {"temperature": group["temp"], "seed": group["seed"], "top_k": group.get("top_k", 0)}
+    return {"temperature": group["temp"], "seed": group["seed"], "top_k": group.get("top_k", 0),
+            **({"top_p": group["top_p"]} if "top_p" in group else {})}
 
 
 class Models:
-    """Each fixture loaded once, with its MTP drafter; each DFlash drafter loaded once."""
+    """Each fixture loaded once, its MTP drafter when first asked for; each DFlash drafter
+    loaded once."""
 
     def __init__(self):
-        self.cache, self.drafters = {}, {}
+        self.cache, self.drafters, self.heads = {}, {}, {}
+
+    def mtp(self, name):
+        if name not in self.heads:
+            self.heads[name] = load_drafter(str(GOLDEN / "models" / name), kind="mtp")
+        return self.heads[name]
 
     def dflash(self, name):
         if name not in self.drafters:
@@ -123,9 +139,7 @@ class Models:
             path = GOLDEN / "models" / name
             if not (path / "config.json").is_file():
                 raise ManifestError(f"model folder {path} has no config.json")
-            model, processor = load(str(path))
-            drafter, kind = load_drafter(str(path), kind="mtp")
-            self.cache[name] = (model, processor, drafter, kind)
+            self.cache[name] = load(str(path))
         return self.cache[name]
 
 
@@ -158,7 +172,7 @@ def from_draft_flags(accept_lens, n):
 
 def record_case(case, models, plain_runs):
     group = case["group"]
-    model, processor, drafter, kind = models.get(case["model"])
+    model, processor = models.get(case["model"])
     tokenizer = processor.tokenizer
     rendered, tokens = prompt_tokens(tokenizer, case["prompt"])
     max_tokens = group["max_tokens"]
@@ -172,12 +186,16 @@ def record_case(case, models, plain_runs):
     draft, drafts = None, []
     if case["block_size"]:
         bs = case["block_size"]
-        # The greedy DFlash loop calls draft_block_greedy (mlx_vlm/speculative/dflash.py), the MTP
-        # loop draft_block: wrap the one that runs, so each round's drafts are recorded once.
+        # The greedy DFlash loop calls draft_block_greedy (mlx_vlm/speculative/dflash.py), the
+        # sampled one and the MTP loop draft_block: wrap the one that runs, so each round's drafts
+        # are recorded once.
         method = "draft_block"
         if case["drafter"]:
             drafter, kind = models.dflash(case["drafter"])
-            method = "draft_block_greedy"
+            if not sampling(group):
+                method = "draft_block_greedy"
+        else:
+            drafter, kind = models.mtp(case["model"])
         drafts, draft_fn = [], getattr(drafter, method)
 
         def recording_draft_block(*args, **kwargs):
@@ -213,6 +231,7 @@ def record_case(case, models, plain_runs):
     sampler["xtc_special_tokens"] = tokenizer.encode("\n") + eos
     if sampling(group):
         sampler["temp"], sampler["top_k"] = group["temp"], group.get("top_k", 0)
+        sampler["top_p"] = group.get("top_p", DEFAULTS["top_p"])
     return {
         "format": "verity-trace/1",
         "id": case["id"],
