@@ -115,8 +115,10 @@ def sampling_kwargs(group):
 
 
 class Models:
-    """Each fixture loaded once, its MTP drafter when first asked for; each DFlash drafter
-    loaded once."""
+    """Each fixture loaded once, its MTP drafter when first asked for; each DFlash drafter loaded
+    once per target: mlx-vlm's DFlashDraftModel.bind keeps the embedding of the first target it
+    is bound to (speculative/drafters/qwen3_dflash/dflash.py:190-229), so a drafter object shared
+    by two targets would embed the second target's tokens with the first one's table."""
 
     def __init__(self):
         self.cache, self.drafters, self.heads = {}, {}, {}
@@ -126,13 +128,13 @@ class Models:
             self.heads[name] = load_drafter(str(GOLDEN / "models" / name), kind="mtp")
         return self.heads[name]
 
-    def dflash(self, name):
-        if name not in self.drafters:
+    def dflash(self, name, target):
+        if (name, target) not in self.drafters:
             path = GOLDEN / "models" / name
             if not (path / "config.json").is_file():
                 raise ManifestError(f"drafter folder {path} has no config.json")
-            self.drafters[name] = load_drafter(str(path), kind="dflash")
-        return self.drafters[name]
+            self.drafters[name, target] = load_drafter(str(path), kind="dflash")
+        return self.drafters[name, target]
 
     def get(self, name):
         if name not in self.cache:
@@ -191,7 +193,7 @@ def record_case(case, models, plain_runs):
         # are recorded once.
         method = "draft_block"
         if case["drafter"]:
-            drafter, kind = models.dflash(case["drafter"])
+            drafter, kind = models.dflash(case["drafter"], case["model"])
             if not sampling(group):
                 method = "draft_block_greedy"
         else:
