@@ -10,6 +10,7 @@ use support::{bundle, golden_input, model_dir};
 use verity::generate::{token_array, Control, Generation};
 use verity::model::dflash::DflashModel;
 use verity::parity::acceptance::acceptance;
+use verity::sample::KeySchedule;
 use verity::speculative::{
     generate_speculative, DflashDrafter, DraftContext, DraftSource, PrefillMode, SpeculationStats,
     Verified,
@@ -103,6 +104,54 @@ fn dflash_speculation_equals_plain_on_every_architecture_it_pairs_with() {
                 );
                 check_stats(&id, k, &stats, expect);
             }
+        }
+    }
+}
+
+/// Seeded sampling with positioned keys (temperature alone, and with top-p and top-k): each
+/// draft is drawn with the key of the position it proposes and the target draws every position
+/// with its own key, so DFlash speculation samples plain decoding's tokens, logprob bits
+/// included, while the trained drafter has drafts both accepted and rejected.
+#[test]
+fn sampled_dflash_speculation_with_positioned_keys_equals_plain() {
+    support::on_cpu();
+    let target = bundle("qwen3-target");
+    let model = drafter("qwen3-target-dflash");
+    let (prompt, mut params) = golden_input("qwen3-target/temp08/code", 48);
+    assert!(params.sampler.temp > 0.0 && params.seed.is_some());
+    params.keys = KeySchedule::Positioned;
+    let mut filtered = params.clone();
+    filtered.sampler.top_p = 0.9;
+    filtered.sampler.top_k = 40;
+    for (what, params) in [("temperature", params), ("top-p and top-k", filtered)] {
+        let want: Vec<(u32, Vec<u8>)> = Generation::new(target.model(), &prompt, &params)
+            .unwrap()
+            .map(|s| {
+                let s = s.unwrap();
+                (s.token, bits(&s.logprobs))
+            })
+            .collect();
+        for k in [3, 7] {
+            let mut source = DflashDrafter::new(target.model(), &model).unwrap();
+            let mut got = Vec::new();
+            let (stats, _) = generate_speculative(
+                target.model(),
+                &mut source,
+                &prompt,
+                &params,
+                k,
+                None,
+                &mut |t| {
+                    got.push((t.token, bits(&t.logprobs)));
+                    Control::Continue
+                },
+            )
+            .unwrap();
+            assert!(
+                got == want,
+                "{what} k={k}: sampled DFlash differs from plain"
+            );
+            check_stats(what, k, &stats, Expect::Accepted);
         }
     }
 }
