@@ -177,7 +177,10 @@ pub fn drafts_equal_mlx_vlm<S: DraftSource>(
     .unwrap();
     assert_eq!(spy.drafts, want, "{id}: drafts differ from mlx-vlm's");
     let oracle = accepted_per_round(&trace);
-    assert!(spy.accepted.len() >= oracle.len(), "{id}: fewer rounds than mlx-vlm's");
+    assert!(
+        spy.accepted.len() >= oracle.len(),
+        "{id}: fewer rounds than mlx-vlm's"
+    );
     assert_eq!(
         spy.accepted[..oracle.len()],
         oracle[..],
