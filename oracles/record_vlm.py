@@ -92,6 +92,7 @@ def expand(manifest):
                 for pname in group["prompts"]:
                     if pname not in prompts:
                         raise ManifestError(f"vlm_group #{g + 1}: unknown prompt '{pname}'")
+                    check_prompt(pname, prompts[pname])
                     case_id = f"{model}/{variant}/{pname}"
                     if case_id in seen:
                         raise ManifestError(f"case {case_id} appears twice")
@@ -99,6 +100,21 @@ def expand(manifest):
                     yield {"id": case_id, "suite": group["suite"], "model": model, "block_size": bs,
                            "prompt_name": pname, "prompt": prompts[pname], "group": group,
                            "drafter": drafter}
+
+
+def check_prompt(name, prompt):
+    """A prompt is `text` (with `chat` for a one-turn chat) or a multi-turn chat's `messages`:
+    system or user first, then user and assistant turns in order, ending with the user's."""
+    if ("text" in prompt) == ("messages" in prompt):
+        raise ManifestError(f"prompt '{name}': give text or messages, not both or neither")
+    if "text" in prompt:
+        return
+    roles = [m.get("role") for m in prompt["messages"]]
+    if any(set(m) != {"role", "content"} or not isinstance(m["content"], str) for m in prompt["messages"]):
+        raise ManifestError(f"prompt '{name}': each message is a role and a string content")
+    turns = roles[1:] if roles[:1] == ["system"] else roles
+    if not turns or turns != ["user", "assistant"] * (len(turns) // 2) + ["user"]:
+        raise ManifestError(f"prompt '{name}': roles {roles} do not alternate user/assistant ending with user")
 
 
 def sampling(group):
@@ -146,13 +162,20 @@ class Models:
 
 
 def prompt_tokens(tokenizer, prompt):
-    """The rendered chat template (or None) and the token ids, as record.py builds them."""
+    """The rendered chat template (or None) and the token ids, as record.py builds them; a
+    prompt with `messages` is a multi-turn chat rendered whole."""
+    if "messages" in prompt:
+        return chat_tokens(tokenizer, prompt["messages"])
     text = prompt["text"]
     if prompt.get("chat", False):
-        messages = [{"role": "user", "content": text}]
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return rendered, tokenizer.encode(rendered, add_special_tokens=False)
+        return chat_tokens(tokenizer, [{"role": "user", "content": text}])
     return None, tokenizer.encode(text, add_special_tokens=True)
+
+
+def chat_tokens(tokenizer, messages):
+    """The chat template over `messages` with the generation prompt, and its token ids."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return rendered, tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def run(model, processor, tokens, max_tokens, **kwargs):
@@ -170,6 +193,15 @@ def from_draft_flags(accept_lens, n):
     for a in accept_lens:
         flags += [True] * a + [False]
     return flags[:n]
+
+
+def prompt_field(prompt, tokens, rendered):
+    """The trace's prompt: a multi-turn chat keeps its messages, its last one as the text."""
+    if "messages" in prompt:
+        return {"tokens": [int(t) for t in tokens], "text": prompt["messages"][-1]["content"],
+                "chat": True, "rendered": rendered, "messages": prompt["messages"]}
+    return {"tokens": [int(t) for t in tokens], "text": prompt["text"],
+            "chat": bool(prompt.get("chat", False)), "rendered": rendered}
 
 
 def record_case(case, models, plain_runs):
@@ -243,8 +275,7 @@ def record_case(case, models, plain_runs):
         "model": f"golden/models/{case['model']}",
         "draft": draft,
         "prompt_cache": None,
-        "prompt": {"tokens": [int(t) for t in tokens], "text": case["prompt"]["text"],
-                   "chat": bool(case["prompt"].get("chat", False)), "rendered": rendered},
+        "prompt": prompt_field(case["prompt"], tokens, rendered),
         "params": {
             "max_tokens": max_tokens, "seed": group.get("seed"),
             **({"keys": "positioned"} if sampling(group) else {}), "sampler": sampler,

@@ -285,36 +285,40 @@ fn dflash_drafts_equal_mlx_vlm_round_by_round() {
 }
 
 /// Sampled with positioned keys (temperature 0.8 seed 11; temperature 1.0 with top-p 0.9 seed
-/// 3), and on qwen3_5-4bit, a target without an MTP head (greedy and sampled): mlx-vlm draws each
-/// draft from the drafter's logits with the key of the position it proposes, so even this
-/// random-weight drafter has drafts accepted; verity's drafts and acceptance equal its in every
-/// round.
+/// 3; a multi-turn chat), and on qwen3_5-4bit, a target without an MTP head (greedy and
+/// sampled): mlx-vlm draws each draft from the drafter's logits with the key of the position it
+/// proposes, so even this random-weight drafter has drafts accepted; verity's drafts and
+/// acceptance equal its in every round.
 #[test]
 fn sampled_dflash_drafts_equal_mlx_vlm_round_by_round() {
     support::on_cpu();
     let model = drafter("qwen3_5-dflash");
-    let cases = [
+    let mut cases: Vec<(&str, String, usize)> = [
         ("qwen3_5", "vlm-dflash4-seed11", 4),
         ("qwen3_5", "vlm-dflash8-seed11", 8),
         ("qwen3_5", "vlm-dflash4-seed3-topp0.9", 4),
         ("qwen3_5-4bit", "vlm-dflash4", 4),
         ("qwen3_5-4bit", "vlm-dflash4-seed11", 4),
         ("qwen3_5-4bit", "vlm-dflash8-seed11", 8),
-    ];
+    ]
+    .into_iter()
+    .flat_map(|(name, variant, block)| {
+        ["code", "chat"].map(|prompt| (name, format!("{name}/{variant}/{prompt}"), block))
+    })
+    .collect();
+    cases.push(("qwen3_5", "qwen3_5/vlm-dflash4-seed11/multi-turn".into(), 4));
+    let targets = ["qwen3_5", "qwen3_5-4bit"].map(|name| (name, bundle(name)));
     let (mut traces, mut rounds, mut accepted) = (0, 0, 0);
-    for (name, variant, block) in cases {
-        let target = bundle(name);
-        for prompt in ["code", "chat"] {
-            let id = format!("{name}/{variant}/{prompt}");
-            let source = DflashDrafter::new(target.model(), &model).unwrap();
-            let want = support::drafts_equal_mlx_vlm(&target, &id, "dflash_drafts", source, block);
-            traces += 1;
-            rounds += want.len();
-            let trace = support::golden(&id);
-            accepted += trace.steps.iter().filter(|s| s.from_draft).count();
-        }
+    for (name, id, block) in cases {
+        let (_, target) = targets.iter().find(|(t, _)| *t == name).unwrap();
+        let source = DflashDrafter::new(target.model(), &model).unwrap();
+        let want = support::drafts_equal_mlx_vlm(target, &id, "dflash_drafts", source, block);
+        traces += 1;
+        rounds += want.len();
+        let trace = support::golden(&id);
+        accepted += trace.steps.iter().filter(|s| s.from_draft).count();
     }
-    assert_eq!(traces, 12);
+    assert_eq!(traces, 13);
     assert!(rounds > 100, "{rounds} rounds");
     assert!(accepted > 100, "only {accepted} accepted drafts");
 }
