@@ -8,7 +8,9 @@ with oracle.tool = "mlx-vlm". Each case runs through mlx_vlm.generate.stream_gen
 speculative ones with the checkpoint's own MTP head split off by
 mlx_vlm.speculative.drafters.load_drafter(kind="mtp"), or, in a group that names
 `drafter = "<folder under golden/models>"`, with that DFlash drafter (load_drafter(kind="dflash");
-N is then mlx-vlm's draft_block_size, the ceiling of the block it adapts per round).
+N is then mlx-vlm's draft_block_size, the ceiling of the block it adapts per round). A target
+is asked for its MTP head only when a group records MTP runs on it, so a DFlash group may name a
+target without one (qwen3_5-4bit).
 
 mlx-vlm's speculative loop reports logprobs for the first token only (mlx_vlm/speculative/
 utils.py, run_speculative_rounds yields (token, None) afterwards), so an MTP trace takes its
@@ -17,17 +19,21 @@ emitted the same tokens (mlx-vlm's own speculative == plain claim); its from_dra
 from the drafter's per-round accept_lens, and `mtp_drafts` (a field the harness ignores) lists
 each round's draft tokens as the drafter's draft_block returned them, so a test can compare
 verity's drafts with mlx-vlm's round by round. A DFlash trace lists them as `dflash_drafts`: the
-greedy loop calls the drafter's draft_block_greedy, whose blocks are recorded (one list of
-block - 1 drafts per round, so the adapted block sizes show). Traces this script owns (oracle.tool "mlx-vlm") that
+greedy loop calls the drafter's draft_block_greedy, the sampled one its draft_block, whose blocks
+are recorded (one list of block - 1 drafts per round, so the adapted block sizes show). Traces this script owns (oracle.tool "mlx-vlm") that
 it did not write this run are deleted.
 
 A group with `temp` and `seed` samples: mlx-vlm then picks its positioned sampler
 (mlx_vlm/generate/ar.py:292-305, `_PositionedTargetSampler`: generated position p draws with
 key(_position_seed(seed, 0, p))), its MTP loop drafts greedily and samples the target at each
 verified position (speculative/mtp.py:785, 289-313), so speculative and plain runs sample the
-same tokens. Such traces carry `"keys": "positioned"` in their params and live under
-vlm-<plain|mtpN>-seed<seed>/. `top_k` may be given too (the other filters make mlx-vlm fall back
-to its global key sequence, which no trace records).
+same tokens. Its DFlash loop samples the drafts too, from the drafter's logits with the key of
+the position each proposes (speculative/dflash.py:351-362, `_PositionedDraftSampler`), and
+accepts a draft when it equals the target's sample there. Such traces carry `"keys":
+"positioned"` in their params and live under vlm-<plain|mtpN|dflashN>-seed<seed>/ (with
+`-topp<P>` appended when the group gives `top_p`). `top_k` and `top_p` may be given (applied per
+position, top-p as `top_p_sampling` writes it); the other filters make mlx-vlm fall back to its
+global key sequence, which no trace records.
 
     oracles/.venv/bin/python oracles/record_vlm.py [--only SUBSTRING]...
 
@@ -67,10 +73,11 @@ def expand(manifest):
             raise ManifestError(f"vlm_group #{g + 1}: give both temp and seed, or neither")
         if sampling(group) and not (group["temp"] > 0 and isinstance(group["seed"], int) and group["seed"] >= 0):
             raise ManifestError(f"vlm_group #{g + 1}: temp must be > 0 and seed an integer >= 0")
-        if "top_k" in group and not sampling(group):
-            raise ManifestError(f"vlm_group #{g + 1}: top_k without temp and seed")
-        if sampling(group) and drafter:
-            raise ManifestError(f"vlm_group #{g + 1}: sampled DFlash runs are not recorded")
+        for key in ("top_k", "top_p"):
+            if key in group and not sampling(group):
+                raise ManifestError(f"vlm_group #{g + 1}: {key} without temp and seed")
+        if "top_p" in group and not 0 < group["top_p"] < 1:
+            raise ManifestError(f"vlm_group #{g + 1}: top_p must be within (0, 1)")
         for model in group["models"]:
             for bs in group["block_sizes"]:
                 if bs != 0 and not 2 <= bs <= 257:
@@ -80,9 +87,12 @@ def expand(manifest):
                 variant = "vlm-plain" if bs == 0 else f"vlm-dflash{bs}" if drafter else f"vlm-mtp{bs}"
                 if sampling(group):
                     variant += f"-seed{group['seed']}"
+                if "top_p" in group:
+                    variant += f"-topp{group['top_p']}"
                 for pname in group["prompts"]:
                     if pname not in prompts:
                         raise ManifestError(f"vlm_group #{g + 1}: unknown prompt '{pname}'")
+                    check_prompt(pname, prompts[pname])
                     case_id = f"{model}/{variant}/{pname}"
                     if case_id in seen:
                         raise ManifestError(f"case {case_id} appears twice")
@@ -90,6 +100,21 @@ def expand(manifest):
                     yield {"id": case_id, "suite": group["suite"], "model": model, "block_size": bs,
                            "prompt_name": pname, "prompt": prompts[pname], "group": group,
                            "drafter": drafter}
+
+
+def check_prompt(name, prompt):
+    """A prompt is `text` (with `chat` for a one-turn chat) or a multi-turn chat's `messages`:
+    system or user first, then user and assistant turns in order, ending with the user's."""
+    if ("text" in prompt) == ("messages" in prompt):
+        raise ManifestError(f"prompt '{name}': give text or messages, not both or neither")
+    if "text" in prompt:
+        return
+    roles = [m.get("role") for m in prompt["messages"]]
+    if any(set(m) != {"role", "content"} or not isinstance(m["content"], str) for m in prompt["messages"]):
+        raise ManifestError(f"prompt '{name}': each message is a role and a string content")
+    turns = roles[1:] if roles[:1] == ["system"] else roles
+    if not turns or turns != ["user", "assistant"] * (len(turns) // 2) + ["user"]:
+        raise ManifestError(f"prompt '{name}': roles {roles} do not alternate user/assistant ending with user")
 
 
 def sampling(group):
@@ -101,42 +126,56 @@ def sampling_kwargs(group):
     """stream_generate's sampling arguments for a group (greedy when it names no seed)."""
     if not sampling(group):
         return {"temperature": 0.0}
-    return {"temperature": group["temp"], "seed": group["seed"], "top_k": group.get("top_k", 0)}
+    return {"temperature": group["temp"], "seed": group["seed"], "top_k": group.get("top_k", 0),
+            **({"top_p": group["top_p"]} if "top_p" in group else {})}
 
 
 class Models:
-    """Each fixture loaded once, with its MTP drafter; each DFlash drafter loaded once."""
+    """Each fixture loaded once, its MTP drafter when first asked for; each DFlash drafter loaded
+    once per target: mlx-vlm's DFlashDraftModel.bind keeps the embedding of the first target it
+    is bound to (speculative/drafters/qwen3_dflash/dflash.py:190-229), so a drafter object shared
+    by two targets would embed the second target's tokens with the first one's table."""
 
     def __init__(self):
-        self.cache, self.drafters = {}, {}
+        self.cache, self.drafters, self.heads = {}, {}, {}
 
-    def dflash(self, name):
-        if name not in self.drafters:
+    def mtp(self, name):
+        if name not in self.heads:
+            self.heads[name] = load_drafter(str(GOLDEN / "models" / name), kind="mtp")
+        return self.heads[name]
+
+    def dflash(self, name, target):
+        if (name, target) not in self.drafters:
             path = GOLDEN / "models" / name
             if not (path / "config.json").is_file():
                 raise ManifestError(f"drafter folder {path} has no config.json")
-            self.drafters[name] = load_drafter(str(path), kind="dflash")
-        return self.drafters[name]
+            self.drafters[name, target] = load_drafter(str(path), kind="dflash")
+        return self.drafters[name, target]
 
     def get(self, name):
         if name not in self.cache:
             path = GOLDEN / "models" / name
             if not (path / "config.json").is_file():
                 raise ManifestError(f"model folder {path} has no config.json")
-            model, processor = load(str(path))
-            drafter, kind = load_drafter(str(path), kind="mtp")
-            self.cache[name] = (model, processor, drafter, kind)
+            self.cache[name] = load(str(path))
         return self.cache[name]
 
 
 def prompt_tokens(tokenizer, prompt):
-    """The rendered chat template (or None) and the token ids, as record.py builds them."""
+    """The rendered chat template (or None) and the token ids, as record.py builds them; a
+    prompt with `messages` is a multi-turn chat rendered whole."""
+    if "messages" in prompt:
+        return chat_tokens(tokenizer, prompt["messages"])
     text = prompt["text"]
     if prompt.get("chat", False):
-        messages = [{"role": "user", "content": text}]
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return rendered, tokenizer.encode(rendered, add_special_tokens=False)
+        return chat_tokens(tokenizer, [{"role": "user", "content": text}])
     return None, tokenizer.encode(text, add_special_tokens=True)
+
+
+def chat_tokens(tokenizer, messages):
+    """The chat template over `messages` with the generation prompt, and its token ids."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return rendered, tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def run(model, processor, tokens, max_tokens, **kwargs):
@@ -156,9 +195,18 @@ def from_draft_flags(accept_lens, n):
     return flags[:n]
 
 
+def prompt_field(prompt, tokens, rendered):
+    """The trace's prompt: a multi-turn chat keeps its messages, its last one as the text."""
+    if "messages" in prompt:
+        return {"tokens": [int(t) for t in tokens], "text": prompt["messages"][-1]["content"],
+                "chat": True, "rendered": rendered, "messages": prompt["messages"]}
+    return {"tokens": [int(t) for t in tokens], "text": prompt["text"],
+            "chat": bool(prompt.get("chat", False)), "rendered": rendered}
+
+
 def record_case(case, models, plain_runs):
     group = case["group"]
-    model, processor, drafter, kind = models.get(case["model"])
+    model, processor = models.get(case["model"])
     tokenizer = processor.tokenizer
     rendered, tokens = prompt_tokens(tokenizer, case["prompt"])
     max_tokens = group["max_tokens"]
@@ -172,12 +220,16 @@ def record_case(case, models, plain_runs):
     draft, drafts = None, []
     if case["block_size"]:
         bs = case["block_size"]
-        # The greedy DFlash loop calls draft_block_greedy (mlx_vlm/speculative/dflash.py), the MTP
-        # loop draft_block: wrap the one that runs, so each round's drafts are recorded once.
+        # The greedy DFlash loop calls draft_block_greedy (mlx_vlm/speculative/dflash.py), the
+        # sampled one and the MTP loop draft_block: wrap the one that runs, so each round's drafts
+        # are recorded once.
         method = "draft_block"
         if case["drafter"]:
-            drafter, kind = models.dflash(case["drafter"])
-            method = "draft_block_greedy"
+            drafter, kind = models.dflash(case["drafter"], case["model"])
+            if not sampling(group):
+                method = "draft_block_greedy"
+        else:
+            drafter, kind = models.mtp(case["model"])
         drafts, draft_fn = [], getattr(drafter, method)
 
         def recording_draft_block(*args, **kwargs):
@@ -213,6 +265,7 @@ def record_case(case, models, plain_runs):
     sampler["xtc_special_tokens"] = tokenizer.encode("\n") + eos
     if sampling(group):
         sampler["temp"], sampler["top_k"] = group["temp"], group.get("top_k", 0)
+        sampler["top_p"] = group.get("top_p", DEFAULTS["top_p"])
     return {
         "format": "verity-trace/1",
         "id": case["id"],
@@ -222,8 +275,7 @@ def record_case(case, models, plain_runs):
         "model": f"golden/models/{case['model']}",
         "draft": draft,
         "prompt_cache": None,
-        "prompt": {"tokens": [int(t) for t in tokens], "text": case["prompt"]["text"],
-                   "chat": bool(case["prompt"].get("chat", False)), "rendered": rendered},
+        "prompt": prompt_field(case["prompt"], tokens, rendered),
         "params": {
             "max_tokens": max_tokens, "seed": group.get("seed"),
             **({"keys": "positioned"} if sampling(group) else {}), "sampler": sampler,

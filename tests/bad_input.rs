@@ -419,7 +419,7 @@ fn generate_cases() -> Vec<Case> {
         no_setup(),
     ));
     cases.push(case(
-        "generate/positioned-keys-with-top-p",
+        "generate/positioned-keys-with-xtc",
         &[
             "generate",
             "--model",
@@ -430,11 +430,11 @@ fn generate_cases() -> Vec<Case> {
             "positioned",
             "--temp",
             "0.8",
-            "--top-p",
-            "0.9",
+            "--xtc-probability",
+            "0.5",
         ],
         2,
-        &["top_p", "0.9", "positioned keys"],
+        &["xtc_probability", "0.5", "positioned keys"],
         no_setup(),
     ));
     let ngram = |name: &str, extra: &[&str], needles: &[&str]| {

@@ -10,6 +10,7 @@ use support::{bundle, golden_input, model_dir};
 use verity::generate::{token_array, Control, Generation};
 use verity::model::dflash::DflashModel;
 use verity::parity::acceptance::acceptance;
+use verity::sample::KeySchedule;
 use verity::speculative::{
     generate_speculative, DflashDrafter, DraftContext, DraftSource, PrefillMode, SpeculationStats,
     Verified,
@@ -103,6 +104,54 @@ fn dflash_speculation_equals_plain_on_every_architecture_it_pairs_with() {
                 );
                 check_stats(&id, k, &stats, expect);
             }
+        }
+    }
+}
+
+/// Seeded sampling with positioned keys (temperature alone, and with top-p and top-k): each
+/// draft is drawn with the key of the position it proposes and the target draws every position
+/// with its own key, so DFlash speculation samples plain decoding's tokens, logprob bits
+/// included, while the trained drafter has drafts both accepted and rejected.
+#[test]
+fn sampled_dflash_speculation_with_positioned_keys_equals_plain() {
+    support::on_cpu();
+    let target = bundle("qwen3-target");
+    let model = drafter("qwen3-target-dflash");
+    let (prompt, mut params) = golden_input("qwen3-target/temp08/code", 48);
+    assert!(params.sampler.temp > 0.0 && params.seed.is_some());
+    params.keys = KeySchedule::Positioned;
+    let mut filtered = params.clone();
+    filtered.sampler.top_p = 0.9;
+    filtered.sampler.top_k = 40;
+    for (what, params) in [("temperature", params), ("top-p and top-k", filtered)] {
+        let want: Vec<(u32, Vec<u8>)> = Generation::new(target.model(), &prompt, &params)
+            .unwrap()
+            .map(|s| {
+                let s = s.unwrap();
+                (s.token, bits(&s.logprobs))
+            })
+            .collect();
+        for k in [3, 7] {
+            let mut source = DflashDrafter::new(target.model(), &model).unwrap();
+            let mut got = Vec::new();
+            let (stats, _) = generate_speculative(
+                target.model(),
+                &mut source,
+                &prompt,
+                &params,
+                k,
+                None,
+                &mut |t| {
+                    got.push((t.token, bits(&t.logprobs)));
+                    Control::Continue
+                },
+            )
+            .unwrap();
+            assert!(
+                got == want,
+                "{what} k={k}: sampled DFlash differs from plain"
+            );
+            check_stats(what, k, &stats, Expect::Accepted);
         }
     }
 }
@@ -233,6 +282,45 @@ fn dflash_drafts_equal_mlx_vlm_round_by_round() {
     assert!(rounds > 100, "{rounds} rounds");
     // The adaptive block size was exercised: more than one block size was drafted.
     assert!(sizes.len() > 1, "block sizes seen: {sizes:?}");
+}
+
+/// Sampled with positioned keys (temperature 0.8 seed 11; temperature 1.0 with top-p 0.9 seed
+/// 3; a multi-turn chat), and on qwen3_5-4bit, a target without an MTP head (greedy and
+/// sampled): mlx-vlm draws each draft from the drafter's logits with the key of the position it
+/// proposes, so even this random-weight drafter has drafts accepted; verity's drafts and
+/// acceptance equal its in every round.
+#[test]
+fn sampled_dflash_drafts_equal_mlx_vlm_round_by_round() {
+    support::on_cpu();
+    let model = drafter("qwen3_5-dflash");
+    let mut cases: Vec<(&str, String, usize)> = [
+        ("qwen3_5", "vlm-dflash4-seed11", 4),
+        ("qwen3_5", "vlm-dflash8-seed11", 8),
+        ("qwen3_5", "vlm-dflash4-seed3-topp0.9", 4),
+        ("qwen3_5-4bit", "vlm-dflash4", 4),
+        ("qwen3_5-4bit", "vlm-dflash4-seed11", 4),
+        ("qwen3_5-4bit", "vlm-dflash8-seed11", 8),
+    ]
+    .into_iter()
+    .flat_map(|(name, variant, block)| {
+        ["code", "chat"].map(|prompt| (name, format!("{name}/{variant}/{prompt}"), block))
+    })
+    .collect();
+    cases.push(("qwen3_5", "qwen3_5/vlm-dflash4-seed11/multi-turn".into(), 4));
+    let targets = ["qwen3_5", "qwen3_5-4bit"].map(|name| (name, bundle(name)));
+    let (mut traces, mut rounds, mut accepted) = (0, 0, 0);
+    for (name, id, block) in cases {
+        let (_, target) = targets.iter().find(|(t, _)| *t == name).unwrap();
+        let source = DflashDrafter::new(target.model(), &model).unwrap();
+        let want = support::drafts_equal_mlx_vlm(target, &id, "dflash_drafts", source, block);
+        traces += 1;
+        rounds += want.len();
+        let trace = support::golden(&id);
+        accepted += trace.steps.iter().filter(|s| s.from_draft).count();
+    }
+    assert_eq!(traces, 13);
+    assert!(rounds > 100, "{rounds} rounds");
+    assert!(accepted > 100, "only {accepted} accepted drafts");
 }
 
 #[test]

@@ -397,6 +397,8 @@ fn mtp_drafts_equal_mlx_vlm_round_by_round() {
         let seeded = ["code", "chat"].map(|p| format!("vlm-mtp{block}-seed5/{p}"));
         cases.extend(seeded.map(|case| ("qwen3_5", block, case)));
     }
+    cases.extend(["code", "chat"].map(|p| ("qwen3_5", 3, format!("vlm-mtp3-seed3-topp0.9/{p}"))));
+    cases.push(("qwen3_5-trained", 3, "vlm-mtp3/multi-turn".to_string()));
     for variant in ["vlm-mtp3", "vlm-mtp3-seed11"] {
         cases.extend(prompts.map(|p| ("qwen3_5-trained", 3, format!("{variant}/{p}"))));
     }
@@ -415,7 +417,7 @@ fn mtp_drafts_equal_mlx_vlm_round_by_round() {
             .filter(|s| s.from_draft)
             .count();
     }
-    assert_eq!(traces, 34);
+    assert_eq!(traces, 37);
     assert!(rounds > 600, "{rounds} rounds");
     assert!(
         accepted > 100,

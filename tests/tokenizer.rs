@@ -33,6 +33,9 @@ struct Trace {
     model: PathBuf,
     prompt_text: String,
     prompt_chat: bool,
+    /// A multi-turn chat's messages (mlx-vlm traces, oracles/record_vlm.py); a one-turn chat is
+    /// `prompt_text` as the user's message.
+    prompt_messages: Option<Vec<Value>>,
     /// The chat template's output the oracle tokenized (chat prompts only).
     prompt_rendered: Option<String>,
     prompt_tokens: Vec<u32>,
@@ -76,6 +79,9 @@ fn traces() -> Vec<Trace> {
                     .expect("prompt text")
                     .to_string(),
                 prompt_chat: t["prompt"]["chat"].as_bool().expect("prompt chat flag"),
+                prompt_messages: t["prompt"]
+                    .get("messages")
+                    .map(|m| m.as_array().expect("prompt messages are a list").clone()),
                 prompt_rendered: t["prompt"]["rendered"].as_str().map(str::to_string),
                 // A trace continuing from a prompt cache holds only the rest of its prompt.
                 prompt_tokens: t
@@ -155,8 +161,12 @@ fn golden_prompts_reproduce_exactly() {
         let tok = tokenizers.get(&trace.model);
         // What oracles/record.py (mlx_lm.generate's main) did.
         let tokens = if trace.prompt_chat {
+            let messages = match &trace.prompt_messages {
+                Some(messages) => messages.clone(),
+                None => user(json!(trace.prompt_text)),
+            };
             let rendered = tok
-                .apply_chat_template(&user(json!(trace.prompt_text)), true, &Map::new())
+                .apply_chat_template(&messages, true, &Map::new())
                 .unwrap_or_else(|e| panic!("{}: {e}", trace.id));
             if Some(&rendered) != trace.prompt_rendered.as_ref() {
                 mismatches.push(format!(

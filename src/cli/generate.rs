@@ -52,7 +52,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     seed: Option<u64>,
     /// How the seed keys each draw: `sequence` (mlx-lm: one global key split per draw) or
-    /// `positioned` (mlx-vlm: one key per generated position, temperature and top-k only).
+    /// `positioned` (mlx-vlm: one key per generated position; temperature, top-k and top-p only).
     #[arg(long, default_value = "sequence", value_parser = key_schedule())]
     keys: KeySchedule,
     /// Feed the prompt as raw text, without the model's chat template.

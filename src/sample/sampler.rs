@@ -77,25 +77,39 @@ impl Sampler {
         Ok(random::categorical(&scaled, -1, &keys.next_key()?)?)
     }
 
-    /// `_PositionedTargetSampler.sample_target`: top-k, then each (V,) row drawn with its
-    /// position's key at the temperature mlx-vlm clamps to at least 0.01 (`clamp_temperature`).
-    /// A (V,) row takes MLX's Gumbel path, as mlx-vlm's vmap over rows does; a (1, V) row would
-    /// not (mlx::random::categorical). Filters other than top-k are refused up front
-    /// (crate::validate), as mlx-vlm falls back to its key sequence for them.
-    fn sample_positioned(&self, logprobs: &Array, seed: u64, first: usize) -> Result<Array> {
+    /// `_PositionedTargetSampler.sample_target` over (rows, V) scores: top-k, then row i drawn
+    /// alone with the key of position `first + i`, at the temperature mlx-vlm clamps to at least
+    /// 0.01 (`clamp_temperature`); with top-p as `top_p_sampling` writes it (the row divided by
+    /// the temperature, renormalised, the nucleus kept, then drawn unscaled), otherwise
+    /// `categorical(row * (1 / temp))`. A (V,) row takes MLX's Gumbel path, as mlx-vlm's vmap
+    /// over rows does; a (1, V) row would not (mlx::random::categorical). min-p and XTC are
+    /// refused up front (crate::validate), as mlx-vlm falls back to its key sequence for them.
+    pub(crate) fn sample_positioned(
+        &self,
+        scores: &Array,
+        seed: u64,
+        first: usize,
+    ) -> Result<Array> {
         let p = &self.p;
         let lp = if p.top_k > 0 {
-            top_k(logprobs, p.top_k)?
+            top_k(scores, p.top_k)?
         } else {
-            logprobs.clone()
+            scores.clone()
         };
-        let inverse = (1.0 / p.temp.max(MIN_POSITIONED_TEMP)) as f32;
+        let temp = p.temp.max(MIN_POSITIONED_TEMP);
+        let nucleus = 0.0 < p.top_p && p.top_p < 1.0;
         let vocab = lp.dim(-1);
         let tokens = (0..lp.dim(0))
             .map(|i| {
                 let row = lp.slice_axis(0, i, i + 1)?.reshape(&[vocab])?;
                 let key = position_key(seed, first + i as usize)?;
-                random::categorical(&row.multiply_scalar(inverse)?, -1, &key)
+                if nucleus {
+                    let scaled = row.astype(Dtype::Float32)?.divide_scalar(temp as f32)?;
+                    let normed = scaled.subtract(&scaled.logsumexp(&[-1], true)?)?;
+                    random::categorical(&top_p(&normed, p.top_p)?, -1, &key)
+                } else {
+                    random::categorical(&row.multiply_scalar((1.0 / temp) as f32)?, -1, &key)
+                }
             })
             .collect::<mlx::Result<Vec<_>>>()?;
         Ok(ops::stack(&tokens.iter().collect::<Vec<_>>(), 0)?)

@@ -150,6 +150,24 @@ impl StepSampler {
         self.sampler.sample(logprobs, self.keys.as_mut())
     }
 
+    /// Samples a DFlash block's drafts from the drafter's (rows, V) logits, row i as draft
+    /// `offset + i` of the round. Under positioned keys (and a temperature) each is drawn from
+    /// the logits themselves with the key of the position it proposes, as mlx-vlm's DFlash loop
+    /// does (`_PositionedDraftSampler`, speculative/dflash.py), so a draft the target would
+    /// sample at that position is proposed; no key is consumed (the target draws the same
+    /// positions next). Otherwise as [`StepSampler::sample_draft`] over their logprobs.
+    pub fn sample_draft_at(&mut self, logits: &Array, offset: usize) -> Result<Array> {
+        match self.keys {
+            Some(SampleKeys::Positioned { seed, next }) if !self.is_greedy() => {
+                self.sampler.sample_positioned(logits, seed, next + offset)
+            }
+            _ => {
+                let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+                self.sample_draft(&logprobs)
+            }
+        }
+    }
+
     /// Picks a draft token from a draft source's logprobs: as the target samples, except under
     /// positioned keys, where drafts are greedy (mlx-vlm's MTP loop, speculative/mtp.py:785):
     /// the target's draw at a position does not depend on the drafts, so they need no keys.

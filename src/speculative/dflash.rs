@@ -128,7 +128,9 @@ impl<'m> DflashDrafter<'m> {
             self.caches = before.clone();
             let logits = self.pass(&block, context)?;
             let row = logits.slice_axis(0, j as i32 - 1, j as i32)?;
-            let token = ctx.sample(&row, &drafts)?.astype(Dtype::Uint32)?;
+            let token = ctx
+                .sample_at_positions(&row, &drafts)?
+                .astype(Dtype::Uint32)?;
             drafts.push(token.item::<u32>()?);
             block[j] = drafts[j - 1];
         }
@@ -227,13 +229,17 @@ impl DraftSource for DflashDrafter<'_> {
         }
         let logits = self.pass(&block, &context)?;
         if !ctx.needs_draft_ids() {
-            let drafts = ctx.sample(&logits, &[])?.astype(Dtype::Uint32)?;
+            let drafts = ctx
+                .sample_at_positions(&logits, &[])?
+                .astype(Dtype::Uint32)?;
             return Ok(drafts.to_vec::<u32>()?);
         }
         let mut drafts = Vec::with_capacity(bs - 1);
         for i in 0..bs as i32 - 1 {
             let row = logits.slice_axis(0, i, i + 1)?;
-            let token = ctx.sample(&row, &drafts)?.astype(Dtype::Uint32)?;
+            let token = ctx
+                .sample_at_positions(&row, &drafts)?
+                .astype(Dtype::Uint32)?;
             drafts.push(token.item::<u32>()?);
         }
         Ok(drafts)

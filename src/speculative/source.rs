@@ -80,6 +80,17 @@ impl<'a> DraftContext<'a> {
         let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
         self.sampler.sample_draft(&logprobs)
     }
+
+    /// Samples a block drafter's drafts from its (rows, V) logits, row i continuing the last
+    /// emitted token and `drafted` (processors as in [`DraftContext::sample`]): under
+    /// positioned keys each row is drawn with the key of the position it proposes, as mlx-vlm's
+    /// DFlash loop draws it (StepSampler::sample_draft_at); otherwise as `sample`.
+    pub fn sample_at_positions(&mut self, logits: &Array, drafted: &[u32]) -> Result<Array> {
+        let mut fed = vec![self.last];
+        fed.extend(drafted);
+        let logits = self.sampler.process(logits, &fed, Masking::Unconstrained)?;
+        self.sampler.sample_draft_at(&logits, drafted.len())
+    }
 }
 
 /// A round's outcome as the source is told it.

@@ -287,14 +287,11 @@ fn sampler(p: &SamplerParams, vocab: usize) -> Result<()> {
     token_ids("xtc_special_tokens", &p.xtc_special_tokens, vocab)
 }
 
-/// Positioned keys key only temperature and top-k draws (mlx-vlm picks its positioned sampler
-/// only then, mlx_vlm/generate/ar.py:292-305); the other filters are refused.
+/// Positioned keys key only temperature, top-k and top-p draws (mlx-vlm picks its positioned
+/// sampler only then, mlx_vlm/generate/ar.py:292-305); min-p and XTC are refused.
 fn positioned(p: &SamplerParams) -> Result<()> {
-    let allowed = "must be left at its default with positioned keys (only temperature and \
-                   top_k are sampled per position)";
-    if 0.0 < p.top_p && p.top_p < 1.0 {
-        return Err(invalid("top_p", p.top_p, allowed));
-    }
+    let allowed = "must be left at its default with positioned keys (only temperature, top_k \
+                   and top_p are sampled per position)";
     if p.min_p != 0.0 {
         return Err(invalid("min_p", p.min_p, allowed));
     }

@@ -110,10 +110,12 @@ pub fn proptest_cases(default: u32, fuzz: u32) -> u32 {
     }
 }
 
-/// A draft source recording each round's drafts (to compare with an oracle's, round by round).
+/// A draft source recording each round's drafts and how many of them were accepted (to
+/// compare with an oracle's, round by round).
 pub struct Spy<S> {
     pub inner: S,
     pub drafts: Vec<Vec<u32>>,
+    pub accepted: Vec<usize>,
 }
 
 impl<S> Spy<S> {
@@ -121,6 +123,7 @@ impl<S> Spy<S> {
         Spy {
             inner,
             drafts: Vec::new(),
+            accepted: Vec::new(),
         }
     }
 }
@@ -145,6 +148,9 @@ impl<S: DraftSource> DraftSource for Spy<S> {
     }
 
     fn commit(&mut self, round: &Verified<'_>) -> verity::Result<()> {
+        if round.drafted > 0 {
+            self.accepted.push(round.accepted);
+        }
         self.inner.commit(round)
     }
 }
@@ -177,5 +183,33 @@ pub fn drafts_equal_mlx_vlm<S: DraftSource>(
     )
     .unwrap();
     assert_eq!(spy.drafts, want, "{id}: drafts differ from mlx-vlm's");
+    let oracle = accepted_per_round(&trace);
+    assert!(
+        spy.accepted.len() >= oracle.len(),
+        "{id}: fewer rounds than mlx-vlm's"
+    );
+    assert_eq!(
+        spy.accepted[..oracle.len()],
+        oracle[..],
+        "{id}: accepted drafts per round differ from mlx-vlm's"
+    );
     want
+}
+
+/// The drafts accepted in each round of an mlx-vlm speculative trace, read from its from_draft
+/// flags (the recorder writes them from the drafter's per-round accept_lens: the first token from
+/// the prefill, then each round's accepted drafts and the target's own token). A last round the
+/// budget or an EOS cut before the target's token is left out: its count is not in the flags.
+pub fn accepted_per_round(trace: &Trace) -> Vec<usize> {
+    let mut rounds = Vec::new();
+    let mut run = 0;
+    for step in trace.steps.iter().skip(1) {
+        if step.from_draft {
+            run += 1;
+        } else {
+            rounds.push(run);
+            run = 0;
+        }
+    }
+    rounds
 }
