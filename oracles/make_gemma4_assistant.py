@@ -4,9 +4,9 @@ trains golden/models/gemma4-assistant (mlx-vlm's Gemma 4 assistant drafter for i
 gemma4-vlm: mlx-vlm runs Gemma 4 only as the multimodal `gemma4` model (model_type gemma4, a
 text_config, a vision tower), and mlx-lm loads that layout as text (mlx_lm/models/gemma4.py).
 The folder holds golden/models/gemma4's text weights renamed to the Hugging Face layout
-(`model.language_model.*`), a one-layer random vision tower (`model.vision_tower.*`,
+(`model.language_model.*`) with a sliding window of 512 instead of 16 (WINDOW), a one-layer random vision tower (`model.vision_tower.*`,
 `model.embed_vision.*`; seeded, ~12k parameters, which mlx-lm's sanitize drops) and the same
-tokenizer, so both libraries run the very text model of golden/models/gemma4.
+tokenizer, so both libraries run golden/models/gemma4's text model, its window widened.
 
 gemma4-assistant: model_type gemma4_assistant (mlx_vlm/speculative/drafters/gemma4_assistant/):
 two KV-shared-only layers (sliding, full) that attend over the target's last sliding and last
@@ -53,6 +53,11 @@ DRAFT_TEXT = dict(model_type="gemma4_text", hidden_size=32, num_hidden_layers=2,
                   enable_moe_block=False, rms_norm_eps=1e-6, vocab_size=1024,
                   max_position_embeddings=4096, tie_word_embeddings=True)
 BLOCK = 4
+# The sliding window of gemma4-vlm: every manifest prompt and its 48 tokens fit (the long prompt is
+# 418 tokens). mlx-vlm's MTP loop swaps the target's rotating caches for BufferedRotatingKVCache,
+# which can take back a round after the window wrapped; verity's cannot and refuses such rounds
+# (docs/speculative.md), so a wrapping window would make the two loops' rounds differ.
+WINDOW = 512
 PROMPT, GEN, N_SEQ, BATCH, LR, SEED = 32, 40, 384, 32, 3e-3, 7
 
 
@@ -62,6 +67,7 @@ def build_vlm() -> tuple:
 
     src = read_json(MODELS / "gemma4" / "config.json")
     text = {k: v for k, v in src.items() if k not in ("architectures", "eos_token_id")}
+    text["sliding_window"] = WINDOW
     cfg = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
            "text_config": text, "vision_config": VISION, "vocab_size": src["vocab_size"],
            "eos_token_id": src["eos_token_id"], "tie_word_embeddings": True, **SPECIAL}

@@ -22,14 +22,14 @@ use super::layers::{
     attend_row, Activation, Dims, GatedMlp, Linear, OuterLayers, RmsNorm, Rope, SwitchGlu,
 };
 use super::rows::{self, LayerRows};
-use super::{Forward, LanguageModel};
+use super::{Forward, KvSharing, LanguageModel, SharedKv};
 use crate::cache::{KeysValues, KvCache, LayerCache, Mask, RotatingKvCache};
 use crate::error::contract;
 use crate::load::{Config, LoadError, LoadResult, QuantConfig, Weights};
 use crate::{Error, Result};
 
-const SLIDING: &str = "sliding_attention";
-const FULL: &str = "full_attention";
+pub(crate) const SLIDING: &str = "sliding_attention";
+pub(crate) const FULL: &str = "full_attention";
 
 #[derive(Deserialize)]
 struct Args {
@@ -125,7 +125,7 @@ impl Moe {
 
 /// A layer's RoPE: nn.RoPE for the "default" and "linear" types, mlx-lm's ProportionalRoPE
 /// (precomputed frequencies, the unrotated tail at infinity) for "proportional".
-enum LayerRope {
+pub(crate) enum LayerRope {
     Plain(Rope),
     Proportional {
         dims: i32,
@@ -136,7 +136,11 @@ enum LayerRope {
 
 impl LayerRope {
     /// initialize_rope(head_dim, traditional, rope_theta, params) for one layer type.
-    fn new(dims: i32, traditional: bool, params: &Value) -> std::result::Result<LayerRope, String> {
+    pub(crate) fn new(
+        dims: i32,
+        traditional: bool,
+        params: &Value,
+    ) -> std::result::Result<LayerRope, String> {
         let base = params
             .get("rope_theta")
             .map_or(Some(10000.0), Value::as_f64)
@@ -171,7 +175,7 @@ impl LayerRope {
     }
 
     /// `rope(x, offset=mx.array(cache.offset))`.
-    fn forward(&self, x: &Array, offset: usize) -> mlx::Result<Array> {
+    pub(crate) fn forward(&self, x: &Array, offset: usize) -> mlx::Result<Array> {
         match self {
             LayerRope::Plain(rope) => rope.forward(x, offset),
             LayerRope::Proportional {
@@ -232,6 +236,7 @@ struct Attention {
     rope: LayerRope,
     n_heads: i32,
     n_kv_heads: i32,
+    head_dim: i32,
     eps: f32,
 }
 
@@ -526,6 +531,7 @@ impl Model {
                 rope,
                 n_heads: heads,
                 n_kv_heads,
+                head_dim: hd,
                 eps: eps as f32,
             };
             let wide = if i >= double_from { 2 } else { 1 };
@@ -796,5 +802,26 @@ impl LanguageModel for Model {
 
     fn outer(&self) -> &OuterLayers {
         &self.outer
+    }
+
+    fn kv_sharing(&self) -> Option<KvSharing> {
+        let last = |full: bool| self.layers.iter().rposition(|l| l.full == full);
+        let kinds = [(SLIDING, false), (FULL, true)]
+            .into_iter()
+            .filter_map(|(kind, full)| {
+                let l = &self.layers[last(full)?];
+                let attn = &self.layers[l.owner].attn;
+                Some(SharedKv {
+                    kind: kind.to_string(),
+                    cache: l.owner,
+                    head_dim: attn.head_dim as usize,
+                    kv_heads: attn.n_kv_heads as usize,
+                })
+            })
+            .collect();
+        Some(KvSharing {
+            embed_scale: self.embed_scale,
+            kinds,
+        })
     }
 }
