@@ -42,6 +42,9 @@ const RECENT: usize = 32;
 const WARM_UP: usize = 8;
 const HIT_RATE: f64 = 0.65;
 
+/// Each drafter layer's keys and values, and the position of the target's last cached token.
+type Shared = (Vec<(Array, Array)>, usize);
+
 pub struct AssistantDrafter<'m> {
     target: &'m dyn LanguageModel,
     model: &'m Gemma4Assistant,
@@ -92,7 +95,7 @@ impl<'m> AssistantDrafter<'m> {
 
     /// Each drafter layer's keys and values, as the target's caches hold them, and the
     /// position of the target's last cached token; None when a window has wrapped.
-    fn shared(&self, target: &[LayerCache]) -> Result<Option<(Vec<(Array, Array)>, usize)>> {
+    fn shared(&self, target: &[LayerCache]) -> Result<Option<Shared>> {
         let mut kv = Vec::with_capacity(self.caches.len());
         let mut offset = None;
         for &i in &self.caches {
