@@ -3,7 +3,8 @@
 //! the top-level `vocab_size` (262144 unless given) written over them and mlx-lm's defaults for
 //! the head counts; the weights drop the vision and audio towers and their embedders, and the
 //! language model's keys lose their wrapper prefix (Hugging Face's `model.language_model.*` or
-//! mlx's `language_model.model.*`), so that gemma4_text loads what is left.
+//! mlx's `language_model.model.*`), so that gemma4_text loads what is left; so do the
+//! quantization's per-module entries.
 
 use serde_json::{json, Map, Value};
 
@@ -20,7 +21,7 @@ const MULTIMODAL: &[&str] = &[
     "vision_embedder",
 ];
 
-pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<gemma4_text::Model> {
+pub fn load(config: &Config, w: &mut Weights) -> LoadResult<gemma4_text::Model> {
     let mut text = match config.json.get("text_config") {
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(t)) => t.clone(),
@@ -32,10 +33,19 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<gem
     text.insert("vocab_size".into(), vocab.unwrap_or(json!(262144)));
     text.entry("num_attention_heads").or_insert(json!(8));
     text.entry("num_key_value_heads").or_insert(json!(1));
+    // The quantization's per-module entries name the wrapper's paths (`language_model.model.*`).
+    if let Some(Value::Object(q)) = config.json.get("quantization") {
+        let renamed = q.iter().map(|(k, v)| {
+            let k = k.strip_prefix("language_model.").unwrap_or(k);
+            (k.to_string(), v.clone())
+        });
+        text.insert("quantization".into(), Value::Object(renamed.collect()));
+    }
     let text_config = Config {
         path: config.path.clone(),
         json: text,
     };
+    let q = QuantConfig::from_config(&text_config)?;
     w.rename(|k| {
         let (hf, bare) = match k.strip_prefix("model.") {
             Some(rest) => (true, rest),
@@ -50,5 +60,5 @@ pub fn load(config: &Config, w: &mut Weights, q: &QuantConfig) -> LoadResult<gem
             None => k.to_string(),
         })
     });
-    gemma4_text::Model::load(&text_config, w, q)
+    gemma4_text::Model::load(&text_config, w, &q)
 }

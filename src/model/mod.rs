@@ -160,7 +160,7 @@ pub fn load(dir: &Path) -> LoadResult<(Box<dyn LanguageModel>, Config)> {
         "qwen3_5_moe" => Box::new(qwen3_5_moe::load(&config, &mut weights, &quant)?),
         "glm4_moe" => Box::new(glm4_moe::load(&config, &mut weights, &quant)?),
         "gemma4_text" => Box::new(gemma4_text::Model::load(&config, &mut weights, &quant)?),
-        "gemma4" => Box::new(gemma4::load(&config, &mut weights, &quant)?),
+        "gemma4" => Box::new(gemma4::load(&config, &mut weights)?),
         other => {
             return Err(LoadError::UnknownModelType {
                 path: config.path.clone(),
