@@ -1,4 +1,4 @@
-//! Gemma 4's assistant drafter (src/speculative/gemma4_assistant.rs): its drafts against
+//! Gemma 4's assistant drafter (src/speculative/gemma4_assistant.rs): its drafts and acceptance per position against
 //! mlx-vlm's round by round (the `drafters` profile), speculation with it against plain
 //! decoding (tier C: tokens and logprob bits), its reading of the target's caches without
 //! writing them, and the pairing checks (a folder that does not fit its target is exit 2).
@@ -12,6 +12,7 @@ use support::{bundle, golden, golden_input, model_dir};
 use verity::bundle::ModelBundle;
 use verity::generate::{Control, GenerateParams, Generation};
 use verity::model::gemma4_assistant::Gemma4Assistant;
+use verity::parity::replay;
 use verity::speculative::{
     generate_speculative, AssistantDrafter, Drafter, DrafterSpec, SpeculationStats,
 };
@@ -34,8 +35,8 @@ fn assistant_drafts_equal_mlx_vlm_round_by_round() {
         .into_iter()
         .flat_map(|b| ["code", "chat"].map(|p| (b, format!("vlm-assistant{b}/{p}"))))
         .collect();
-    // Above the drafter's block_size (4): mlx-vlm's adaptive ceiling; and sampled through the
-    // positioned keys (greedy drafts).
+    // Above the drafter's block_size (4): mlx-vlm's adaptive ceiling; and sampled (the target
+    // through positioned keys, the drafts through the drafter's own seeded key sequence).
     cases.push((6, "vlm-assistant6/code".into()));
     cases.push((3, "vlm-assistant3-seed11/code".into()));
     let (mut rounds, mut accepted) = (0, 0);
@@ -47,8 +48,33 @@ fn assistant_drafts_equal_mlx_vlm_round_by_round() {
             want.iter().all(|d| d.len() < 4),
             "{id}: more than block_size - 1 drafts"
         );
+        // Acceptance per draft position: mlx-vlm's, read from the trace's from_draft runs (a
+        // round emits its accepted drafts, then the target's token), against verity's counters.
+        let trace = golden(&id);
+        let runs: Vec<usize> = trace.steps[1..]
+            .split(|s| !s.from_draft)
+            .map(<[_]>::len)
+            .take(want.len())
+            .collect();
+        let by_pos = |counts: &mut Vec<usize>, n: usize| {
+            counts.resize(counts.len().max(n), 0);
+            counts[..n].iter_mut().for_each(|c| *c += 1);
+        };
+        let (mut drafted, mut accepted_by_pos) = (Vec::new(), Vec::new());
+        for (d, &a) in want.iter().zip(&runs) {
+            by_pos(&mut drafted, d.len());
+            by_pos(&mut accepted_by_pos, a);
+        }
+        accepted_by_pos.resize(drafted.len(), 0);
+        let params = replay::params(&trace, target.eos_token_ids.clone()).unwrap();
+        let (_, stats) = speculate(&target, &model, &trace.prompt.tokens, &params, block - 1);
+        assert_eq!(stats.drafted_by_pos, drafted, "{id}: drafts per position");
+        assert_eq!(
+            stats.accepted_by_pos, accepted_by_pos,
+            "{id}: accepted per position"
+        );
         rounds += want.len();
-        accepted += golden(&id).steps.iter().filter(|s| s.from_draft).count();
+        accepted += trace.steps.iter().filter(|s| s.from_draft).count();
     }
     assert!(rounds > 150, "{rounds} rounds");
     assert!(accepted > 10, "only {accepted} accepted drafts");
