@@ -16,7 +16,8 @@ use mlx::{fast, ops, Array};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::gemma4_text::{LayerRope, FULL, SLIDING};
+use super::gemma4_rope::LayerRope;
+use super::gemma4_text::{FULL, SLIDING};
 use super::layers::{Activation, Dims, Embedding, GatedMlp, Linear, RmsNorm};
 use crate::load::{load_config, Config, LoadResult, QuantConfig, Weights};
 use crate::Result;
