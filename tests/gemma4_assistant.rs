@@ -1,8 +1,10 @@
-//! Gemma 4's assistant drafter (src/speculative/gemma4_assistant.rs): its drafts and acceptance per position against
-//! mlx-vlm's round by round (the `drafters` profile), speculation with it against plain
-//! decoding (tier C: tokens and logprob bits), its reading of the target's caches without
-//! writing them, and the pairing checks (a folder that does not fit its target is exit 2).
-//! The mlx-vlm traces' tokens are replayed by tests/goldens.rs.
+//! Gemma 4's assistant drafter (src/speculative/gemma4_assistant.rs): its drafts and its
+//! acceptance per draft position against mlx-vlm's, round by round (the `drafters` profile);
+//! speculation with it against plain decoding (tier C: tokens and logprob bits), alone and in
+//! a batch (tests/batch.rs); its reading of the target's caches without writing them; the
+//! pairing checks (a folder that does not fit its target is exit 2); and the multimodal
+//! `gemma4` wrapper loading the text model. The mlx-vlm traces' tokens are replayed by
+//! tests/goldens.rs.
 
 mod support;
 
