@@ -8,9 +8,12 @@ with oracle.tool = "mlx-vlm". Each case runs through mlx_vlm.generate.stream_gen
 speculative ones with the checkpoint's own MTP head split off by
 mlx_vlm.speculative.drafters.load_drafter(kind="mtp"), or, in a group that names
 `drafter = "<folder under golden/models>"`, with that DFlash drafter (load_drafter(kind="dflash");
-N is then mlx-vlm's draft_block_size, the ceiling of the block it adapts per round). A target
-is asked for its MTP head only when a group records MTP runs on it, so a DFlash group may name a
-target without one (qwen3_5-4bit).
+N is then mlx-vlm's draft_block_size, the ceiling of the block it adapts per round), or, when the
+folder's model_type is gemma4_assistant, with that Gemma 4 assistant in the MTP loop
+(load_drafter(kind="mtp"); traces under vlm-assistant<N>/, their draft
+{"kind": "mtp", "block_size": N, "model": <the folder>}, each round's drafts as `mtp_drafts`).
+A target is asked for its MTP head only when a group records MTP runs on it, so a DFlash group
+may name a target without one (qwen3_5-4bit).
 
 mlx-vlm's speculative loop reports logprobs for the first token only (mlx_vlm/speculative/
 utils.py, run_speculative_rounds yields (token, None) afterwards), so an MTP trace takes its
@@ -45,7 +48,7 @@ import sys
 import tomllib
 
 import common  # noqa: F401  (first: the offline environment)
-from common import GOLDEN, REPO, write_text
+from common import GOLDEN, REPO, read_json, write_text
 
 import mlx.core as mx
 import mlx_vlm
@@ -78,13 +81,15 @@ def expand(manifest):
                 raise ManifestError(f"vlm_group #{g + 1}: {key} without temp and seed")
         if "top_p" in group and not 0 < group["top_p"] < 1:
             raise ManifestError(f"vlm_group #{g + 1}: top_p must be within (0, 1)")
+        assistant = bool(drafter) and is_assistant(drafter)
         for model in group["models"]:
             for bs in group["block_sizes"]:
                 if bs != 0 and not 2 <= bs <= 257:
                     raise ManifestError(f"vlm_group #{g + 1}: block size {bs} is not 0 (plain) or within [2, 257]")
                 if drafter and bs == 0:
                     raise ManifestError(f"vlm_group #{g + 1}: a drafter group records no plain runs (block size 0)")
-                variant = "vlm-plain" if bs == 0 else f"vlm-dflash{bs}" if drafter else f"vlm-mtp{bs}"
+                variant = ("vlm-plain" if bs == 0 else f"vlm-assistant{bs}" if assistant
+                           else f"vlm-dflash{bs}" if drafter else f"vlm-mtp{bs}")
                 if sampling(group):
                     variant += f"-seed{group['seed']}"
                 if "top_p" in group:
@@ -99,7 +104,15 @@ def expand(manifest):
                     seen.add(case_id)
                     yield {"id": case_id, "suite": group["suite"], "model": model, "block_size": bs,
                            "prompt_name": pname, "prompt": prompts[pname], "group": group,
-                           "drafter": drafter}
+                           "drafter": drafter, "assistant": assistant}
+
+
+def is_assistant(name):
+    """Whether a drafter folder holds a Gemma 4 assistant (mlx-vlm runs it in its MTP loop)."""
+    path = GOLDEN / "models" / name / "config.json"
+    if not path.is_file():
+        raise ManifestError(f"drafter folder {path.parent} has no config.json")
+    return read_json(path).get("model_type") == "gemma4_assistant"
 
 
 def check_prompt(name, prompt):
@@ -137,28 +150,33 @@ class Models:
     by two targets would embed the second target's tokens with the first one's table."""
 
     def __init__(self):
-        self.cache, self.drafters, self.heads = {}, {}, {}
+        self.cache, self.drafters = {}, {}
 
-    def mtp(self, name):
-        if name not in self.heads:
-            self.heads[name] = load_drafter(str(GOLDEN / "models" / name), kind="mtp")
-        return self.heads[name]
-
-    def dflash(self, name, target):
+    def drafter(self, name, kind, target):
+        """A drafter folder loaded once per target: a DFlash drafter, or a Gemma 4 assistant
+        (kind mtp)."""
         if (name, target) not in self.drafters:
             path = GOLDEN / "models" / name
             if not (path / "config.json").is_file():
                 raise ManifestError(f"drafter folder {path} has no config.json")
-            self.drafters[name, target] = load_drafter(str(path), kind="dflash")
+            self.drafters[name, target] = load_drafter(str(path), kind=kind)
         return self.drafters[name, target]
 
     def get(self, name):
+        """A fixture and its processor, loaded once."""
         if name not in self.cache:
             path = GOLDEN / "models" / name
             if not (path / "config.json").is_file():
                 raise ManifestError(f"model folder {path} has no config.json")
             self.cache[name] = load(str(path))
         return self.cache[name]
+
+    def own_mtp(self, name):
+        """The fixture's own MTP head, split off by load_drafter (loaded once)."""
+        key = ("mtp", name)
+        if key not in self.drafters:
+            self.drafters[key] = load_drafter(str(GOLDEN / "models" / name), kind="mtp")
+        return self.drafters[key]
 
 
 def prompt_tokens(tokenizer, prompt):
@@ -224,12 +242,14 @@ def record_case(case, models, plain_runs):
         # sampled one and the MTP loop draft_block: wrap the one that runs, so each round's drafts
         # are recorded once.
         method = "draft_block"
-        if case["drafter"]:
-            drafter, kind = models.dflash(case["drafter"], case["model"])
+        if case["assistant"]:
+            drafter, kind = models.drafter(case["drafter"], "mtp", case["model"])
+        elif case["drafter"]:
+            drafter, kind = models.drafter(case["drafter"], "dflash", case["model"])
             if not sampling(group):
                 method = "draft_block_greedy"
         else:
-            drafter, kind = models.mtp(case["model"])
+            drafter, kind = models.own_mtp(case["model"])
         drafts, draft_fn = [], getattr(drafter, method)
 
         def recording_draft_block(*args, **kwargs):
@@ -238,6 +258,11 @@ def record_case(case, models, plain_runs):
             return out
 
         setattr(drafter, method, recording_draft_block)
+        if case["assistant"] and sampling(group):
+            # The assistant's sampled drafts draw from MLX's global key (the positioned
+            # sampler's plain __call__), which stream_generate leaves unseeded; seed it as
+            # mlx_vlm.generate's command line does (generate/dispatch.py), or they vary by run.
+            mx.random.seed(group["seed"])
         try:
             _, spec_final = run(model, processor, tokens, max_tokens, draft_model=drafter,
                                 draft_kind=kind, draft_block_size=bs, **sample_kw)
@@ -246,7 +271,9 @@ def record_case(case, models, plain_runs):
         if spec_final.token_ids != generated:
             raise ManifestError(f"{case['id']}: mlx-vlm's {kind} run emitted other tokens than its plain run")
         flags = from_draft_flags(drafter.accept_lens, len(generated))
-        draft = ({"kind": "dflash", "model": f"golden/models/{case['drafter']}", "block_size": bs}
+        draft = ({"kind": "mtp", "block_size": bs, "model": f"golden/models/{case['drafter']}"}
+                 if case["assistant"] else
+                 {"kind": "dflash", "model": f"golden/models/{case['drafter']}", "block_size": bs}
                  if case["drafter"] else {"kind": "mtp", "block_size": bs})
         if len(drafts) != len(drafter.accept_lens):
             raise ManifestError(f"{case['id']}: {len(drafts)} draft blocks for {len(drafter.accept_lens)} rounds")
@@ -290,7 +317,8 @@ def record_case(case, models, plain_runs):
         "finish_reason": final.finish_reason,
         "generation_tokens": len(generated),
         "text": tokenizer.decode(generated),
-        **({"dflash_drafts" if case["drafter"] else "mtp_drafts": drafts} if case["block_size"] else {}),
+        **({"dflash_drafts" if case["drafter"] and not case["assistant"] else "mtp_drafts": drafts}
+           if case["block_size"] else {}),
     }
 
 
@@ -310,7 +338,8 @@ def main():
         write_text(path, dumps(trace))
         written.add(path)
         accepted = sum(s["from_draft"] for s in trace["steps"])
-        source = "the DFlash drafter" if case["drafter"] else "the MTP head"
+        source = ("the assistant" if case["assistant"] else "the DFlash drafter" if case["drafter"]
+                  else "the MTP head")
         print(f"{case['id']}: {trace['generation_tokens']} tokens, {accepted} from {source}", flush=True)
     stale = [] if args.only else [p for p in out_dir.rglob("*.json") if p not in written and vlm_owned(p)]
     for p in stale:

@@ -515,6 +515,18 @@ fn gemma4_speculative_batch_rows_equal_their_lone_requests() {
     );
 }
 
+/// Gemma 4's assistant drafter reads each row's own target caches.
+#[test]
+fn gemma4_assistant_batch_rows_equal_their_lone_requests() {
+    check_speculative_fixture(
+        "gemma4-vlm",
+        Caches::Plain,
+        &[DrafterSpec::Mtp {
+            dir: Some(support::model_dir("gemma4-assistant")),
+        }],
+    );
+}
+
 /// A grammar-constrained row, a plain row and a grammar-constrained speculative row decode
 /// together, each as alone: the grammar's mask is the row's own, and greedy grammar +
 /// speculation is grammar-only.

@@ -74,8 +74,13 @@ pub enum Draft {
         model: String,
         num_draft_tokens: usize,
     },
-    /// mlx-vlm native multi-token-prediction heads.
-    Mtp { block_size: usize },
+    /// mlx-vlm's MTP loop: the target's native head, or the drafter folder `model` (a Gemma 4
+    /// assistant, which mlx-vlm drives with the same loop).
+    Mtp {
+        block_size: usize,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        model: Option<String>,
+    },
     /// mlx-vlm's DFlash block drafter (a drafter folder); `block_size` is mlx-vlm's
     /// draft_block_size, the ceiling its adaptive block size stays under.
     Dflash { model: String, block_size: usize },

@@ -18,7 +18,8 @@ pub struct DraftArgs {
     /// (--num-draft-tokens is its block size minus one). Bare, the model's own head (Qwen3.5
     /// `mtp.*` weights); with DIR, the head in a split drafter folder (mlx-vlm's `qwen3_5_mtp`
     /// layout, e.g. from `python -m mlx_vlm.split_mtp`) for a model whose conversion stripped
-    /// its `mtp.*` weights.
+    /// its `mtp.*` weights, or a Gemma 4 assistant drafter (model_type gemma4_assistant, which
+    /// attends over the Gemma 4 model's keys and values; default drafts: its block_size - 1).
     #[arg(long, value_name = "DIR", num_args = 0..=1, conflicts_with = "draft_dflash")]
     pub draft_mtp: Option<Option<PathBuf>>,
     /// Speculate with this DFlash block drafter folder (model_type qwen3_dflash), as mlx-vlm's

@@ -13,23 +13,24 @@
 //! scaled RMS norm, a projection, argpartition's top k, softmax, a per-expert scale) over
 //! SwitchGLU experts with the GeGLU activation.
 
-use mlx::fast::{self, RopeFreqs};
-use mlx::{compiled, ops, Array, Dtype};
+use mlx::fast;
+use mlx::{compiled, ops, Array};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::gemma4_rope::LayerRope;
 use super::layers::{
-    attend_row, Activation, Dims, GatedMlp, Linear, OuterLayers, RmsNorm, Rope, SwitchGlu,
+    attend_row, Activation, Dims, GatedMlp, Linear, OuterLayers, RmsNorm, SwitchGlu,
 };
 use super::rows::{self, LayerRows};
-use super::{Forward, LanguageModel};
+use super::{Forward, KvSharing, LanguageModel, SharedKv};
 use crate::cache::{KeysValues, KvCache, LayerCache, Mask, RotatingKvCache};
 use crate::error::contract;
 use crate::load::{Config, LoadError, LoadResult, QuantConfig, Weights};
 use crate::{Error, Result};
 
-const SLIDING: &str = "sliding_attention";
-const FULL: &str = "full_attention";
+pub(crate) const SLIDING: &str = "sliding_attention";
+pub(crate) const FULL: &str = "full_attention";
 
 #[derive(Deserialize)]
 struct Args {
@@ -123,89 +124,6 @@ impl Moe {
     }
 }
 
-/// A layer's RoPE: nn.RoPE for the "default" and "linear" types, mlx-lm's ProportionalRoPE
-/// (precomputed frequencies, the unrotated tail at infinity) for "proportional".
-enum LayerRope {
-    Plain(Rope),
-    Proportional {
-        dims: i32,
-        traditional: bool,
-        freqs: Array,
-    },
-}
-
-impl LayerRope {
-    /// initialize_rope(head_dim, traditional, rope_theta, params) for one layer type.
-    fn new(dims: i32, traditional: bool, params: &Value) -> std::result::Result<LayerRope, String> {
-        let base = params
-            .get("rope_theta")
-            .map_or(Some(10000.0), Value::as_f64)
-            .ok_or("rope_theta must be a number")?;
-        let kind = params
-            .get("type")
-            .or_else(|| params.get("rope_type"))
-            .and_then(Value::as_str);
-        if kind != Some("proportional") {
-            return Rope::new(dims, base, traditional, Some(params)).map(LayerRope::Plain);
-        }
-        let number = |key: &str| {
-            params
-                .get(key)
-                .map_or(Some(1.0), Value::as_f64)
-                .ok_or(format!("{key} must be a number"))
-        };
-        let (factor, partial) = (number("factor")?, number("partial_rotary_factor")?);
-        let rotated = (f64::from(dims) * partial) as i32;
-        if !(0..=dims).contains(&rotated) {
-            return Err(format!(
-                "partial_rotary_factor is {partial}, must be between 0 and 1"
-            ));
-        }
-        let freqs = proportional_freqs(dims, rotated, base as f32, factor as f32)
-            .map_err(|e| e.to_string())?;
-        Ok(LayerRope::Proportional {
-            dims,
-            traditional,
-            freqs,
-        })
-    }
-
-    /// `rope(x, offset=mx.array(cache.offset))`.
-    fn forward(&self, x: &Array, offset: usize) -> mlx::Result<Array> {
-        match self {
-            LayerRope::Plain(rope) => rope.forward(x, offset),
-            LayerRope::Proportional {
-                dims,
-                traditional,
-                freqs,
-            } => fast::rope(
-                x,
-                *dims,
-                *traditional,
-                RopeFreqs::Freqs(freqs),
-                1.0,
-                offset as i32,
-            ),
-        }
-    }
-}
-
-/// ProportionalRoPE's `_freqs`: `factor * base ** (arange(0, rotated, 2) / dims)`, then
-/// `(dims - rotated) // 2` infinities (those pairs never rotate), all f32.
-fn proportional_freqs(dims: i32, rotated: i32, base: f32, factor: f32) -> mlx::Result<Array> {
-    let exponents = Array::arange(0.0, f64::from(rotated), 2.0, Dtype::Float32)?
-        .divide(&Array::from_f32(dims as f32))?;
-    let rotating = Array::from_f32(base)
-        .power(&exponents)?
-        .multiply_scalar(factor)?;
-    let still = Array::full(
-        &[(dims - rotated) / 2],
-        &Array::from_f32(f32::INFINITY),
-        Dtype::Float32,
-    )?;
-    mlx::ops::concatenate(&[&rotating, &still], 0)
-}
-
 /// One row's keys and values as an owning layer fetched them from its cache, with the offset
 /// its RoPE used: what the KV-shared layers of its type attend over.
 struct RowKv {
@@ -232,6 +150,7 @@ struct Attention {
     rope: LayerRope,
     n_heads: i32,
     n_kv_heads: i32,
+    head_dim: i32,
     eps: f32,
 }
 
@@ -526,6 +445,7 @@ impl Model {
                 rope,
                 n_heads: heads,
                 n_kv_heads,
+                head_dim: hd,
                 eps: eps as f32,
             };
             let wide = if i >= double_from { 2 } else { 1 };
@@ -796,5 +716,26 @@ impl LanguageModel for Model {
 
     fn outer(&self) -> &OuterLayers {
         &self.outer
+    }
+
+    fn kv_sharing(&self) -> Option<KvSharing> {
+        let last = |full: bool| self.layers.iter().rposition(|l| l.full == full);
+        let kinds = [(SLIDING, false), (FULL, true)]
+            .into_iter()
+            .filter_map(|(kind, full)| {
+                let l = &self.layers[last(full)?];
+                let attn = &self.layers[l.owner].attn;
+                Some(SharedKv {
+                    kind: kind.to_string(),
+                    cache: l.owner,
+                    head_dim: attn.head_dim as usize,
+                    kv_heads: attn.n_kv_heads as usize,
+                })
+            })
+            .collect();
+        Some(KvSharing {
+            embed_scale: self.embed_scale,
+            kinds,
+        })
     }
 }

@@ -2,6 +2,9 @@
 
 pub mod dflash;
 pub mod gemma3_text;
+pub mod gemma4;
+pub mod gemma4_assistant;
+pub mod gemma4_rope;
 pub mod gemma4_text;
 pub mod glm4_moe;
 pub mod glm4_moe_lite;
@@ -113,6 +116,32 @@ pub trait LanguageModel {
     fn mtp_head(&self) -> Option<&dyn mtp::MtpHead> {
         None
     }
+
+    /// What a drafter reading this model's keys and values needs (Gemma 4's assistant): None
+    /// for the families whose layers do not come in kinds that share caches.
+    fn kv_sharing(&self) -> Option<KvSharing> {
+        None
+    }
+}
+
+/// A target's keys and values as mlx-vlm hands them to a Gemma 4 assistant drafter
+/// (`shared_kv_states`: per layer kind, what the last layer of that kind attended over).
+#[derive(Clone, Debug)]
+pub struct KvSharing {
+    /// The factor the target scales its token embeddings by (`embed_scale`).
+    pub embed_scale: f32,
+    pub kinds: Vec<SharedKv>,
+}
+
+/// One layer kind's keys and values in a [`KvSharing`].
+#[derive(Clone, Debug)]
+pub struct SharedKv {
+    /// `"sliding_attention"` or `"full_attention"`.
+    pub kind: String,
+    /// The cache (in the model's cache list) the last layer of this kind reads.
+    pub cache: usize,
+    pub head_dim: usize,
+    pub kv_heads: usize,
 }
 
 /// The model types verity can load, with the mlx-lm remaps it honours.
@@ -128,6 +157,7 @@ pub const MODEL_TYPES: &[&str] = &[
     "glm4_moe",
     "glm4_moe_lite",
     "gemma4_text",
+    "gemma4",
 ];
 
 /// Loads a model folder's config and weights (evaluated once, as mlx-lm does unless lazy)
@@ -148,6 +178,7 @@ pub fn load(dir: &Path) -> LoadResult<(Box<dyn LanguageModel>, Config)> {
         "glm4_moe" => Box::new(glm4_moe::load(&config, &mut weights, &quant)?),
         "glm4_moe_lite" => Box::new(glm4_moe_lite::Model::load(&config, &mut weights, &quant)?),
         "gemma4_text" => Box::new(gemma4_text::Model::load(&config, &mut weights, &quant)?),
+        "gemma4" => Box::new(gemma4::load(&config, &mut weights)?),
         other => {
             return Err(LoadError::UnknownModelType {
                 path: config.path.clone(),

@@ -84,9 +84,13 @@ impl Models {
                 model,
                 num_draft_tokens,
             } => (DrafterSpec::Model(self.folder(model)?), *num_draft_tokens),
-            Draft::Mtp { block_size } => {
+            Draft::Mtp { block_size, model } => {
                 validate::draft_block_size(*block_size)?;
-                (DrafterSpec::Mtp { dir: None }, block_size - 1)
+                let dir = match model {
+                    Some(model) => Some(self.folder(model)?),
+                    None => None,
+                };
+                (DrafterSpec::Mtp { dir }, block_size - 1)
             }
             Draft::Dflash { model, block_size } => {
                 validate::draft_block_size(*block_size)?;

@@ -6,9 +6,13 @@
 
 use std::path::PathBuf;
 
-use super::{DflashDrafter, DraftModel, DraftPrefix, DraftSource, MtpDrafter, NgramLookup};
+use super::{
+    AssistantDrafter, DflashDrafter, DraftModel, DraftPrefix, DraftSource, MtpDrafter, NgramLookup,
+};
 use crate::bundle::ModelBundle;
+use crate::load::load_config;
 use crate::model::dflash::DflashModel;
+use crate::model::gemma4_assistant::Gemma4Assistant;
 use crate::model::mtp::{load_folder, MtpHead};
 use crate::model::LanguageModel;
 use crate::{validate, Result};
@@ -25,7 +29,8 @@ pub enum DrafterSpec {
     /// Prompt lookup with n-grams of `min..=max` tokens.
     Ngram { min: usize, max: usize },
     /// A multi-token-prediction head: the target's own (`dir: None`, its `mtp.*` tensors) or
-    /// the one in a split drafter folder (mlx-vlm's `qwen3_5_mtp` layout).
+    /// the one in a drafter folder, by its model_type as mlx-vlm's `--draft-kind mtp` takes it:
+    /// a split head (`qwen3_5_mtp`) or a Gemma 4 assistant (`gemma4_assistant`).
     Mtp { dir: Option<PathBuf> },
     /// A DFlash block drafter folder; `chain` runs it one pass per draft (the block-vs-chain
     /// probe) instead of one pass per block.
@@ -46,6 +51,8 @@ pub enum Drafter {
         model: Box<DflashModel>,
         chain: bool,
     },
+    /// A Gemma 4 assistant drafter (read through `--draft-mtp DIR`, as mlx-vlm's MTP loop runs it).
+    Assistant(Box<Gemma4Assistant>),
 }
 
 impl Drafter {
@@ -63,6 +70,14 @@ impl Drafter {
                 validate::mtp(target.model())?;
                 Drafter::Mtp(None)
             }
+            DrafterSpec::Mtp { dir: Some(dir) }
+                if load_config(dir)?.model_type()? == "gemma4_assistant" =>
+            {
+                let model = Box::new(Gemma4Assistant::load(dir)?);
+                validate::gemma4_assistant(target.model(), &model)?;
+                target.check_drafter_tokenizer(dir)?;
+                Drafter::Assistant(model)
+            }
             DrafterSpec::Mtp { dir: Some(dir) } => {
                 let head = load_folder(dir, |p| validate::mtp_folder(dir, target.model(), p))?;
                 target.check_drafter_tokenizer(dir)?;
@@ -79,11 +94,13 @@ impl Drafter {
         })
     }
 
-    /// Drafts per round when the request names none: a block drafter fills its block (its
-    /// block size minus the verified token), the others draft [`DEFAULT_NUM_DRAFT_TOKENS`].
+    /// Drafts per round when the request names none: a block drafter and a Gemma 4 assistant
+    /// fill their block (its block size minus the verified token), the others draft
+    /// [`DEFAULT_NUM_DRAFT_TOKENS`].
     pub fn default_num_draft_tokens(&self) -> usize {
         match self {
             Drafter::Dflash { model, .. } => model.block_size - 1,
+            Drafter::Assistant(model) => model.block_size - 1,
             _ => DEFAULT_NUM_DRAFT_TOKENS,
         }
     }
@@ -117,6 +134,7 @@ impl Drafter {
             &Drafter::Ngram { min, max } => Box::new(NgramLookup::new(min, max)?),
             Drafter::Mtp(None) => Box::new(MtpDrafter::new(target)?),
             Drafter::Mtp(Some(head)) => Box::new(MtpDrafter::with_head(target, head.as_ref())),
+            Drafter::Assistant(model) => Box::new(AssistantDrafter::new(target, model)?),
             &Drafter::Dflash { ref model, chain } => {
                 let drafter = if chain {
                     DflashDrafter::chained(target, model)?

@@ -178,6 +178,7 @@ impl Speculator {
                     params,
                     last,
                     anchor: &[],
+                    target: &caches,
                 },
             )?;
         }
@@ -259,6 +260,7 @@ impl Speculator {
             params: &self.params,
             last: self.last,
             anchor: &self.anchor,
+            target: &self.caches,
         };
         Some((want, ctx))
     }
@@ -414,6 +416,7 @@ impl Speculator {
                     params: &self.params,
                     last: self.last,
                     anchor: &self.anchor,
+                    target: &self.caches,
                 },
             )?;
         } else {

@@ -10,6 +10,7 @@ use mlx::Array;
 
 use super::draft_model::SteppedDraft;
 use super::DraftPrefix;
+use crate::cache::LayerCache;
 use crate::generate::GenerateParams;
 use crate::model::LanguageModel;
 use crate::sample::{Masking, StepSampler};
@@ -44,6 +45,9 @@ pub struct DraftContext<'a> {
     /// every prompt row); empty when the source taps nothing or before the target has run
     /// (prefill in `PrefillMode::Head`).
     pub anchor: &'a [Array],
+    /// The target's caches, read-only, holding every token before `last` (a drafter that
+    /// attends over the target's keys and values borrows them here; nothing may write them).
+    pub target: &'a [LayerCache],
 }
 
 impl<'a> DraftContext<'a> {
@@ -60,7 +64,13 @@ impl<'a> DraftContext<'a> {
             params,
             last,
             anchor,
+            target: &[],
         }
+    }
+
+    /// The same context with the target's caches to borrow.
+    pub fn with_target(self, target: &'a [LayerCache]) -> DraftContext<'a> {
+        DraftContext { target, ..self }
     }
 
     /// Whether sampling reads the drafted token ids (logits processors over the history): a

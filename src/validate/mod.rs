@@ -199,6 +199,68 @@ pub fn mtp_folder(
     Ok(())
 }
 
+/// A Gemma 4 assistant drafter pairs with a Gemma 4 target (its layers come in kinds that
+/// share keys and values) as wide as the drafter's `backbone_hidden_size`, with its vocabulary
+/// (the drafter's own head drafts ids the target verifies), and that has a layer of every kind
+/// the drafter's layers attend over, with the same head dimension and a number of key-value
+/// heads that divides the drafter's query heads. Returns, per drafter layer, the target cache
+/// it reads, and the target's embedding scale.
+pub fn gemma4_assistant(
+    target: &dyn LanguageModel,
+    drafter: &crate::model::gemma4_assistant::Gemma4Assistant,
+) -> Result<(Vec<usize>, f32)> {
+    let sharing = target.kv_sharing().ok_or_else(|| {
+        invalid(
+            "the Gemma 4 assistant drafter's target",
+            "a model whose layers share no keys and values",
+            "must be a Gemma 4 model (gemma4 or gemma4_text)",
+        )
+    })?;
+    let width = target.outer().embed_tokens.width();
+    if drafter.backbone_hidden_size != width {
+        return Err(invalid(
+            "the assistant drafter's backbone_hidden_size",
+            drafter.backbone_hidden_size,
+            &format!("must equal the target's hidden size, {width}"),
+        ));
+    }
+    let vocab = target.vocab_size();
+    if drafter.vocab_size != vocab {
+        return Err(invalid(
+            "the assistant drafter's text_config.vocab_size",
+            drafter.vocab_size,
+            &format!("must equal the target's, {vocab}"),
+        ));
+    }
+    let mut caches = Vec::new();
+    for (i, (kind, head_dim, heads)) in drafter.layer_shapes().enumerate() {
+        let shared = sharing
+            .kinds
+            .iter()
+            .find(|s| s.kind == kind)
+            .ok_or_else(|| {
+                invalid(
+                    &format!("the assistant drafter's layer {i}"),
+                    format!("a {kind} layer"),
+                    "must be of a kind the target has",
+                )
+            })?;
+        if head_dim != shared.head_dim || heads % shared.kv_heads != 0 {
+            return Err(invalid(
+                &format!("the assistant drafter's layer {i} ({kind})"),
+                format!("{heads} heads of dimension {head_dim}"),
+                &format!(
+                    "must have the target's {kind} head dimension, {}, and a multiple of its {} \
+                     key-value heads",
+                    shared.head_dim, shared.kv_heads
+                ),
+            ));
+        }
+        caches.push(shared.cache);
+    }
+    Ok((caches, sharing.embed_scale))
+}
+
 /// A DFlash drafter pairs with a target whose hidden states are as wide as the drafter's,
 /// that has every layer the drafter taps, and whose vocabulary (the drafter borrows the
 /// target's embedding and output head) holds the drafter's vocabulary and mask token.

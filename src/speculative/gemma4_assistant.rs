@@ -1,0 +1,194 @@
+//! Gemma 4's assistant drafter as a draft source, driven as mlx-vlm's MTP round loop drives it
+//! (mlx_vlm/speculative/mtp.py, `_mtp_rounds`; drafters/gemma4_assistant/gemma4_assistant.py,
+//! `draft_block`). It runs in `PrefillMode::Full` and taps the target's final post-norm hidden
+//! state (mlx-vlm's `speculative_draft_hidden`).
+//!
+//! - draft: from (the last token, the anchor row it was sampled from), `n` chained passes,
+//!   each reading the scaled target embedding of the previous token next to the previous pass's
+//!   projected state, at the RoPE position of the target's last cached token, over the keys
+//!   and values the target's caches hold now. They are borrowed through
+//!   `DraftContext::target` (no copy, never written): the drafter owns no cache, so a rejected
+//!   draft leaves nothing to take back, and the next round reads the target's caches as the
+//!   rollback left them, which is mlx-vlm's verify K/V sliced to the accepted rows.
+//! - the block: a requested block above the drafter's `block_size` is used only while at least
+//!   65% of the last 32 rounds (after 8) accepted `block_size - 1` drafts
+//!   (`_effective_mtp_block_size`); otherwise the round drafts `block_size - 1`.
+//!
+//! - sampled drafts: under mlx-vlm's positioned sampler the target's draws are keyed by
+//!   position, but the drafter's go through the sampler's plain `__call__`
+//!   (`categorical(logits * (1 / temp))`) on MLX's global key, which mlx_vlm.generate seeds
+//!   with the request's seed; so the drafter draws from its own key sequence seeded so. Other
+//!   sampling (greedy, top-p or top-k under positioned keys, mlx-lm's key sequence) drafts as
+//!   the target would sample (`DraftContext::sample`).
+//!
+//! Past a sliding window the target's rotating caches refuse every round (the rollback
+//! contract), so the drafter only ever sees windows that hold all their keys; mlx-vlm swaps in
+//! a BufferedRotatingKVCache there and goes on drafting, a case verity does not reproduce.
+
+use mlx::random::{self, KeySequence};
+use mlx::{Array, Dtype};
+
+use super::{DraftContext, DraftSource, PrefillMode, Verified};
+use crate::cache::LayerCache;
+use crate::error::contract;
+use crate::generate::token_array;
+use crate::model::gemma4_assistant::{step_input, Gemma4Assistant};
+use crate::model::LanguageModel;
+use crate::sample::KeySchedule;
+use crate::{validate, Error, Result};
+
+/// `_effective_mtp_block_size`'s window of recent rounds, its warm-up and its hit rate.
+const RECENT: usize = 32;
+const WARM_UP: usize = 8;
+const HIT_RATE: f64 = 0.65;
+
+/// Each drafter layer's keys and values, and the position of the target's last cached token.
+type Shared = (Vec<(Array, Array)>, usize);
+
+pub struct AssistantDrafter<'m> {
+    target: &'m dyn LanguageModel,
+    model: &'m Gemma4Assistant,
+    /// For each drafter layer, the target cache it reads.
+    caches: Vec<usize>,
+    embed_scale: f32,
+    /// Accepted drafts per round (mlx-vlm's `accept_lens`).
+    accepted: Vec<usize>,
+    /// The key sequence of sampled drafts under positioned keys, and 1 / temp.
+    keys: Option<(KeySequence, f32)>,
+}
+
+impl<'m> AssistantDrafter<'m> {
+    /// `model` drafting for `target`, after checking the pair (crate::validate::gemma4_assistant).
+    pub fn new(
+        target: &'m dyn LanguageModel,
+        model: &'m Gemma4Assistant,
+    ) -> Result<AssistantDrafter<'m>> {
+        let (caches, embed_scale) = validate::gemma4_assistant(target, model)?;
+        Ok(AssistantDrafter {
+            target,
+            model,
+            caches,
+            embed_scale,
+            accepted: Vec::new(),
+            keys: None,
+        })
+    }
+
+    /// The drafts this round takes of the `n` offered (the block-size policy above).
+    fn block(&self, n: usize) -> usize {
+        let total = n + 1;
+        let configured = self.model.block_size.min(total);
+        if total <= configured || configured <= 1 {
+            return n;
+        }
+        if self.accepted.len() < WARM_UP {
+            return configured - 1;
+        }
+        let recent = &self.accepted[self.accepted.len().saturating_sub(RECENT)..];
+        let hits = recent.iter().filter(|&&a| a + 1 >= configured).count();
+        if (hits as f64) / (recent.len() as f64) < HIT_RATE {
+            configured - 1
+        } else {
+            n
+        }
+    }
+
+    /// Each drafter layer's keys and values, as the target's caches hold them, and the
+    /// position of the target's last cached token; None when a window has wrapped.
+    fn shared(&self, target: &[LayerCache]) -> Result<Option<Shared>> {
+        let mut kv = Vec::with_capacity(self.caches.len());
+        let mut offset = None;
+        for &i in &self.caches {
+            let cache = target.get(i).ok_or_else(|| {
+                contract(format!(
+                    "the assistant drafter reads target cache {i} of {}",
+                    target.len()
+                ))
+            })?;
+            match cache {
+                LayerCache::Rotating(c) if c.offset > c.max_size => return Ok(None),
+                LayerCache::Kv(_) | LayerCache::Rotating(_) => {}
+                _ => {
+                    return Err(Error::Unsupported(
+                        "the Gemma 4 assistant drafter over a quantized KV cache".into(),
+                    ))
+                }
+            }
+            let visible = cache.visible()?.ok_or_else(|| {
+                contract("the assistant drafter drafts before the target holds any token")
+            })?;
+            offset = Some(cache.offset());
+            kv.push(visible);
+        }
+        Ok(offset.map(|o| (kv, o.saturating_sub(1))))
+    }
+}
+
+impl DraftSource for AssistantDrafter<'_> {
+    fn taps(&self) -> Vec<usize> {
+        vec![self.target.num_layers()]
+    }
+
+    fn prefill_mode(&self) -> PrefillMode {
+        PrefillMode::Full
+    }
+
+    fn prefill(&mut self, _prompt: &[u32], ctx: &mut DraftContext<'_>) -> Result<()> {
+        self.accepted.clear();
+        let (p, s) = (ctx.params, &ctx.params.sampler);
+        let plain = s.top_k == 0 && (s.top_p <= 0.0 || s.top_p >= 1.0);
+        self.keys = match p.seed {
+            Some(seed) if p.keys == KeySchedule::Positioned && s.temp > 0.0 && plain => {
+                Some((KeySequence::new(seed)?, (1.0 / s.temp) as f32))
+            }
+            _ => None,
+        };
+        Ok(())
+    }
+
+    fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> Result<Vec<u32>> {
+        let n = self.block(n);
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let Some((kv, position)) = self.shared(ctx.target)? else {
+            return Ok(Vec::new());
+        };
+        let mut state = ctx
+            .anchor
+            .first()
+            .ok_or_else(|| contract("the assistant drafter got no hidden row from the target"))?
+            .clone();
+        let mut token = ctx.last;
+        let mut drafts = Vec::with_capacity(n);
+        while drafts.len() < n {
+            let ids = token_array(&[token])?.expand_dims(&[0])?;
+            let embedded = self
+                .target
+                .outer()
+                .embed_tokens
+                .forward(&ids)?
+                .multiply_scalar(self.embed_scale)?;
+            let (next, logits) = self
+                .model
+                .step(&step_input(&embedded, &state)?, &kv, position)?;
+            state = next;
+            let sampled = match &mut self.keys {
+                Some((keys, inverse)) => {
+                    random::categorical(&logits.multiply_scalar(*inverse)?, -1, &keys.next_key()?)?
+                }
+                None => ctx.sample(&logits, &drafts)?,
+            };
+            token = sampled.astype(Dtype::Uint32)?.item::<u32>()?;
+            drafts.push(token);
+        }
+        Ok(drafts)
+    }
+
+    fn commit(&mut self, round: &Verified<'_>) -> Result<()> {
+        if round.drafted > 0 {
+            self.accepted.push(round.accepted);
+        }
+        Ok(())
+    }
+}
