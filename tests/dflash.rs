@@ -5,8 +5,7 @@
 
 mod support;
 
-use mlx::Array;
-use support::{bundle, golden_input, model_dir};
+use support::{bits, bundle, golden_input, model_dir, plain_steps, speculative_steps};
 use verity::generate::{token_array, Control, Generation};
 use verity::model::dflash::DflashModel;
 use verity::parity::acceptance::acceptance;
@@ -16,10 +15,6 @@ use verity::speculative::{
     Verified,
 };
 use verity_harness::acceptance::{Baseline, Suite};
-
-fn bits(a: &Array) -> Vec<u8> {
-    a.to_bytes().unwrap()
-}
 
 fn drafter(name: &str) -> DflashModel {
     if name == "two-layer" {
@@ -75,29 +70,11 @@ fn dflash_speculation_equals_plain_on_every_architecture_it_pairs_with() {
         for trace in ["greedy/code", "greedy/chat"] {
             let id = format!("{name}/{trace}");
             let (prompt, params) = golden_input(&id, 40);
-            let want: Vec<(u32, Vec<u8>)> = Generation::new(target.model(), &prompt, &params)
-                .unwrap()
-                .map(|s| {
-                    let s = s.unwrap();
-                    (s.token, bits(&s.logprobs))
-                })
-                .collect();
+            let want: Vec<(u32, Vec<u8>)> = plain_steps(target.model(), &prompt, &params);
             for k in [3, 7] {
                 let mut source = DflashDrafter::new(target.model(), &model).unwrap();
-                let mut got = Vec::new();
-                let (stats, _) = generate_speculative(
-                    target.model(),
-                    &mut source,
-                    &prompt,
-                    &params,
-                    k,
-                    None,
-                    &mut |t| {
-                        got.push((t.token, bits(&t.logprobs)));
-                        Control::Continue
-                    },
-                )
-                .unwrap();
+                let (got, stats) =
+                    speculative_steps(target.model(), &mut source, &prompt, &params, k);
                 assert!(
                     got == want,
                     "{id} k={k}: DFlash speculation differs from plain"
@@ -124,29 +101,10 @@ fn sampled_dflash_speculation_with_positioned_keys_equals_plain() {
     filtered.sampler.top_p = 0.9;
     filtered.sampler.top_k = 40;
     for (what, params) in [("temperature", params), ("top-p and top-k", filtered)] {
-        let want: Vec<(u32, Vec<u8>)> = Generation::new(target.model(), &prompt, &params)
-            .unwrap()
-            .map(|s| {
-                let s = s.unwrap();
-                (s.token, bits(&s.logprobs))
-            })
-            .collect();
+        let want: Vec<(u32, Vec<u8>)> = plain_steps(target.model(), &prompt, &params);
         for k in [3, 7] {
             let mut source = DflashDrafter::new(target.model(), &model).unwrap();
-            let mut got = Vec::new();
-            let (stats, _) = generate_speculative(
-                target.model(),
-                &mut source,
-                &prompt,
-                &params,
-                k,
-                None,
-                &mut |t| {
-                    got.push((t.token, bits(&t.logprobs)));
-                    Control::Continue
-                },
-            )
-            .unwrap();
+            let (got, stats) = speculative_steps(target.model(), &mut source, &prompt, &params, k);
             assert!(
                 got == want,
                 "{what} k={k}: sampled DFlash differs from plain"

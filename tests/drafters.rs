@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use mlx::Array;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use support::{bundle, golden_input, model_dir};
+use support::{bits, bundle, golden_input, model_dir, plain_steps, speculative_steps};
 use verity::bundle::ModelBundle;
 use verity::generate::{forward_tapped, prefill, token_array, Control, GenerateParams, Generation};
 use verity::parity::acceptance::{acceptance, run_suite};
@@ -21,10 +21,6 @@ use verity::speculative::{
     Verified,
 };
 use verity_harness::acceptance::Suite;
-
-fn bits(a: &Array) -> Vec<u8> {
-    a.to_bytes().unwrap()
-}
 
 const ARCHITECTURES: [&str; 11] = [
     "llama",
@@ -218,20 +214,7 @@ fn mtp_run(
     k: usize,
 ) -> (Vec<(u32, Vec<u8>)>, SpeculationStats, usize) {
     let mut source = MtpDrafter::new(target.model()).unwrap();
-    let mut steps = Vec::new();
-    let (stats, _) = generate_speculative(
-        target.model(),
-        &mut source,
-        prompt,
-        params,
-        k,
-        None,
-        &mut |t| {
-            steps.push((t.token, bits(&t.logprobs)));
-            Control::Continue
-        },
-    )
-    .unwrap();
+    let (steps, stats) = speculative_steps(target.model(), &mut source, prompt, params, k);
     let head_entries = source.caches()[0].offset();
     (steps, stats, head_entries)
 }
@@ -242,13 +225,7 @@ fn mtp_speculation_equals_plain_with_rollbacks_of_target_and_head() {
     let target = bundle("qwen3_5");
     for trace in ["qwen3_5/greedy/code", "qwen3_5/greedy/chat"] {
         let (prompt, params) = golden_input(trace, 40);
-        let want: Vec<(u32, Vec<u8>)> = Generation::new(target.model(), &prompt, &params)
-            .unwrap()
-            .map(|s| {
-                let s = s.unwrap();
-                (s.token, bits(&s.logprobs))
-            })
-            .collect();
+        let want: Vec<(u32, Vec<u8>)> = plain_steps(target.model(), &prompt, &params);
         for k in [1, 2, 3] {
             let (got, stats, head_entries) = mtp_run(&target, &prompt, &params, k);
             assert!(

@@ -10,19 +10,13 @@ mod support;
 
 use std::path::{Path, PathBuf};
 
-use support::{bundle, golden, golden_input, model_dir};
+use support::{bits, bundle, golden, golden_input, model_dir, plain_steps, speculative_steps};
 use verity::bundle::ModelBundle;
-use verity::generate::{Control, GenerateParams, Generation};
+use verity::generate::GenerateParams;
 use verity::model::gemma4_assistant::Gemma4Assistant;
 use verity::parity::replay;
-use verity::speculative::{
-    generate_speculative, AssistantDrafter, Drafter, DrafterSpec, SpeculationStats,
-};
+use verity::speculative::{AssistantDrafter, Drafter, DrafterSpec, SpeculationStats};
 use verity::Error;
-
-fn bits(a: &mlx::Array) -> Vec<u8> {
-    a.to_bytes().unwrap()
-}
 
 fn assistant() -> Gemma4Assistant {
     Gemma4Assistant::load(&model_dir("gemma4-assistant")).unwrap()
@@ -91,20 +85,7 @@ fn speculate(
     k: usize,
 ) -> (Vec<(u32, Vec<u8>)>, SpeculationStats) {
     let mut source = AssistantDrafter::new(target.model(), model).unwrap();
-    let mut steps = Vec::new();
-    let (stats, _) = generate_speculative(
-        target.model(),
-        &mut source,
-        prompt,
-        params,
-        k,
-        None,
-        &mut |t| {
-            steps.push((t.token, bits(&t.logprobs)));
-            Control::Continue
-        },
-    )
-    .unwrap();
+    let (steps, stats) = speculative_steps(target.model(), &mut source, prompt, params, k);
     (steps, stats)
 }
 
@@ -122,13 +103,7 @@ fn assistant_speculation_equals_plain_decoding() {
         let target = bundle(name);
         let (mut prompt, params) = golden_input(trace, 40);
         prompt.truncate(len.unwrap_or(prompt.len()));
-        let want: Vec<(u32, Vec<u8>)> = Generation::new(target.model(), &prompt, &params)
-            .unwrap()
-            .map(|s| {
-                let s = s.unwrap();
-                (s.token, bits(&s.logprobs))
-            })
-            .collect();
+        let want: Vec<(u32, Vec<u8>)> = plain_steps(target.model(), &prompt, &params);
         for k in [1, 2, 3] {
             let (got, stats) = speculate(&target, &model, &prompt, &params, k);
             assert!(

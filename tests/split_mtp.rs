@@ -7,21 +7,16 @@
 
 mod support;
 
-use mlx::Array;
-use support::{bundle, golden_input, model_dir};
+use support::{bundle, golden_input, model_dir, plain_steps, speculative_steps};
 use verity::bundle::ModelBundle;
-use verity::generate::{Control, GenerateParams, Generation};
+use verity::generate::GenerateParams;
 use verity::speculative::{
-    generate_speculative, DraftContext, DraftSource, Drafter, DrafterSpec, MtpDrafter, PrefillMode,
-    SpeculationStats, Verified,
+    DraftContext, DraftSource, Drafter, DrafterSpec, MtpDrafter, PrefillMode, SpeculationStats,
+    Verified,
 };
 
 /// The split drafter folder of the trained fixture.
 const SPLIT: &str = "qwen3_5-trained-mtp";
-
-fn bits(a: &Array) -> Vec<u8> {
-    a.to_bytes().unwrap()
-}
 
 /// A registry source that records each round's drafts.
 struct Recorder<'a> {
@@ -68,20 +63,7 @@ fn run(
         inner: drafter.source(target.model(), None).unwrap(),
         drafts: Vec::new(),
     };
-    let mut steps = Vec::new();
-    let (stats, _) = generate_speculative(
-        target.model(),
-        &mut source,
-        prompt,
-        params,
-        k,
-        None,
-        &mut |t| {
-            steps.push((t.token, bits(&t.logprobs)));
-            Control::Continue
-        },
-    )
-    .unwrap();
+    let (steps, stats) = speculative_steps(target.model(), &mut source, prompt, params, k);
     (source.drafts, steps, stats)
 }
 
@@ -142,13 +124,7 @@ fn a_split_head_on_a_target_without_mtp_weights_speculates_as_plain_decoding() {
     let split = Drafter::load(&split_spec(), &target).unwrap();
     for trace in ["qwen3_5/greedy/code", "qwen3_5/greedy/chat"] {
         let (prompt, params) = golden_input(trace, 40);
-        let plain: Vec<(u32, Vec<u8>)> = Generation::new(target.model(), &prompt, &params)
-            .unwrap()
-            .map(|s| {
-                let s = s.unwrap();
-                (s.token, bits(&s.logprobs))
-            })
-            .collect();
+        let plain: Vec<(u32, Vec<u8>)> = plain_steps(target.model(), &prompt, &params);
         for k in [1, 3] {
             let (drafts, steps, stats) = run(&target, &split, &prompt, &params, k);
             assert!(

@@ -8,8 +8,12 @@ use std::path::{Path, PathBuf};
 use libtest_mimic::Arguments;
 use verity::bundle::ModelBundle;
 use verity::generate::GenerateParams;
+use verity::generate::{Control, Generation};
+use verity::model::LanguageModel;
 use verity::parity::{derived, replay};
-use verity::speculative::{DraftContext, DraftSource, PrefillMode, Verified};
+use verity::speculative::{
+    generate_speculative, DraftContext, DraftSource, PrefillMode, SpeculationStats, Verified,
+};
 use verity_harness::trace::Trace;
 
 /// Runs this test's MLX work on the CPU backend, first isolating its JIT cache. Its assertions
@@ -212,4 +216,42 @@ pub fn accepted_per_round(trace: &Trace) -> Vec<usize> {
         }
     }
     rounds
+}
+
+/// The bytes of `a`: a logprob row's bits.
+pub fn bits(a: &mlx::Array) -> Vec<u8> {
+    a.to_bytes().unwrap()
+}
+
+/// Each token of plain decoding with its logprob row's bits.
+pub fn plain_steps(
+    model: &dyn LanguageModel,
+    prompt: &[u32],
+    params: &GenerateParams,
+) -> Vec<(u32, Vec<u8>)> {
+    Generation::new(model, prompt, params)
+        .unwrap()
+        .map(|s| {
+            let s = s.unwrap();
+            (s.token, bits(&s.logprobs))
+        })
+        .collect()
+}
+
+/// Each token of speculative decoding through `source` (`k` drafts a round) with its logprob
+/// row's bits, and the decode's statistics.
+pub fn speculative_steps(
+    model: &dyn LanguageModel,
+    source: &mut dyn DraftSource,
+    prompt: &[u32],
+    params: &GenerateParams,
+    k: usize,
+) -> (Vec<(u32, Vec<u8>)>, SpeculationStats) {
+    let mut steps = Vec::new();
+    let (stats, _) = generate_speculative(model, source, prompt, params, k, None, &mut |t| {
+        steps.push((t.token, bits(&t.logprobs)));
+        Control::Continue
+    })
+    .unwrap();
+    (steps, stats)
 }
