@@ -9,24 +9,21 @@
 //! forward, as mlx-lm's `previous_kvs` does. So the cache list is mlx-lm's make_cache, one
 //! cache per owning layer, and a rollback trims only those.
 //!
-//! With `enable_moe_block`, each layer adds a sparse block beside its MLP: its own router (a
-//! scaled RMS norm, a projection, argpartition's top k, softmax, a per-expert scale) over
-//! SwitchGLU experts with the GeGLU activation.
+//! With `enable_moe_block`, each layer adds a sparse block beside its MLP (gemma4_moe.rs).
 
 use mlx::fast;
-use mlx::{compiled, ops, Array};
+use mlx::{compiled, Array};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::gemma4_moe::{split_experts, Moe, MoeSizes};
 use super::gemma4_rope::LayerRope;
-use super::layers::{
-    attend_row, Activation, Dims, GatedMlp, Linear, OuterLayers, RmsNorm, SwitchGlu,
-};
+use super::layers::{attend_row, Activation, Dims, GatedMlp, Linear, OuterLayers, RmsNorm};
 use super::rows::{self, LayerRows};
 use super::{Forward, KvSharing, LanguageModel, SharedKv};
 use crate::cache::{KeysValues, KvCache, LayerCache, Mask, RotatingKvCache};
 use crate::error::contract;
-use crate::load::{Config, LoadError, LoadResult, QuantConfig, Weights};
+use crate::load::{Config, LoadResult, QuantConfig, Weights};
 use crate::{Error, Result};
 
 pub(crate) const SLIDING: &str = "sliding_attention";
@@ -53,75 +50,6 @@ struct Args {
     top_k_experts: Option<i32>,
     moe_intermediate_size: Option<i32>,
     layer_types: Option<Vec<String>>,
-}
-
-/// The MoE block's sizes, checked (mlx-lm takes them unchecked: a top k outside 1..=experts
-/// makes argpartition fail or pick every expert).
-#[derive(Clone, Copy)]
-struct MoeSizes {
-    experts: i32,
-    top_k: i32,
-    hidden: i32,
-}
-
-impl MoeSizes {
-    fn from_args(a: &Args) -> std::result::Result<Option<MoeSizes>, String> {
-        if !a.enable_moe_block {
-            return Ok(None);
-        }
-        let need = |key: &str, v: Option<i32>| match v {
-            Some(v) if v >= 1 => Ok(v),
-            Some(v) => Err(format!(
-                "{key} is {v}, must be at least 1 when enable_moe_block is true"
-            )),
-            None => Err(format!(
-                "{key} is missing, needed when enable_moe_block is true"
-            )),
-        };
-        let experts = need("num_experts", a.num_experts)?;
-        let top_k = need("top_k_experts", a.top_k_experts)?;
-        if top_k > experts {
-            return Err(format!(
-                "top_k_experts is {top_k}, must be between 1 and num_experts ({experts})"
-            ));
-        }
-        let hidden = need("moe_intermediate_size", a.moe_intermediate_size)?;
-        Ok(Some(MoeSizes {
-            experts,
-            top_k,
-            hidden,
-        }))
-    }
-}
-
-/// The MoE block of a layer: Router, Experts and its three extra norms.
-struct Moe {
-    proj: Linear,
-    /// `scale * hidden_size**-0.5`, the product Python forms on every call.
-    norm_weight: Array,
-    per_expert_scale: Array,
-    top_k: i32,
-    eps: f32,
-    experts: SwitchGlu,
-    post_feedforward_layernorm_1: RmsNorm,
-    post_feedforward_layernorm_2: RmsNorm,
-    pre_feedforward_layernorm_2: RmsNorm,
-}
-
-impl Moe {
-    /// Router.__call__ on the residual `h`, then Experts.__call__ on `x` (its normed copy).
-    fn forward(&self, h: &Array, x: &Array) -> mlx::Result<Array> {
-        let h = fast::rms_norm(h, Some(&self.norm_weight), self.eps)?;
-        let scores = self.proj.forward(&h)?;
-        let (e, k) = (scores.dim(-1), self.top_k);
-        let inds = ops::argpartition(&scores, -k, -1)?
-            .slice_axis(-1, e - k, e)?
-            .stop_gradient()?;
-        let weights = ops::softmax(&ops::take_along_axis(&scores, &inds, -1)?, &[-1], false)?;
-        let weights = weights.multiply(&self.per_expert_scale.take(&inds, 0)?)?;
-        let y = self.experts.forward(x, &inds)?;
-        weights.expand_dims(&[-1])?.multiply(&y)?.sum(&[-2], false)
-    }
 }
 
 /// One row's keys and values as an owning layer fetched them from its cache, with the offset
@@ -311,7 +239,13 @@ impl Model {
         }))?;
         let d = &a.dims;
         let n = d.num_hidden_layers;
-        let moe_sizes = MoeSizes::from_args(&a).map_err(|m| config.error(m))?;
+        let moe_sizes = MoeSizes::from_config(
+            a.enable_moe_block,
+            a.num_experts,
+            a.top_k_experts,
+            a.moe_intermediate_size,
+        )
+        .map_err(|m| config.error(m))?;
         if a.num_kv_shared_layers >= n {
             return Err(config.error(format!(
                 "num_kv_shared_layers is {}, must be below num_hidden_layers ({n})",
@@ -466,35 +400,9 @@ impl Model {
                 }),
                 None => None,
             };
-            let moe = match moe_sizes {
-                Some(m) => {
-                    let router = format!("{p}.router");
-                    let mut experts = SwitchGlu::load(
-                        w,
-                        q,
-                        &format!("{p}.experts.switch_glu"),
-                        h,
-                        m.hidden,
-                        m.experts,
-                    )?;
-                    experts.activation = Activation::Geglu;
-                    let scale = w.take_shaped(&format!("{router}.scale"), &[h])?;
-                    let root = (f64::from(h).powf(-0.5)) as f32;
-                    Some(Moe {
-                        proj: Linear::load(w, q, &format!("{router}.proj"), h, m.experts, false)?,
-                        norm_weight: scale.multiply_scalar(root).map_err(mlx_error(w))?,
-                        per_expert_scale: w
-                            .take_shaped(&format!("{router}.per_expert_scale"), &[m.experts])?,
-                        top_k: m.top_k,
-                        eps: eps as f32,
-                        experts,
-                        post_feedforward_layernorm_1: norm(w, "post_feedforward_layernorm_1", h)?,
-                        post_feedforward_layernorm_2: norm(w, "post_feedforward_layernorm_2", h)?,
-                        pre_feedforward_layernorm_2: norm(w, "pre_feedforward_layernorm_2", h)?,
-                    })
-                }
-                None => None,
-            };
+            let moe = moe_sizes
+                .map(|m| Moe::load(w, q, &p, h, m, eps))
+                .transpose()?;
             layers.push(Block {
                 attn,
                 mlp,
@@ -611,37 +519,6 @@ fn drop_unused(w: &mut Weights, owners: usize) {
             .and_then(|i| i.parse::<usize>().ok());
         kv.iter().any(|s| k.contains(s)) && layer.is_some_and(|i| i >= owners)
     });
-}
-
-/// An MLX failure while preparing `w`'s tensors, as a load error naming the folder.
-fn mlx_error(w: &Weights) -> impl Fn(mlx::Error) -> LoadError + '_ {
-    |source| LoadError::Mlx {
-        folder: w.folder().into(),
-        source,
-    }
-}
-
-/// mlx-lm's sanitize for a Hugging Face checkpoint's fused experts: `experts.gate_up_proj`
-/// (experts, 2 x hidden, dims) split in two along its middle axis, and `experts.down_proj`,
-/// under SwitchGLU's names.
-fn split_experts(w: &mut Weights) -> LoadResult<()> {
-    let fused: Vec<String> = w
-        .keys()
-        .filter(|k| k.ends_with(".experts.gate_up_proj") || k.ends_with(".experts.down_proj"))
-        .cloned()
-        .collect();
-    for key in fused {
-        let v = w.take(&key)?;
-        if let Some(base) = key.strip_suffix(".gate_up_proj") {
-            let halves = ops::split(&v, 2, -2).map_err(mlx_error(w))?;
-            for (name, half) in ["gate_proj", "up_proj"].iter().zip(halves) {
-                w.insert(format!("{base}.switch_glu.{name}.weight"), half);
-            }
-        } else if let Some(base) = key.strip_suffix(".down_proj") {
-            w.insert(format!("{base}.switch_glu.down_proj.weight"), v);
-        }
-    }
-    Ok(())
 }
 
 impl LanguageModel for Model {

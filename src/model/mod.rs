@@ -4,6 +4,7 @@ pub mod dflash;
 pub mod gemma3_text;
 pub mod gemma4;
 pub mod gemma4_assistant;
+pub mod gemma4_moe;
 pub mod gemma4_rope;
 pub mod gemma4_text;
 pub mod glm4_moe;
