@@ -480,11 +480,7 @@ impl Engine {
         {
             return Ok(Err(Outcome::Cancelled { tokens: 0 }));
         }
-        let resume = self.resume(prompt.len(), &params.prefill_splits);
-        let mut hit = self
-            .prefix
-            .borrow_mut()
-            .lookup(&self.namespace, &prompt, &resume);
+        let mut hit = self.lookup(&prompt, &params.prefill_splits);
         let cached = hit.as_ref().map_or(0, |h| h.cached);
         self.metrics.prefix_lookup(cached);
         if let Some(end) = self
@@ -492,10 +488,7 @@ impl Engine {
             .filter(|&end| end > cached)
         {
             self.keep_prefill(&prompt[..=end], hit, &params.prefill_splits);
-            hit = self
-                .prefix
-                .borrow_mut()
-                .lookup(&self.namespace, &prompt, &resume);
+            hit = self.lookup(&prompt, &params.prefill_splits);
         }
         let start = Hit::start(hit);
         let lane = Lane {

@@ -134,11 +134,7 @@ impl Engine {
     /// Nothing happens when no entry holds the prompt any more: the next turn would prefill
     /// all of it anyway.
     pub(super) fn prefill_answer(&self, tokens: &[u32], prompt_tokens: usize, splits: &[usize]) {
-        let resume = self.resume(tokens.len(), splits);
-        let hit = self
-            .prefix
-            .borrow_mut()
-            .lookup(&self.namespace, tokens, resume);
+        let hit = self.lookup(tokens, splits);
         if let Some(hit) = hit.filter(|h| h.cached + 1 >= prompt_tokens) {
             self.keep_prefill(tokens, Some(hit), splits);
         }
@@ -189,12 +185,21 @@ impl Engine {
         }
     }
 
+    /// The prefix cache's entry for `tokens` ([`crate::server::prefix_cache::PrefixCache::lookup`]), whose prefill cuts its
+    /// chunks at `splits`.
+    pub(super) fn lookup(&self, tokens: &[u32], splits: &[usize]) -> Option<Hit> {
+        let resume = self.resume(tokens.len(), splits);
+        self.prefix
+            .borrow_mut()
+            .lookup(&self.namespace, tokens, resume)
+    }
+
     /// Where a prefill of a prompt of `len` tokens, its chunks cut at `splits`, may go on from,
     /// at most `n`: `n` itself, or where a prefill from the start ends a chunk at or before `n`
     /// when the model computes a token otherwise alone than among others
     /// ([`crate::model::LanguageModel::one_token_path`]): a resumed prefill then feeds the very
     /// chunks a cold one feeds.
-    pub(super) fn resume(&self, len: usize, splits: &[usize]) -> impl Fn(usize) -> usize {
+    fn resume(&self, len: usize, splits: &[usize]) -> impl Fn(usize) -> usize {
         let ends = if self.target.model().one_token_path() {
             let step = self.config.prefill_step_size;
             Some(chunk_ends(len.saturating_sub(1), step, splits))
