@@ -92,7 +92,7 @@ pub fn decode_rows<T>(forward: impl FnOnce() -> T) -> T {
 /// another computation than a multi-token forward (MLA's absorbed attention, glm4_moe_lite)
 /// then runs each token of a row as that step, so that speculation never changes its output;
 /// golden replay runs what mlx-lm runs ([`oracle_kernels`]).
-pub(crate) fn as_one_token_steps() -> bool {
+pub fn as_one_token_steps() -> bool {
     AS_ONE_TOKEN_STEPS.get()
 }
 
