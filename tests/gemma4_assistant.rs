@@ -32,9 +32,12 @@ fn assistant_drafts_equal_mlx_vlm_round_by_round() {
         .flat_map(|b| ["code", "chat"].map(|p| (b, format!("vlm-assistant{b}/{p}"))))
         .collect();
     // Above the drafter's block_size (4): mlx-vlm's adaptive ceiling; and sampled (the target
-    // through positioned keys, the drafts through the drafter's own seeded key sequence).
+    // through positioned keys, the drafts through the drafter's own seeded key sequence), at a
+    // temperature alone, with top-k 20 and with top-p 0.9.
     cases.push((6, "vlm-assistant6/code".into()));
     cases.push((3, "vlm-assistant3-seed11/code".into()));
+    cases.push((3, "vlm-assistant3-seed12/code".into()));
+    cases.push((3, "vlm-assistant3-seed11-topp0.9/code".into()));
     let (mut rounds, mut accepted) = (0, 0);
     for (block, case) in cases {
         let id = format!("gemma4-vlm/{case}");

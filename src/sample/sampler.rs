@@ -90,6 +90,22 @@ impl Sampler {
         seed: u64,
         first: usize,
     ) -> Result<Array> {
+        let vocab = scores.dim(-1);
+        let tokens = (0..scores.dim(0))
+            .map(|i| {
+                let row = scores.slice_axis(0, i, i + 1)?.reshape(&[vocab])?;
+                self.draw_with_key(&row, &position_key(seed, first + i as usize)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ops::stack(&tokens.iter().collect::<Vec<_>>(), 0)?)
+    }
+
+    /// One draw of mlx-vlm's positioned sampler over `scores` (its last axis the vocabulary)
+    /// with `key`: top-k, then top-p as `top_p_sampling` writes it, or `categorical(scores *
+    /// (1 / temp))`, at the temperature clamped to at least 0.01 (`clamp_temperature`). Its
+    /// target draws take a position's key; its plain `__call__`, which drafters sample
+    /// through, the next key of MLX's global sequence.
+    pub(crate) fn draw_with_key(&self, scores: &Array, key: &Array) -> Result<Array> {
         let p = &self.p;
         let lp = if p.top_k > 0 {
             top_k(scores, p.top_k)?
@@ -97,22 +113,13 @@ impl Sampler {
             scores.clone()
         };
         let temp = p.temp.max(MIN_POSITIONED_TEMP);
-        let nucleus = 0.0 < p.top_p && p.top_p < 1.0;
-        let vocab = lp.dim(-1);
-        let tokens = (0..lp.dim(0))
-            .map(|i| {
-                let row = lp.slice_axis(0, i, i + 1)?.reshape(&[vocab])?;
-                let key = position_key(seed, first + i as usize)?;
-                if nucleus {
-                    let scaled = row.astype(Dtype::Float32)?.divide_scalar(temp as f32)?;
-                    let normed = scaled.subtract(&scaled.logsumexp(&[-1], true)?)?;
-                    random::categorical(&top_p(&normed, p.top_p)?, -1, &key)
-                } else {
-                    random::categorical(&row.multiply_scalar((1.0 / temp) as f32)?, -1, &key)
-                }
-            })
-            .collect::<mlx::Result<Vec<_>>>()?;
-        Ok(ops::stack(&tokens.iter().collect::<Vec<_>>(), 0)?)
+        Ok(if 0.0 < p.top_p && p.top_p < 1.0 {
+            let scaled = lp.astype(Dtype::Float32)?.divide_scalar(temp as f32)?;
+            let normed = scaled.subtract(&scaled.logsumexp(&[-1], true)?)?;
+            random::categorical(&top_p(&normed, p.top_p)?, -1, key)?
+        } else {
+            random::categorical(&lp.multiply_scalar((1.0 / temp) as f32)?, -1, key)?
+        })
     }
 }
 

@@ -15,17 +15,17 @@
 //!   (`_effective_mtp_block_size`); otherwise the round drafts `block_size - 1`.
 //!
 //! - sampled drafts: under mlx-vlm's positioned sampler the target's draws are keyed by
-//!   position, but the drafter's go through the sampler's plain `__call__`
-//!   (`categorical(logits * (1 / temp))`) on MLX's global key, which mlx_vlm.generate seeds
-//!   with the request's seed; so the drafter draws from its own key sequence seeded so. Other
-//!   sampling (greedy, top-p or top-k under positioned keys, mlx-lm's key sequence) drafts as
-//!   the target would sample (`DraftContext::sample`).
+//!   position, but the drafter's go through the sampler's plain `__call__` (top-k, then top-p
+//!   or `categorical(logits * (1 / temp))`) on MLX's global key, which mlx_vlm.generate seeds
+//!   with the request's seed; so the drafter draws from its own key sequence seeded so
+//!   (`Sampler::draw_with_key`). Other sampling (greedy, mlx-lm's key sequence) drafts as the
+//!   target would sample (`DraftContext::sample`).
 //!
 //! Past a sliding window the target's rotating caches refuse every round (the rollback
 //! contract), so the drafter only ever sees windows that hold all their keys; mlx-vlm swaps in
 //! a BufferedRotatingKVCache there and goes on drafting, a case verity does not reproduce.
 
-use mlx::random::{self, KeySequence};
+use mlx::random::KeySequence;
 use mlx::{Array, Dtype};
 
 use super::{DraftContext, DraftSource, PrefillMode, Verified};
@@ -34,7 +34,7 @@ use crate::error::contract;
 use crate::generate::token_array;
 use crate::model::gemma4_assistant::{step_input, Gemma4Assistant};
 use crate::model::LanguageModel;
-use crate::sample::KeySchedule;
+use crate::sample::{KeySchedule, Sampler};
 use crate::{validate, Error, Result};
 
 /// `_effective_mtp_block_size`'s window of recent rounds, its warm-up and its hit rate.
@@ -53,8 +53,8 @@ pub struct AssistantDrafter<'m> {
     embed_scale: f32,
     /// Accepted drafts per round (mlx-vlm's `accept_lens`).
     accepted: Vec<usize>,
-    /// The key sequence of sampled drafts under positioned keys, and 1 / temp.
-    keys: Option<(KeySequence, f32)>,
+    /// The key sequence of sampled drafts under positioned keys, and the sampler they draw with.
+    keys: Option<(KeySequence, Sampler)>,
 }
 
 impl<'m> AssistantDrafter<'m> {
@@ -135,11 +135,10 @@ impl DraftSource for AssistantDrafter<'_> {
 
     fn prefill(&mut self, _prompt: &[u32], ctx: &mut DraftContext<'_>) -> Result<()> {
         self.accepted.clear();
-        let (p, s) = (ctx.params, &ctx.params.sampler);
-        let plain = s.top_k == 0 && (s.top_p <= 0.0 || s.top_p >= 1.0);
+        let p = ctx.params;
         self.keys = match p.seed {
-            Some(seed) if p.keys == KeySchedule::Positioned && s.temp > 0.0 && plain => {
-                Some((KeySequence::new(seed)?, (1.0 / s.temp) as f32))
+            Some(seed) if p.keys == KeySchedule::Positioned && p.sampler.temp > 0.0 => {
+                Some((KeySequence::new(seed)?, Sampler::new(p.sampler.clone())))
             }
             _ => None,
         };
@@ -174,9 +173,7 @@ impl DraftSource for AssistantDrafter<'_> {
                 .step(&step_input(&embedded, &state)?, &kv, position)?;
             state = next;
             let sampled = match &mut self.keys {
-                Some((keys, inverse)) => {
-                    random::categorical(&logits.multiply_scalar(*inverse)?, -1, &keys.next_key()?)?
-                }
+                Some((keys, sampler)) => sampler.draw_with_key(&logits, &keys.next_key()?)?,
                 None => ctx.sample(&logits, &drafts)?,
             };
             token = sampled.astype(Dtype::Uint32)?.item::<u32>()?;
