@@ -219,3 +219,35 @@ fn a_known_oracle_bug_judges_its_traces_at_tier_c() {
         );
     }
 }
+
+/// A mixture-of-experts model's trace is judged on the backend that recorded it and reported,
+/// with the reason, as not comparable on another (golden/tolerances.toml, `[[incomparable]]`):
+/// an expert flip at a router near-tie moves its logprobs past any useful tolerance. A dense
+/// model's trace of the same backend is still teacher-forced.
+#[test]
+fn a_routed_models_trace_is_not_comparable_on_another_backend() {
+    support::on_cpu();
+    let registry = Registry::load(&root().join("golden")).unwrap();
+    let mut models = Models::new(root());
+    let cuda = |id: &str| {
+        verity_harness::trace::Trace::load(&root().join(format!("golden/traces-cuda/{id}.json")))
+            .unwrap()
+    };
+
+    let trace = cuda("qwen3_moe/greedy/code");
+    let judgement = judge(&trace, &mut models, "cpu", &registry).unwrap();
+    assert!(matches!(judgement.outcome, Outcome::Unsupported(_)));
+    assert_eq!(judgement.status(), Status::Explained);
+    let report = judgement.report(&trace).unwrap();
+    assert!(
+        report.contains("not comparable across backends (expert-routing)"),
+        "{report}"
+    );
+
+    let own = judge(&golden("qwen3_moe/greedy/code"), &mut models, "cpu", &registry).unwrap();
+    assert!(matches!(own.outcome, Outcome::Replayed { .. }));
+    assert_eq!(own.status(), Status::Pass);
+
+    let dense = judge(&cuda("llama/greedy/code"), &mut models, "cpu", &registry).unwrap();
+    assert!(matches!(dense.outcome, Outcome::Forced { .. }));
+}

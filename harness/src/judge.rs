@@ -44,6 +44,14 @@ pub fn plan(trace: &Trace, backend: &str, registry: &Registry) -> Plan {
         }
         return Plan::TierC { bug };
     }
+    if trace.oracle.device != backend {
+        if let Some(i) = registry.incomparable_for(trace) {
+            return Plan::Skip(format!(
+                "not comparable across backends ({}): {}",
+                i.id, i.summary
+            ));
+        }
+    }
     let gap = registry
         .gap_for(trace, backend)
         .filter(|_| trace.oracle.device == backend);

@@ -70,6 +70,19 @@ impl PairTolerance {
 struct TolerancesFile {
     format: String,
     pair: Vec<PairTolerance>,
+    #[serde(default)]
+    incomparable: Vec<Incomparable>,
+}
+
+/// Models whose rounding on one backend no tolerance bounds usefully on another: their traces
+/// are judged only on the backend that recorded them (tier A there), and reported as not
+/// comparable on any other, with why.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Incomparable {
+    pub id: String,
+    pub summary: String,
+    /// Repository-relative model folders (the trace's target).
+    pub models: Vec<String>,
 }
 
 /// A backend bug that makes a trace fail, with the reproducer that tells when it is fixed.
@@ -206,6 +219,7 @@ pub struct Tolerance {
 #[derive(Clone, Debug)]
 pub struct Registry {
     tolerances: Vec<PairTolerance>,
+    incomparable: Vec<Incomparable>,
     bugs: Vec<BackendBug>,
     gaps: Vec<EngineGap>,
     oracle_bugs: Vec<OracleBug>,
@@ -248,6 +262,7 @@ impl Registry {
         let oracle_bugs: OracleBugsFile = read(&golden.join("known-oracle-bugs.toml"))?;
         Ok(Registry {
             tolerances: tolerances.pair,
+            incomparable: tolerances.incomparable,
             bugs: bugs.bug,
             gaps: gaps.gap,
             oracle_bugs: oracle_bugs.bug,
@@ -295,6 +310,13 @@ impl Registry {
                     .iter()
                     .any(|m| *m == trace.model || Some(m.as_str()) == draft)
         })
+    }
+
+    /// Why `trace`'s model is not judged on a backend other than its own, if it is not.
+    pub fn incomparable_for(&self, trace: &Trace) -> Option<&Incomparable> {
+        self.incomparable
+            .iter()
+            .find(|i| i.models.contains(&trace.model))
     }
 
     /// The known oracle bug whose conditions `trace` meets, if any.

@@ -35,7 +35,7 @@ impl Deref for Judgement {
 /// The class of a model folder for cross-backend tolerances.
 pub fn model_class(bundle: &ModelBundle) -> ModelClass {
     let model_type = bundle.config.model_type().unwrap_or_default();
-    if matches!(model_type, "qwen3_next" | "qwen3_5") {
+    if matches!(model_type, "qwen3_next" | "qwen3_5" | "qwen3_5_moe") {
         ModelClass::Hybrid
     } else if bundle.config.json.contains_key("quantization") {
         ModelClass::Quantized
