@@ -21,6 +21,7 @@ Recording is deterministic: rerunning leaves `git status` clean.
 
 import argparse
 import json
+import math
 import os
 import sys
 import tomllib
@@ -308,6 +309,16 @@ def record_case(case, models, backend, cache_dir):
     return trace
 
 
+def refuse_non_finite(case_id, trace, backend):
+    """A NaN or infinite logprob is no golden (and no JSON): stop, naming the case and step
+    (mlx-cuda 0.32.4 gave NaN for every logprob of gemma4-4bit under cuda-qmm-k64)."""
+    for i, step in enumerate(trace["steps"]):
+        values = [step["logprob"]] + [lp for _, lp in step["top"]]
+        if not all(math.isfinite(v) for v in values):
+            raise ManifestError(f"{case_id}: mlx-lm's logprobs at step {i} on {backend} are not "
+                                f"finite ({step['logprob']}); list the case as [[unsupported]] there")
+
+
 def dumps(trace):
     """Stable, reviewable JSON: objects indented, lists of scalars and steps on one line each."""
 
@@ -351,6 +362,7 @@ def main():
     models, written = Models(), set()
     for case in tqdm(cases, desc=f"recording traces on {backend}", unit="trace"):
         trace = record_case(case, models, backend, cache_dir)
+        refuse_non_finite(case["id"], trace, backend)
         path = out_dir / f"{case['id']}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, dumps(trace))
