@@ -244,7 +244,13 @@ fn a_routed_models_trace_is_not_comparable_on_another_backend() {
         "{report}"
     );
 
-    let own = judge(&golden("qwen3_moe/greedy/code"), &mut models, "cpu", &registry).unwrap();
+    let own = judge(
+        &golden("qwen3_moe/greedy/code"),
+        &mut models,
+        "cpu",
+        &registry,
+    )
+    .unwrap();
     assert!(matches!(own.outcome, Outcome::Replayed { .. }));
     assert_eq!(own.status(), Status::Pass);
 
