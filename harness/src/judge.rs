@@ -83,6 +83,15 @@ pub fn scores_drafts(trace: &Trace) -> bool {
     matches!(trace.draft, Some(Draft::Model { .. })) && greedy && plain
 }
 
+/// Where a teacher-forced judgement stops short of the trace's end, and why: from `step` on,
+/// the other backend's logprobs may be no rounding of the engine's (verity's expert routers
+/// came within the rounding of another choice there), so only the steps before it are judged.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cut {
+    pub step: usize,
+    pub why: String,
+}
+
 /// How a trace was judged and what that showed.
 pub enum Outcome {
     /// Generated free-running under the trace's own tier.
@@ -95,8 +104,10 @@ pub enum Outcome {
         tolerance: Tolerance,
         class: ModelClass,
         /// For a greedy speculative trace: the oracle's and the replayed count of emitted
-        /// tokens that came from the draft.
+        /// tokens that came from the draft (not replayed past a cut).
         acceptance: Option<(usize, usize)>,
+        /// Where judging stopped short of the trace's end.
+        cut: Option<Cut>,
     },
     /// A known oracle bug applies: the oracle's tokens are wrong, so the engine's speculative
     /// run is held to its plain run on the same prompt and params (tier C).
@@ -161,24 +172,38 @@ impl Judgement {
 
     /// A teacher-forced scoring judged at the pair's tolerance for `class` ([`Plan::Score`]);
     /// `draft_choice` is the draft model's greedy choice per emitted position, where
-    /// [`scores_drafts`] asks for it.
+    /// [`scores_drafts`] asks for it; with a `cut`, only the steps before it are judged.
+    #[allow(clippy::too_many_arguments)]
     pub fn scored(
         trace: &Trace,
         backend: &str,
         registry: &Registry,
         lowered_by: Option<String>,
         class: ModelClass,
-        scored: Vec<Step>,
+        mut scored: Vec<Step>,
         draft_choice: Option<&[u32]>,
+        cut: Option<Cut>,
     ) -> Self {
         let tolerance = registry.tolerance(&trace.oracle.device, backend, class);
+        let judged;
+        let trace = match &cut {
+            Some(c) => {
+                let mut head = trace.clone();
+                head.steps.truncate(c.step);
+                scored.truncate(c.step);
+                judged = head;
+                &judged
+            }
+            None => trace,
+        };
         let check = judge_forced(trace, &scored, tolerance.limits);
-        let acceptance = match (&trace.draft, draft_choice) {
+        let acceptance = match (&trace.draft, draft_choice, &cut) {
             (
                 Some(Draft::Model {
                     num_draft_tokens, ..
                 }),
                 Some(choice),
+                None,
             ) => Some((
                 trace.steps.iter().filter(|s| s.from_draft).count(),
                 replayed_from_draft(trace, choice, *num_draft_tokens),
@@ -191,6 +216,7 @@ impl Judgement {
             tolerance,
             class,
             acceptance,
+            cut,
         };
         Judgement::new(trace, backend, outcome, lowered_by).explained(trace, registry)
     }
@@ -234,6 +260,8 @@ impl Judgement {
             (_, true, None) => Status::Fail,
             (Outcome::TierC { .. }, false, _) => Status::TierC,
             _ if self.lowered_by.is_some() => Status::Explained,
+            // Cut before its first step: nothing was judged.
+            (Outcome::Forced { cut: Some(c), .. }, _, _) if c.step == 0 => Status::Explained,
             (
                 Outcome::Replayed {
                     verdict: Verdict::NearTie(_),
@@ -242,7 +270,11 @@ impl Judgement {
                 _,
                 _,
             ) => Status::NearTie,
-            (Outcome::Forced { check, .. }, _, _) if !check.near_ties.is_empty() => Status::NearTie,
+            (Outcome::Forced { check, cut, .. }, _, _)
+                if !check.near_ties.is_empty() || cut.is_some() =>
+            {
+                Status::NearTie
+            }
             _ => Status::Pass,
         }
     }
@@ -268,12 +300,25 @@ impl Judgement {
                 check,
                 tolerance,
                 acceptance,
+                cut,
                 ..
             } => {
                 if self.status() == Status::Pass {
                     return None;
                 }
-                let mut out = forced_report(trace, scored, check, tolerance.limits, decode);
+                let mut head = trace.clone();
+                if let Some(c) = cut {
+                    head.steps.truncate(c.step);
+                }
+                let mut out = forced_report(&head, scored, check, tolerance.limits, decode);
+                if let Some(c) = cut {
+                    out.push_str(&format!(
+                        "  judged the first {} of {} steps: {}\n",
+                        c.step,
+                        trace.steps.len(),
+                        c.why
+                    ));
+                }
                 if let Some((oracle, replayed)) = acceptance {
                     out.push_str(&format!(
                         "  accepted drafts: oracle {oracle}, replayed {replayed}{}\n",

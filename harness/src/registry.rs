@@ -49,6 +49,11 @@ pub struct PairTolerance {
     pub dense: Limits,
     pub quantized: Limits,
     pub hybrid: Limits,
+    /// How close a mixture-of-experts router's choice may come to another before this pair's
+    /// rounding may flip it: a teacher-forced judgement stops at the first step whose forward
+    /// had an expert margin below it (the k-th best router score minus the next).
+    #[serde(default)]
+    pub router_margin: Option<f32>,
 }
 
 impl PairTolerance {
@@ -83,6 +88,9 @@ pub struct Incomparable {
     pub summary: String,
     /// Repository-relative model folders (the trace's target).
     pub models: Vec<String>,
+    /// The manifest variants it concerns (the second component of a case id); all where absent.
+    #[serde(default)]
+    pub variants: Option<Vec<String>>,
 }
 
 /// A backend bug that makes a trace fail, with the reproducer that tells when it is fixed.
@@ -297,6 +305,19 @@ impl Registry {
         }
     }
 
+    /// The router margin of the pair (see [`PairTolerance::router_margin`]); for a pair never
+    /// measured, the largest measured.
+    pub fn router_margin(&self, recorded: &str, replayed: &str) -> Option<f32> {
+        match self.tolerances.iter().find(|p| p.joins(recorded, replayed)) {
+            Some(p) => p.router_margin,
+            None => self
+                .tolerances
+                .iter()
+                .filter_map(|p| p.router_margin)
+                .reduce(f32::max),
+        }
+    }
+
     /// The bug that explains a failure of `trace` between `recorded` and `replayed`, if one of
     /// them is the bug's backend and the trace runs one of its models.
     pub fn bug_for(&self, trace: &Trace, recorded: &str, replayed: &str) -> Option<&BackendBug> {
@@ -314,9 +335,13 @@ impl Registry {
 
     /// Why `trace`'s model is not judged on a backend other than its own, if it is not.
     pub fn incomparable_for(&self, trace: &Trace) -> Option<&Incomparable> {
-        self.incomparable
-            .iter()
-            .find(|i| i.models.contains(&trace.model))
+        let variant = trace.id.split('/').nth(1).unwrap_or_default();
+        self.incomparable.iter().find(|i| {
+            i.models.contains(&trace.model)
+                && i.variants
+                    .as_ref()
+                    .is_none_or(|v| v.iter().any(|x| x == variant))
+        })
     }
 
     /// The known oracle bug whose conditions `trace` meets, if any.

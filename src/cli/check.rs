@@ -162,6 +162,7 @@ impl Checked {
                 tolerance,
                 class,
                 acceptance,
+                cut,
                 ..
             } = &j.outcome
             {
@@ -179,6 +180,7 @@ impl Checked {
                     "top_deviations": check.top_deviations,
                     "near_ties": check.near_ties,
                     "accepted_drafts": acceptance.map(|(o, r)| json!({"oracle": o, "replayed": r})),
+                    "cut": cut.as_ref().map(|c| json!({"step": c.step, "why": c.why})),
                 });
             }
         }

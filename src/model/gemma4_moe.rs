@@ -5,6 +5,7 @@
 use mlx::{fast, ops, Array};
 
 use super::layers::{Activation, Linear, RmsNorm, SwitchGlu};
+use super::router_margin;
 use crate::load::{LoadError, LoadResult, QuantConfig, Weights};
 
 /// The MoE block's sizes, checked (mlx-lm takes them unchecked: a top k outside 1..=experts
@@ -108,6 +109,7 @@ impl Moe {
         let h = fast::rms_norm(h, Some(&self.norm_weight), self.eps)?;
         let scores = self.proj.forward(&h)?;
         let (e, k) = (scores.dim(-1), self.top_k);
+        router_margin::note_top_k(&scores, k)?;
         let inds = ops::argpartition(&scores, -k, -1)?
             .slice_axis(-1, e - k, e)?
             .stop_gradient()?;

@@ -19,6 +19,7 @@ pub mod qwen3_5_moe;
 pub mod qwen3_5_mtp;
 pub mod qwen3_moe;
 pub mod qwen3_next;
+pub mod router_margin;
 pub mod row_blocks;
 pub mod rows;
 

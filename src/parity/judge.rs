@@ -7,7 +7,7 @@ use std::ops::Deref;
 use std::rc::Rc;
 
 use verity_harness::judge::{plan, scores_drafts, Plan};
-pub use verity_harness::judge::{Judgement as Judged, Outcome};
+pub use verity_harness::judge::{Cut, Judgement as Judged, Outcome};
 use verity_harness::registry::{ModelClass, Registry};
 use verity_harness::report::Status;
 use verity_harness::trace::Trace;
@@ -44,6 +44,27 @@ pub fn model_class(bundle: &ModelBundle) -> ModelClass {
     }
 }
 
+/// Where a teacher-forced judgement across backends stops: the first step whose forwards had
+/// an expert router within `least` of another choice (see [`crate::model::router_margin`]).
+pub fn router_cut(margins: &[Option<f32>], least: f32) -> Option<Cut> {
+    let (step, margin) = margins
+        .iter()
+        .enumerate()
+        .find_map(|(i, m)| m.filter(|&m| m < least).map(|m| (i, m)))?;
+    let at = if step == 0 {
+        "the prompt or step 0".to_string()
+    } else {
+        format!("step {step}")
+    };
+    Some(Cut {
+        step,
+        why: format!(
+            "an expert router's margin at {at} is {margin:.2e}, below the {least:.0e} within \
+             which the other backend's rounding may pick another expert"
+        ),
+    })
+}
+
 /// Replays `trace` on `backend` and judges it.
 pub fn judge(
     trace: &Trace,
@@ -74,6 +95,12 @@ pub fn judge(
         Plan::Score { lowered_by } => {
             let (run, bundle) = replay_forced(trace, models, scores_drafts(trace))?;
             let class = model_class(&bundle);
+            let cut = match registry.router_margin(&trace.oracle.device, backend) {
+                Some(least) if trace.oracle.device != backend => {
+                    router_cut(&run.router_margins, least)
+                }
+                _ => None,
+            };
             let judged = Judged::scored(
                 trace,
                 backend,
@@ -82,6 +109,7 @@ pub fn judge(
                 class,
                 run.scored,
                 run.draft_choice.as_deref(),
+                cut,
             );
             (judged, Some(bundle))
         }

@@ -17,7 +17,7 @@ use crate::bundle::ModelBundle;
 use crate::cache::{load_prompt_cache, KvQuantization};
 use crate::decode::{decode, fresh_caches, Hooks, Request, Start};
 use crate::generate::{score, Control, FinishReason, GenerateParams, GeneratedToken};
-use crate::model::lone_rows;
+use crate::model::{lone_rows, router_margin};
 use crate::sample::KeySchedule;
 use crate::{validate, Error, Result};
 
@@ -125,6 +125,9 @@ pub struct ForcedRun {
     /// Per step: the oracle's token, the engine's logprob of it, the engine's best entries.
     pub scored: Vec<Step>,
     pub draft_choice: Option<Vec<u32>>,
+    /// Per step, the smallest margin of the expert routers in the forwards that gave its
+    /// logprobs (the prompt's prefill counts for step 0); None for a model without routers.
+    pub router_margins: Vec<Option<f32>>,
 }
 
 /// Replays a trace teacher-forced (tier B across backends); with `drafts` (see
@@ -143,17 +146,21 @@ pub fn replay_forced(
         Start::Context(caches) => caches,
         _ => fresh_caches(bundle.model(), trace.draft.is_some(), &params),
     };
-    score(
-        bundle.model(),
-        caches,
-        &trace.prompt.tokens,
-        &emitted,
-        &params,
-        |i, lp| {
-            scored.push(step_record(emitted[i], lp, false)?);
-            Ok(())
-        },
-    )
+    let mut router_margins = Vec::with_capacity(emitted.len());
+    router_margin::watch(|| {
+        score(
+            bundle.model(),
+            caches,
+            &trace.prompt.tokens,
+            &emitted,
+            &params,
+            |i, lp| {
+                scored.push(step_record(emitted[i], lp, false)?);
+                router_margins.push(router_margin::take()?);
+                Ok(())
+            },
+        )
+    })
     .map_err(|e| e.context(&trace.id))?;
     let draft_choice = match &trace.draft {
         Some(Draft::Model { model, .. }) if drafts => {
@@ -184,6 +191,7 @@ pub fn replay_forced(
         ForcedRun {
             scored,
             draft_choice,
+            router_margins,
         },
         bundle,
     ))

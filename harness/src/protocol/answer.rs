@@ -218,6 +218,7 @@ pub fn judge_answer(
             class,
             scored,
             draft_choice.as_deref(),
+            None,
         )),
         (Plan::TierC { bug }, Answer::TierC { speculative, plain }) => Ok(Judgement::tier_c(
             trace,

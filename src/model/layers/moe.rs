@@ -9,6 +9,7 @@ use mlx::{compiled, ops, Array, Result};
 
 use super::{Activation, GatedMlp, Linear, SwitchGlu};
 use crate::load::{LoadResult, QuantConfig, Weights};
+use crate::model::router_margin;
 
 /// How a sparse block picks and weighs a token's experts (checked by the family).
 #[derive(Clone, Copy, Debug)]
@@ -157,17 +158,22 @@ impl SparseMoe {
                 topk_group,
                 routed_scaling_factor,
                 norm_topk_prob,
-            } => compiled::group_expert_select(
-                &gates,
-                self.correction
+            } => {
+                let bias = self
+                    .correction
                     .as_ref()
-                    .expect("the grouped router is loaded with its correction bias"),
-                self.top_k,
-                n_group,
-                topk_group,
-                routed_scaling_factor,
-                norm_topk_prob,
-            )?,
+                    .expect("the grouped router is loaded with its correction bias");
+                router_margin::note_grouped(&gates, bias, self.top_k, n_group, topk_group)?;
+                compiled::group_expert_select(
+                    &gates,
+                    bias,
+                    self.top_k,
+                    n_group,
+                    topk_group,
+                    routed_scaling_factor,
+                    norm_topk_prob,
+                )?
+            }
             Router::Softmax { norm_topk_prob } => self.softmax_top_k(&gates, norm_topk_prob)?,
         };
         let y = self.switch_mlp.forward(x, &inds)?;
@@ -190,6 +196,7 @@ impl SparseMoe {
     fn softmax_top_k(&self, gates: &Array, norm_topk_prob: bool) -> Result<(Array, Array)> {
         let gates = ops::softmax(gates, &[-1], true)?;
         let k = self.top_k;
+        router_margin::note_top_k(&gates, k)?;
         let experts = gates.dim(-1);
         let inds = ops::argpartition(&gates, -k, -1)?
             .slice_axis(-1, experts - k, experts)?
