@@ -306,6 +306,12 @@ impl Judgement {
                 if self.status() == Status::Pass {
                     return None;
                 }
+                if let Some(c) = cut.as_ref().filter(|c| c.step == 0) {
+                    return Some(format!(
+                        "NOT JUDGED {} on {}: {}\n",
+                        trace.id, self.replayed, c.why
+                    ));
+                }
                 let mut head = trace.clone();
                 if let Some(c) = cut {
                     head.steps.truncate(c.step);

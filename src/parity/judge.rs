@@ -59,7 +59,7 @@ pub fn router_cut(margins: &[Option<f32>], least: f32) -> Option<Cut> {
     Some(Cut {
         step,
         why: format!(
-            "an expert router's margin at {at} is {margin:.2e}, below the {least:.0e} within \
+            "an expert router's margin at {at} is {margin:.2e}, below the {least:.1e} within \
              which the other backend's rounding may pick another expert"
         ),
     })
