@@ -385,6 +385,51 @@ fn bench_speed_prints_every_row() {
     }
 }
 
+/// The bandwidth floor counts the bytes a decode step reads: a dense model's every weight, a
+/// mixture of experts' expert weights only for the share of experts a token uses (qwen3_moe's
+/// fixture: 2 of 8, stored one tensor an expert as Hugging Face does).
+#[test]
+fn bench_speeds_floor_counts_the_experts_a_token_reads() {
+    let weight_bytes = |name: &str| {
+        let model = root().join("golden/models").join(name);
+        let out = verity(&[
+            "bench",
+            "speed",
+            "--model",
+            &model.to_string_lossy(),
+            "--no-mlx-lm",
+            "--runs",
+            "1",
+            "--prompt-lens",
+            "16",
+            "--decode-tokens",
+            "4",
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let file = std::fs::metadata(model.join("model.safetensors"))
+            .unwrap()
+            .len();
+        (doc["weight_bytes"].as_u64().unwrap(), file)
+    };
+    let (dense, file) = weight_bytes("llama");
+    assert!(
+        dense < file && dense > file - 16 * 1024,
+        "{dense} of {file}"
+    );
+    let (moe, file) = weight_bytes("qwen3_moe");
+    // Most of the fixture is its experts: reading a quarter of them is about half the file.
+    assert!(
+        moe < file * 6 / 10 && moe > file * 4 / 10,
+        "{moe} of {file}"
+    );
+}
+
 /// `verity bench serve` against verity alone: a server child on loopback, the client driver
 /// (stdlib Python) at each level, one report per level with every request answered.
 #[test]

@@ -335,7 +335,7 @@ pub fn speed(a: SpeedArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             }),
     );
 
-    let weight_bytes = weight_bytes(&a.model)?;
+    let weight_bytes = weight_bytes(&a.model, &bundle.config.json)?;
     let bandwidth = memory_bandwidth()?;
     let floor = bandwidth / weight_bytes as f64;
     if !a.json {
@@ -549,17 +549,71 @@ fn table_row(r: &Row) -> String {
     )
 }
 
-/// The bytes of the model's weight files (what a decode step reads).
-fn weight_bytes(dir: &Path) -> anyhow::Result<u64> {
-    let mut total = 0;
+/// The bytes a decode step reads: the weight files' tensors, but of a mixture of experts'
+/// stacked expert tensors (first axis the experts) only the share of the experts a token uses.
+fn weight_bytes(dir: &Path, config: &serde_json::Map<String, Value>) -> anyhow::Result<u64> {
+    let text = config
+        .get("text_config")
+        .and_then(Value::as_object)
+        .unwrap_or(config);
+    let count = |keys: &[&str]| keys.iter().find_map(|k| text.get(*k)?.as_u64());
+    let routed = count(&["num_experts_per_tok", "top_k_experts"])
+        .zip(count(&["num_experts", "n_routed_experts"]))
+        .filter(|&(k, e)| k > 0 && k < e);
+    let mut total = 0.0;
     for e in std::fs::read_dir(dir)? {
         let path = e?.path();
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name.starts_with("model") && name.ends_with(".safetensors") {
-            total += std::fs::metadata(&path)?.len();
+        if !(name.starts_with("model") && name.ends_with(".safetensors")) {
+            continue;
+        }
+        let header = safetensors_header(&path)
+            .with_context(|| format!("reading the tensor header of {}", path.display()))?;
+        for (tensor, info) in header.iter().filter(|(t, _)| *t != "__metadata__") {
+            let offsets = info["data_offsets"].as_array();
+            let (Some(start), Some(end)) = (
+                offsets.and_then(|o| o.first()?.as_u64()),
+                offsets.and_then(|o| o.get(1)?.as_u64()),
+            ) else {
+                bail!("{}: tensor {tensor} has no data_offsets", path.display());
+            };
+            let experts_first = info["shape"].as_array().and_then(|s| s.first()?.as_u64());
+            // One expert's tensor (`experts.3.`, as Hugging Face stores them) or all the
+            // experts' stacked along the first axis.
+            let one_expert = tensor.split("experts.").nth(1).is_some_and(|rest| {
+                rest.split('.')
+                    .next()
+                    .is_some_and(|i| i.parse::<u64>().is_ok())
+            });
+            let share = match routed {
+                Some((k, e))
+                    if one_expert
+                        || experts_first == Some(e)
+                            && (tensor.contains("experts") || tensor.contains("switch_mlp")) =>
+                {
+                    k as f64 / e as f64
+                }
+                _ => 1.0,
+            };
+            total += (end - start) as f64 * share;
         }
     }
-    Ok(total)
+    Ok(total as u64)
+}
+
+/// A safetensors file's JSON header (its first 8 bytes give the header's length).
+fn safetensors_header(path: &Path) -> anyhow::Result<serde_json::Map<String, Value>> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path)?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)?;
+    let len = u64::from_le_bytes(len);
+    if len > file.metadata()?.len() {
+        bail!("header length {len} is past the end of the file");
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header)?;
+    Ok(serde_json::from_slice(&header)?)
 }
 
 /// Load plus first token in a fresh process, for verity (`verity generate`) and mlx-lm
