@@ -317,6 +317,30 @@ fn generate_streams_the_same_tokens_as_the_golden_trace() {
     );
 }
 
+/// `verity bench speed` on `model` alone with the shortest rows and `extra` flags; its JSON.
+fn bench_speed_json(model: &Path, extra: &[&str]) -> Value {
+    let model = model.to_string_lossy();
+    let mut args = vec!["bench", "speed", "--model", &model];
+    args.extend_from_slice(extra);
+    args.extend([
+        "--no-mlx-lm",
+        "--runs",
+        "1",
+        "--prompt-lens",
+        "16",
+        "--decode-tokens",
+        "4",
+        "--json",
+    ]);
+    let out = verity(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// `bench speed` runs every row and prints the table (verity alone: the oracle venv is not part
 /// of the test setup). No timing is asserted: speed is judged by the bench, never by a test.
 #[test]
@@ -330,28 +354,7 @@ fn bench_speed_prints_every_row() {
         ("--draft-dflash", &dflash, "text prompt, DFlash drafter"),
     ];
     for (flag, dir, row) in drafters {
-        let out = verity(&[
-            "bench",
-            "speed",
-            "--model",
-            &model.to_string_lossy(),
-            flag,
-            &dir.to_string_lossy(),
-            "--no-mlx-lm",
-            "--runs",
-            "1",
-            "--prompt-lens",
-            "16",
-            "--decode-tokens",
-            "4",
-            "--json",
-        ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let doc = bench_speed_json(&model, &[flag, &dir.to_string_lossy()]);
         let rows: Vec<&str> = doc["rows"]
             .as_array()
             .unwrap()
@@ -392,26 +395,7 @@ fn bench_speed_prints_every_row() {
 fn bench_speeds_floor_counts_the_experts_a_token_reads() {
     let weight_bytes = |name: &str| {
         let model = root().join("golden/models").join(name);
-        let out = verity(&[
-            "bench",
-            "speed",
-            "--model",
-            &model.to_string_lossy(),
-            "--no-mlx-lm",
-            "--runs",
-            "1",
-            "--prompt-lens",
-            "16",
-            "--decode-tokens",
-            "4",
-            "--json",
-        ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let doc = bench_speed_json(&model, &[]);
         let file = std::fs::metadata(model.join("model.safetensors"))
             .unwrap()
             .len();
