@@ -85,16 +85,29 @@ fn feed(cache: &mut LayerCache, rec: &Recurrence, ids: &[u32]) {
             c.advance(rec, &qkv, &a, &b).unwrap();
         }
         c => {
-            let rows: Vec<f32> = ids
-                .iter()
-                .flat_map(|&t| std::iter::repeat_n(t as f32, HEAD_DIM as usize))
-                .collect();
-            let shape = [1, 1, ids.len() as i32, HEAD_DIM];
-            let keys = Array::from_slice(&rows, &shape).unwrap();
-            c.update_and_fetch(&keys, &keys.negative().unwrap())
-                .unwrap();
+            let (keys, values) = rows(ids);
+            c.update_and_fetch(&keys, &values).unwrap();
         }
     }
+}
+
+/// The keys (every element t) and values (-t) of tokens `ids`, (1, 1, S, HEAD_DIM).
+fn rows(ids: &[u32]) -> (Array, Array) {
+    let rows: Vec<f32> = ids
+        .iter()
+        .flat_map(|&t| std::iter::repeat_n(t as f32, HEAD_DIM as usize))
+        .collect();
+    let keys = Array::from_slice(&rows, &[1, 1, ids.len() as i32, HEAD_DIM]).unwrap();
+    let values = keys.negative().unwrap();
+    (keys, values)
+}
+
+/// Whether two caches hold the same offset and the same state arrays, bit for bit.
+fn same_state(a: &LayerCache, b: &LayerCache) -> bool {
+    let bytes = |c: &LayerCache| -> Vec<Vec<u8>> {
+        c.state().iter().map(|s| s.to_bytes().unwrap()).collect()
+    };
+    a.offset() == b.offset() && bytes(a) == bytes(b)
 }
 
 /// Checks the real cache against the reference: visible ids (keys t, values -t) and offset, or
@@ -157,16 +170,21 @@ fn run_ops(kind: Kind, ops: &[Op]) -> Result<(), TestCaseError> {
             Op::Trim(n) => {
                 prop_assert_eq!(real.trim(*n).unwrap(), reference.trim(*n));
             }
-            Op::Round { chunks, reject } => {
+            Op::Round {
+                chunks,
+                reject,
+                one_at_a_time,
+            } => {
                 let total: usize = chunks.iter().sum();
-                let plan = match rollback_plan(std::slice::from_ref(&real), total) {
+                let plan = match rollback_plan(std::slice::from_ref(&real), total, *one_at_a_time) {
                     Rollback::Trim => Plan::Trim,
                     Rollback::SnapshotReplay => Plan::SnapshotReplay,
+                    Rollback::Restore => Plan::Restore,
                     Rollback::Refuse(_) => Plan::Refuse,
                 };
                 prop_assert_eq!(
                     &plan,
-                    &reference.plan(total),
+                    &reference.plan(total, *one_at_a_time),
                     "rollback plan for a round of {}",
                     total
                 );
@@ -174,14 +192,29 @@ fn run_ops(kind: Kind, ops: &[Op]) -> Result<(), TestCaseError> {
                     continue;
                 }
                 let ids = reference.next_ids(total);
+                let mut plain = real.clone();
                 real.begin_round();
                 let mut at = 0;
                 for c in chunks {
-                    feed(&mut real, &rec, &ids[at..at + c]);
+                    let chunk = &ids[at..at + c];
+                    match &mut real {
+                        LayerCache::Rotating(r) if *one_at_a_time => {
+                            let (keys, values) = rows(chunk);
+                            r.update_each_token(&keys, &values).unwrap();
+                        }
+                        real => feed(real, &rec, chunk),
+                    }
                     at += c;
                 }
                 prop_assert_eq!(real.end_round(*reject).unwrap(), *reject);
-                reference.round(chunks, *reject);
+                reference.round(chunks, *reject, *one_at_a_time);
+                if *one_at_a_time && matches!(real, LayerCache::Rotating(_)) {
+                    // The ring its kept tokens left, to the bit: what one-token steps reach.
+                    for &id in &ids[..total - reject] {
+                        feed(&mut plain, &rec, &[id]);
+                    }
+                    prop_assert!(same_state(&real, &plain), "the restored ring differs");
+                }
             }
         }
         check(&real, &reference, &rec)?;
@@ -231,6 +264,7 @@ fn round(chunks: &[usize], reject: usize) -> Op {
     Op::Round {
         chunks: chunks.to_vec(),
         reject,
+        one_at_a_time: false,
     }
 }
 
@@ -260,11 +294,33 @@ fn a_round_that_would_wrap_the_window_is_refused_before_it_starts() {
     let mut real = real_cache(kind);
     let rec = recurrence();
     feed(&mut real, &rec, &[0, 1, 2]);
-    assert!(matches!(real.rollback_plan(2), Rollback::Refuse(_)));
+    assert!(matches!(real.rollback_plan(2, false), Rollback::Refuse(_)));
     // Asked to take back a round that wrapped anyway, the cache fails instead of trimming nothing.
     real.begin_round();
     feed(&mut real, &rec, &[3, 4]);
     assert!(real.end_round(1).is_err());
+}
+
+/// mlx-lm #1914's case made exact: a round past the window whose tokens the ring took one at a
+/// time (a verify on the lone-row path) gives back the slots its rejected tokens overwrote.
+#[test]
+fn a_round_past_the_window_written_one_at_a_time_is_taken_back_exactly() {
+    let one_at_a_time = |chunks: &[usize], reject| Op::Round {
+        chunks: chunks.to_vec(),
+        reject,
+        one_at_a_time: true,
+    };
+    run_ops(
+        rotating(4, 1),
+        &[
+            Op::Append(6),
+            one_at_a_time(&[3], 2),
+            Op::Append(1),
+            one_at_a_time(&[1, 2], 3),
+            Op::Append(2),
+        ],
+    )
+    .unwrap();
 }
 
 #[test]

@@ -28,18 +28,16 @@ fn drafter(name: &str) -> DflashModel {
 enum Expect {
     /// Drafts, and some accepted (a drafter trained on this target's own output).
     Accepted,
-    /// Drafts (a drafter of the right width, untrained for this target or for a random one).
+    /// Drafts (a drafter of the right width, untrained for this target or for a random one;
+    /// on gemma3 past its window too, whose verify writes the rotating caches a token at a time).
     Drafted,
-    /// Every round refused before drafting: the target's sliding-window caches cannot take a
-    /// round back, so the executor decodes without drafts.
-    Refused,
 }
 
 /// Each fixture with a drafter of its width: the one trained for it, or qwen3-target's
 /// (tapping layers 1 and 3; "two-layer" is a copy tapping layers 0 and 1 instead).
 const PAIRS: [(&str, &str, Expect); 6] = [
     ("qwen3-target", "qwen3-target-dflash", Expect::Accepted),
-    ("gemma3", "qwen3-target-dflash", Expect::Refused),
+    ("gemma3", "qwen3-target-dflash", Expect::Drafted),
     ("qwen3_next", "qwen3-target-dflash", Expect::Drafted),
     ("qwen3_5", "qwen3_5-dflash", Expect::Drafted),
     ("qwen3", "two-layer", Expect::Drafted),
@@ -115,13 +113,6 @@ fn sampled_dflash_speculation_with_positioned_keys_equals_plain() {
 }
 
 fn check_stats(id: &str, k: usize, stats: &SpeculationStats, expect: Expect) {
-    if let Expect::Refused = expect {
-        assert!(
-            stats.rounds > 0 && stats.refused_rounds == stats.rounds && stats.drafted == 0,
-            "{id} k={k}: {stats:?}"
-        );
-        return;
-    }
     assert!(
         stats.rounds > 0 && stats.drafted > 0,
         "{id} k={k}: {stats:?}"

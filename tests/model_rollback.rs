@@ -6,7 +6,9 @@
 //! same kind of rounding); a wrong rollback (a stale cache entry) moves them by more, which
 //! `keeping_rejected_tokens_exceeds_the_gpu_tolerance` checks. Rounds a cache refuses (a
 //! sliding window about to wrap) are fed without speculation, and at least one round per
-//! architecture is really taken back.
+//! architecture is really taken back. Written as a decode forward writes them (one token at a
+//! time into a rotating cache), rounds past a sliding window are taken back too, and the next
+//! logits equal those of one-token steps over the kept tokens, bit for bit.
 
 mod support;
 
@@ -18,7 +20,7 @@ use verity::bundle::ModelBundle;
 use verity::cache::{
     begin_round, end_round, quantize_due, rollback_plan, KvQuantization, LayerCache, Rollback,
 };
-use verity::model::LanguageModel;
+use verity::model::{lone_rows, LanguageModel};
 use verity::parity::judge::model_class;
 use verity_harness::registry::Registry;
 
@@ -36,14 +38,34 @@ struct Case {
     next: u32,
 }
 
-fn cases(vocab: u32) -> impl Strategy<Value = Case> {
+/// How a case's caches are made and its rounds written.
+#[derive(Clone, Copy)]
+struct Setup {
+    /// Quantized KV caches from the start.
+    kv: Option<KvQuantization>,
+    /// mlx-lm's max_kv_size (rotating caches keeping 4 tokens, for a family without its own).
+    max_kv_size: Option<usize>,
+    /// Each round as a decode forward on the lone-row path writes it
+    /// (`lone_rows::decode_rows`: a rotating cache takes its tokens one at a time), the fresh
+    /// run feeding each kept token as a one-token step; else in one multi-token forward, as
+    /// the fresh run feeds the kept tokens.
+    one_at_a_time: bool,
+}
+
+const PLAIN: Setup = Setup {
+    kv: None,
+    max_kv_size: None,
+    one_at_a_time: false,
+};
+
+fn cases(vocab: u32, prompt_lens: std::ops::RangeInclusive<usize>) -> impl Strategy<Value = Case> {
     let round =
         (prop::collection::vec(0..vocab, 1..=5), 0usize..=5).prop_map(|(tokens, r)| Round {
             reject: r.min(tokens.len()),
             tokens,
         });
     (
-        prop::collection::vec(0..vocab, 1..=10),
+        prop::collection::vec(0..vocab, prompt_lens),
         prop::collection::vec(round, 1..=3),
         0..vocab,
     )
@@ -54,10 +76,10 @@ fn cases(vocab: u32) -> impl Strategy<Value = Case> {
         })
 }
 
-/// The model's caches, converted to quantized KV caches from the start when `kv` is set.
-fn make_caches(model: &dyn LanguageModel, kv: Option<KvQuantization>) -> Vec<LayerCache> {
-    let mut caches = model.make_cache(None);
-    quantize_due(&mut caches, kv.as_ref()).unwrap();
+/// The model's caches, converted to quantized KV caches from the start when `setup.kv` is set.
+fn make_caches(model: &dyn LanguageModel, setup: Setup) -> Vec<LayerCache> {
+    let mut caches = model.make_cache(setup.max_kv_size);
+    quantize_due(&mut caches, setup.kv.as_ref()).unwrap();
     caches
 }
 
@@ -108,43 +130,54 @@ fn agree(a: &[f32], b: &[f32], tolerance: Option<f32>) -> Result<(), f32> {
 }
 
 /// Runs a case with rounds taken back; returns the final logprobs and how many rounds were
-/// really rolled back (rather than refused).
-fn speculative(
-    model: &dyn LanguageModel,
-    kv: Option<KvQuantization>,
-    case: &Case,
-) -> (Vec<f32>, usize) {
-    let mut caches = make_caches(model, kv);
+/// really rolled back (rather than refused), and of those, how many past a sliding window.
+fn speculative(model: &dyn LanguageModel, setup: Setup, case: &Case) -> (Vec<f32>, usize, usize) {
+    let mut caches = make_caches(model, setup);
     forward(model, &mut caches, &case.prompt);
-    let mut rolled_back = 0;
+    let (mut rolled_back, mut restored) = (0, 0);
     for round in &case.rounds {
         let kept = &round.tokens[..round.tokens.len() - round.reject];
-        match rollback_plan(&caches, round.tokens.len()) {
-            Rollback::Refuse(_) => {
-                if !kept.is_empty() {
-                    forward(model, &mut caches, kept);
-                }
-            }
-            _ => {
+        match rollback_plan(&caches, round.tokens.len(), setup.one_at_a_time) {
+            Rollback::Refuse(_) => feed_kept(model, setup, &mut caches, kept),
+            plan => {
                 begin_round(&mut caches);
-                forward(model, &mut caches, &round.tokens);
+                if setup.one_at_a_time {
+                    lone_rows::decode_rows(|| forward(model, &mut caches, &round.tokens));
+                } else {
+                    forward(model, &mut caches, &round.tokens);
+                }
                 end_round(&mut caches, round.reject).unwrap();
                 rolled_back += usize::from(round.reject > 0);
+                restored += usize::from(round.reject > 0 && plan == Rollback::Restore);
             }
         }
     }
-    (forward(model, &mut caches, &[case.next]), rolled_back)
+    let next = forward(model, &mut caches, &[case.next]);
+    (next, rolled_back, restored)
+}
+
+/// Feeds a round's kept tokens as a fresh run does: in one call, or one token a call.
+fn feed_kept(model: &dyn LanguageModel, setup: Setup, caches: &mut [LayerCache], kept: &[u32]) {
+    if setup.one_at_a_time {
+        kept.iter().for_each(|&t| {
+            forward(model, caches, &[t]);
+        });
+    } else if !kept.is_empty() {
+        forward(model, caches, kept);
+    }
 }
 
 /// The same case with only the kept tokens ever fed.
-fn fresh(model: &dyn LanguageModel, kv: Option<KvQuantization>, case: &Case) -> Vec<f32> {
-    let mut caches = make_caches(model, kv);
+fn fresh(model: &dyn LanguageModel, setup: Setup, case: &Case) -> Vec<f32> {
+    let mut caches = make_caches(model, setup);
     forward(model, &mut caches, &case.prompt);
     for round in &case.rounds {
-        let kept = &round.tokens[..round.tokens.len() - round.reject];
-        if !kept.is_empty() {
-            forward(model, &mut caches, kept);
-        }
+        feed_kept(
+            model,
+            setup,
+            &mut caches,
+            &round.tokens[..round.tokens.len() - round.reject],
+        );
     }
     forward(model, &mut caches, &[case.next])
 }
@@ -163,10 +196,33 @@ fn keeping_no_lone_token(mut case: Case) -> Case {
 }
 
 fn check_architecture(fixture: &str, kv: Option<KvQuantization>) {
-    check_cases(fixture, kv, |case| case)
+    check_cases(fixture, Setup { kv, ..PLAIN }, 1..=10, |case| case);
 }
 
-fn check_cases(fixture: &str, kv: Option<KvQuantization>, adapt: fn(Case) -> Case) {
+/// Rounds written one token at a time into the rotating caches from prompts that fill
+/// `fixture`'s window of 16 (or `max_kv_size`): every round past the window is taken back
+/// (none refused), at least one with rejected tokens.
+fn check_past_the_window(fixture: &str, max_kv_size: Option<usize>) {
+    let setup = Setup {
+        max_kv_size,
+        one_at_a_time: true,
+        ..PLAIN
+    };
+    let restored = check_cases(fixture, setup, 12..=24, |case| case);
+    assert!(
+        restored > 0,
+        "{fixture}: no round past the window was taken back; the property tested nothing"
+    );
+}
+
+/// Checks the property over `fixture`'s cases (`prompt_lens` prompt tokens, `adapt`ed);
+/// returns how many rounds past a sliding window were taken back.
+fn check_cases(
+    fixture: &str,
+    setup: Setup,
+    prompt_lens: std::ops::RangeInclusive<usize>,
+    adapt: fn(Case) -> Case,
+) -> usize {
     mlx::jit::isolate_per_test_slot();
     let bundle = ModelBundle::load(&model_dir(fixture)).unwrap();
     let model = bundle.model.as_ref();
@@ -178,12 +234,13 @@ fn check_cases(fixture: &str, kv: Option<KvQuantization>, adapt: fn(Case) -> Cas
         ..Config::default()
     };
     let mut runner = TestRunner::new(config);
-    let rolled_back = std::cell::Cell::new(0);
+    let (rolled_back, restored) = (std::cell::Cell::new(0), std::cell::Cell::new(0));
     runner
-        .run(&cases(1024).prop_map(adapt), |case| {
-            let (spec, n) = speculative(model, kv, &case);
+        .run(&cases(1024, prompt_lens).prop_map(adapt), |case| {
+            let (spec, n, past) = speculative(model, setup, &case);
             rolled_back.set(rolled_back.get() + n);
-            let differs = agree(&spec, &fresh(model, kv, &case), tolerance).err();
+            restored.set(restored.get() + past);
+            let differs = agree(&spec, &fresh(model, setup, &case), tolerance).err();
             prop_assert!(
                 differs.is_none(),
                 "logprobs after rollback differ from a fresh run by up to {:e}",
@@ -196,6 +253,7 @@ fn check_cases(fixture: &str, kv: Option<KvQuantization>, adapt: fn(Case) -> Cas
         rolled_back.get() > 0,
         "{fixture}: no round was taken back; the property tested nothing"
     );
+    restored.get()
 }
 
 #[test]
@@ -241,12 +299,12 @@ fn glm4_moe_rollback_equals_a_fresh_run() {
 /// The latent KV cache (latent and RoPE part as one KV head of different widths) trimmed.
 #[test]
 fn glm4_moe_lite_rollback_equals_a_fresh_run() {
-    check_cases("glm4_moe_lite", None, keeping_no_lone_token);
+    check_cases("glm4_moe_lite", PLAIN, 1..=10, keeping_no_lone_token);
 }
 
 #[test]
 fn glm4_moe_lite_4bit_rollback_equals_a_fresh_run() {
-    check_cases("glm4_moe_lite-4bit", None, keeping_no_lone_token);
+    check_cases("glm4_moe_lite-4bit", PLAIN, 1..=10, keeping_no_lone_token);
 }
 
 /// KV-shared layers: the rollback trims only the owning layers' caches (mlx-lm's make_cache),
@@ -259,6 +317,23 @@ fn gemma4_rollback_equals_a_fresh_run() {
 #[test]
 fn gemma4_moe_rollback_equals_a_fresh_run() {
     check_architecture("gemma4_moe", None);
+}
+
+#[test]
+fn gemma3_rounds_past_the_window_written_one_token_at_a_time_roll_back_exactly() {
+    check_past_the_window("gemma3", None);
+}
+
+/// The KV-shared layers attend what each one-token step of their owner read.
+#[test]
+fn gemma4_rounds_past_the_window_written_one_token_at_a_time_roll_back_exactly() {
+    check_past_the_window("gemma4", None);
+}
+
+/// max_kv_size's rotating caches, which keep their first 4 tokens.
+#[test]
+fn qwen3_rounds_past_max_kv_size_written_one_token_at_a_time_roll_back_exactly() {
+    check_past_the_window("qwen3", Some(16));
 }
 
 #[test]
@@ -297,13 +372,13 @@ fn keeping_rejected_tokens_exceeds_the_gpu_tolerance() {
     ] {
         let bundle = ModelBundle::load(&model_dir(fixture)).unwrap();
         let model = bundle.model.as_ref();
-        let mut caches = make_caches(model, None);
+        let mut caches = make_caches(model, PLAIN);
         forward(model, &mut caches, &case.prompt);
         begin_round(&mut caches);
         forward(model, &mut caches, &case.rounds[0].tokens);
         end_round(&mut caches, 0).unwrap();
         let stale = forward(model, &mut caches, &[case.next]);
-        let worst = worst_difference(&stale, &fresh(model, None, &case));
+        let worst = worst_difference(&stale, &fresh(model, PLAIN, &case));
         for backend in ["cuda", "metal"] {
             let limit = gpu_tolerance(&bundle, backend);
             assert!(

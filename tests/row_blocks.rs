@@ -42,7 +42,8 @@ fn attention_in_row_blocks_has_the_one_call_bits() {
         let block = rows_per_block(&q).expect("a chunk this long is split");
         assert!(block < rows, "{kind}: block {block} of {rows} rows");
         let one_call =
-            fast::scaled_dot_product_attention(&q, &k, &v, 0.125, mask.as_sdpa(), None).unwrap();
+            fast::scaled_dot_product_attention(&q, &k, &v, 0.125, mask.as_sdpa().unwrap(), None)
+                .unwrap();
         let blocks = attend_in_row_blocks(&q, &k, &v, 0.125, &mask, block).unwrap();
         mlx::eval([&one_call, &blocks]).unwrap();
         assert_eq!(blocks.shape(), one_call.shape(), "{kind}, {rows} rows");

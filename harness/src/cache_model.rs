@@ -31,8 +31,14 @@ pub enum Op {
     /// Drop the last `n` tokens (KV kinds only, as mlx-lm's trim: capped at the length).
     Trim(usize),
     /// A speculative round: ask whether `chunks.sum()` tokens could be taken back; if so,
-    /// append them in calls of the given sizes, then reject the last `reject` of them.
-    Round { chunks: Vec<usize>, reject: usize },
+    /// append them in calls of the given sizes, then reject the last `reject` of them. With
+    /// `one_at_a_time`, a rotating cache takes each call's tokens one at a time, as a decode
+    /// forward on the lone-row path writes them.
+    Round {
+        chunks: Vec<usize>,
+        reject: usize,
+        one_at_a_time: bool,
+    },
 }
 
 /// What a cache must answer before a round.
@@ -40,6 +46,8 @@ pub enum Op {
 pub enum Plan {
     Trim,
     SnapshotReplay,
+    /// Restore the state the kept tokens left (a rotating cache written one token at a time).
+    Restore,
     Refuse,
 }
 
@@ -126,23 +134,30 @@ impl RefCache {
         n
     }
 
-    /// The answer a correct cache gives before a round of `round_len` tokens.
-    pub fn plan(&self, round_len: usize) -> Plan {
+    /// The answer a correct cache gives before a round of `round_len` tokens, written one
+    /// token at a time when `one_at_a_time`.
+    pub fn plan(&self, round_len: usize, one_at_a_time: bool) -> Plan {
         match self.kind {
             Kind::Kv | Kind::QuantizedKv => Plan::Trim,
             Kind::Recurrent => Plan::SnapshotReplay,
             Kind::Rotating { max_size, .. } if self.offset + round_len <= max_size => Plan::Trim,
+            Kind::Rotating { .. } if one_at_a_time => Plan::Restore,
             Kind::Rotating { .. } => Plan::Refuse,
         }
     }
 
-    /// A round the plan allows: the cache ends as if only the kept tokens had been appended
-    /// (the rejected ids are never reused, as a real round's draft tokens are discarded).
-    pub fn round(&mut self, chunks: &[usize], reject: usize) {
+    /// A round the plan allows: the cache ends as if only the kept tokens had been appended,
+    /// one at a time when the round wrote them so (the rejected ids are never reused, as a
+    /// real round's draft tokens are discarded).
+    pub fn round(&mut self, chunks: &[usize], reject: usize, one_at_a_time: bool) {
         let total: usize = chunks.iter().sum();
-        assert!(self.plan(total) != Plan::Refuse && reject <= total);
+        assert!(self.plan(total, one_at_a_time) != Plan::Refuse && reject <= total);
         let kept = total - reject;
-        if kept > 0 {
+        if one_at_a_time {
+            (0..kept).for_each(|_| {
+                self.append(1);
+            });
+        } else if kept > 0 {
             self.append(kept);
         }
         self.next_id += reject as u32;
@@ -152,13 +167,19 @@ impl RefCache {
 /// Operations valid for `kind`, at most `max_ops` of them.
 pub fn ops(kind: Kind, max_ops: usize) -> impl Strategy<Value = Vec<Op>> {
     let append = (1usize..=6).prop_map(Op::Append);
-    let round = (prop::collection::vec(1usize..=4, 1..=3), 0usize..=12).prop_map(|(chunks, r)| {
-        let total: usize = chunks.iter().sum();
-        Op::Round {
-            reject: r % (total + 1),
-            chunks,
-        }
-    });
+    let round = (
+        prop::collection::vec(1usize..=4, 1..=3),
+        0usize..=12,
+        any::<bool>(),
+    )
+        .prop_map(|(chunks, r, one_at_a_time)| {
+            let total: usize = chunks.iter().sum();
+            Op::Round {
+                reject: r % (total + 1),
+                chunks,
+                one_at_a_time,
+            }
+        });
     let op = match kind {
         Kind::Kv | Kind::QuantizedKv => {
             prop_oneof![3 => append, 1 => (0usize..=8).prop_map(Op::Trim), 3 => round].boxed()
@@ -188,7 +209,7 @@ mod tests {
     fn kv_round_keeps_only_accepted_tokens() {
         let mut c = RefCache::new(Kind::Kv);
         c.append(3);
-        c.round(&[4], 2);
+        c.round(&[4], 2, false);
         assert_eq!(c.visible(), &[0, 1, 2, 3, 4]);
         c.append(1);
         assert_eq!(c.visible(), &[0, 1, 2, 3, 4, 7]);
@@ -227,10 +248,21 @@ mod tests {
     }
 
     #[test]
-    fn rotating_refuses_a_round_that_would_wrap() {
+    fn rotating_refuses_a_round_that_would_wrap_unless_written_one_at_a_time() {
         let mut c = rotating(8, 0);
         c.append(5);
-        assert_eq!(c.plan(3), Plan::Trim);
-        assert_eq!(c.plan(4), Plan::Refuse);
+        assert_eq!(c.plan(3, false), Plan::Trim);
+        assert_eq!(c.plan(4, false), Plan::Refuse);
+        assert_eq!(c.plan(4, true), Plan::Restore);
+    }
+
+    #[test]
+    fn rotating_round_written_one_at_a_time_keeps_the_newest_window() {
+        let mut c = rotating(4, 0);
+        c.append(3);
+        c.round(&[2, 2], 1, true);
+        assert_eq!(c.visible(), &[2, 3, 4, 5]);
+        assert_eq!(c.offset, 6);
+        assert_eq!(c.next_ids(1), vec![7]);
     }
 }

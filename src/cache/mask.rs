@@ -6,19 +6,25 @@ use mlx::{fast::SdpaMask, Array, Dtype};
 use crate::Result;
 
 /// What a cache's make_mask returns: nothing, the string "causal", or a boolean array
-/// (True = attend).
+/// (True = attend); or, for tokens a rotating cache takes one at a time
+/// ([`super::RotatingKvCache::update_each_token`]), each one-token step's own mask.
 pub enum Mask {
     None,
     Causal,
     Array(Array),
+    Steps(Vec<Mask>),
 }
 
 impl Mask {
-    pub fn as_sdpa(&self) -> SdpaMask<'_> {
+    /// The mask of one attention call; one-token steps' masks take a call each and have none.
+    pub fn as_sdpa(&self) -> mlx::Result<SdpaMask<'_>> {
         match self {
-            Mask::None => SdpaMask::None,
-            Mask::Causal => SdpaMask::Causal,
-            Mask::Array(a) => SdpaMask::Array(a),
+            Mask::None => Ok(SdpaMask::None),
+            Mask::Causal => Ok(SdpaMask::Causal),
+            Mask::Array(a) => Ok(SdpaMask::Array(a)),
+            Mask::Steps(_) => Err(mlx::Error::Invalid(
+                "one-token steps' masks given to a single attention call".into(),
+            )),
         }
     }
 }

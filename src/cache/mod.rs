@@ -50,6 +50,9 @@ pub enum KeysValues {
         group_size: i32,
         bits: i32,
     },
+    /// What each of several one-token steps reads, in order
+    /// ([`RotatingKvCache::update_each_token`]).
+    Steps(Vec<(Array, Array)>),
 }
 
 /// Quantized-KV settings of a generation (mlx-lm's kv_bits / kv_group_size / quantized_kv_start).

@@ -13,19 +13,26 @@ pub enum Rollback {
     Trim,
     /// Restore the state from before the round and replay the kept tokens.
     SnapshotReplay,
+    /// Restore the state the kept tokens left, kept token by token during the round: a rotating
+    /// cache past its window, whose round's forward writes its tokens one at a time.
+    Restore,
     /// The round's tokens could not be taken back exactly; do not start it.
     Refuse(String),
 }
 
 impl LayerCache {
-    /// How this cache would undo up to `round_len` tokens appended in the next round.
-    pub fn rollback_plan(&self, round_len: usize) -> Rollback {
+    /// How this cache would undo up to `round_len` tokens appended in the next round, whose
+    /// forward writes its tokens one at a time when `one_token_writes` (a decode forward on the
+    /// lone-row path, `crate::model::lone_rows::exact_decode`).
+    pub fn rollback_plan(&self, round_len: usize, one_token_writes: bool) -> Rollback {
         match self {
             LayerCache::Kv(_) | LayerCache::QuantizedKv(_) => Rollback::Trim,
             LayerCache::Recurrent(_) => Rollback::SnapshotReplay,
             LayerCache::Rotating(c) if c.offset + round_len <= c.max_size => Rollback::Trim,
+            LayerCache::Rotating(_) if one_token_writes => Rollback::Restore,
             LayerCache::Rotating(c) => Rollback::Refuse(format!(
-                "a rotating cache of {} holding {} tokens would wrap during a round of {round_len}",
+                "a rotating cache of {} holding {} tokens would wrap during a round of \
+                 {round_len} written several tokens at a time",
                 c.max_size, c.offset
             )),
         }
@@ -36,7 +43,7 @@ impl LayerCache {
         match self {
             LayerCache::Kv(c) => c.round_start = Some(c.offset),
             LayerCache::QuantizedKv(c) => c.round_start = Some(c.offset),
-            LayerCache::Rotating(c) => c.round_start = Some(c.offset),
+            LayerCache::Rotating(c) => c.begin_round(),
             LayerCache::Recurrent(c) => c.begin_round(),
         }
     }
@@ -44,50 +51,44 @@ impl LayerCache {
     /// Closes the round keeping all but the last `reject` tokens appended during it. Fails —
     /// rather than leaving stale entries — when that cannot be done exactly.
     pub fn end_round(&mut self, reject: usize) -> Result<usize> {
-        let checked = |start: Option<usize>, offset: usize| -> Result<()> {
-            let start = start.ok_or_else(|| contract("end_round without begin_round"))?;
-            if reject > offset - start {
-                return Err(contract(format!(
-                    "cannot reject {reject} of the {} tokens of the round",
-                    offset - start
-                )));
-            }
-            Ok(())
-        };
         match self {
             LayerCache::Kv(c) => {
-                checked(c.round_start.take(), c.offset)?;
+                round_written(c.round_start.take(), c.offset, reject)?;
                 Ok(c.trim(reject))
             }
             LayerCache::QuantizedKv(c) => {
-                checked(c.round_start.take(), c.offset)?;
+                round_written(c.round_start.take(), c.offset, reject)?;
                 Ok(c.trim(reject))
             }
-            LayerCache::Rotating(c) => {
-                let start = c.round_start.take();
-                checked(start, c.offset)?;
-                if reject > 0 && c.offset > c.max_size {
-                    return Err(contract(format!(
-                        "the rotating cache wrapped during the round ({} tokens in a window of {}); \
-                         its evicted entries cannot be restored",
-                        c.offset, c.max_size
-                    )));
-                }
-                Ok(c.trim(reject))
-            }
+            LayerCache::Rotating(c) => c.end_round(reject),
             LayerCache::Recurrent(c) => c.end_round(reject),
         }
     }
 }
 
-/// The plan for a model's caches: refuse if any layer refuses, else replay if any must.
-pub fn rollback_plan(caches: &[LayerCache], round_len: usize) -> Rollback {
+/// The tokens a round that began at offset `start` (None: no open round) wrote by `offset`,
+/// checked to hold the `reject` to take back.
+pub(super) fn round_written(start: Option<usize>, offset: usize, reject: usize) -> Result<usize> {
+    let start = start.ok_or_else(|| contract("end_round without begin_round"))?;
+    let written = offset - start;
+    if reject > written {
+        return Err(contract(format!(
+            "cannot reject {reject} of the {written} tokens of the round"
+        )));
+    }
+    Ok(written)
+}
+
+/// The plan for a model's caches: refuse if any layer refuses, else replay if any must, else
+/// restore if any must.
+pub fn rollback_plan(caches: &[LayerCache], round_len: usize, one_token_writes: bool) -> Rollback {
     let mut plan = Rollback::Trim;
     for c in caches {
-        match c.rollback_plan(round_len) {
+        match c.rollback_plan(round_len, one_token_writes) {
             refuse @ Rollback::Refuse(_) => return refuse,
             Rollback::SnapshotReplay => plan = Rollback::SnapshotReplay,
-            Rollback::Trim => {}
+            Rollback::Restore if plan == Rollback::Trim => plan = Rollback::Restore,
+            Rollback::Restore | Rollback::Trim => {}
         }
     }
     plan

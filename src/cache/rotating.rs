@@ -1,13 +1,22 @@
 //! mlx-lm's RotatingKVCache (sliding windows and max_kv_size): a ring buffer of `max_size`
 //! slots whose first `keep` slots are never overwritten. Multi-token updates re-order it in
 //! time and let it grow to `max_size - 1 + S` so every new query sees a full window.
+//!
+//! A speculative round past the window overwrites slots its rejected tokens must give back,
+//! which mlx-lm's trim cannot do (it moves the cursor and leaves the slots stale, mlx-lm
+//! #1914). A decode forward whose tokens must each get their one-token step's bits writes them
+//! one at a time instead ([`RotatingKvCache::update_each_token`]: the ring each step would read,
+//! in its slot order); during a round the cache keeps the ring as it stood before each such
+//! write (the arrays are immutable, so that is a handle each), and taking back the rejected
+//! tail restores the ring its kept tokens left: the state plain decoding reaches, to the bit.
 
 use mlx::{ops, Array, Dtype};
 
 use super::kv::{seq, write_seq, zeros_like_steps};
 use super::mask::create_causal_mask;
+use super::rollback::round_written;
 use super::{Mask, STEP};
-use crate::Result;
+use crate::{error::contract, Result};
 
 #[derive(Clone)]
 pub struct RotatingKvCache {
@@ -19,8 +28,85 @@ pub struct RotatingKvCache {
     pub keep: usize,
     /// The physical write cursor.
     pub(crate) idx: usize,
-    /// The offset when the open speculative round began.
-    pub(crate) round_start: Option<usize>,
+    /// The open speculative round.
+    round: Option<Round>,
+}
+
+/// The ring as it stood: its buffers, offset and cursor.
+#[derive(Clone)]
+struct Ring {
+    kv: Option<(Array, Array)>,
+    offset: usize,
+    idx: usize,
+}
+
+#[derive(Clone)]
+struct Round {
+    /// The offset when the round began.
+    start: usize,
+    /// The ring before each of the round's one-token writes; None once a multi-token update
+    /// wrote in the round (whose tail only a trim can take back, exact until the ring wraps).
+    before: Option<Vec<Ring>>,
+}
+
+/// What a one-token update (`_update_in_place`) moves: the tokens seen, the cursor and the
+/// buffer's length.
+#[derive(Clone, Copy)]
+struct Cursor {
+    offset: usize,
+    idx: usize,
+    len: usize,
+}
+
+/// How one one-token update changes the buffer before writing: zero slots appended, the oldest
+/// unkept slots dropped, and the slot it writes.
+struct Placement {
+    grow: usize,
+    trim: usize,
+    slot: usize,
+}
+
+impl Cursor {
+    /// Moves past one one-token update of a ring of `max_size` keeping `keep` slots.
+    fn advance(&mut self, max_size: usize, keep: usize) -> Placement {
+        let mut grow = 0;
+        if self.len == 0 || (self.offset >= self.len && self.len < max_size) {
+            grow = (STEP as usize).min(max_size - self.offset);
+            self.len += grow;
+            self.idx = self.offset;
+        }
+        let trim = self.len.saturating_sub(max_size);
+        if trim > 0 {
+            self.len = max_size;
+            self.idx = max_size;
+        }
+        if self.idx == max_size {
+            self.idx = keep;
+        }
+        let slot = self.idx;
+        self.offset += 1;
+        self.idx += 1;
+        Placement { grow, trim, slot }
+    }
+
+    /// The mask of a one-token query at this position (make_mask(1, window)).
+    fn mask(&self, max_size: usize, window: Option<usize>) -> Result<Mask> {
+        let Some(window) = window else {
+            return Ok(Mask::None);
+        };
+        if self.offset >= window && max_size > window {
+            let idx = if self.idx >= max_size { 0 } else { self.idx };
+            let mask_size = if self.offset < max_size {
+                self.offset + 1
+            } else {
+                max_size
+            };
+            let positions = Array::arange(0.0, mask_size as f64, 1.0, Dtype::Int32)?;
+            let mask = positions.greater_equal(&Array::from_i32((mask_size - window) as i32))?;
+            return Ok(Mask::Array(roll(&mask, idx + 1)?));
+        }
+        Ok(Mask::None)
+    }
 }
 
 impl RotatingKvCache {
@@ -31,7 +117,15 @@ impl RotatingKvCache {
             max_size,
             keep,
             idx: 0,
-            round_start: None,
+            round: None,
+        }
+    }
+
+    fn cursor(&self) -> Cursor {
+        Cursor {
+            offset: self.offset,
+            idx: self.idx,
+            len: self.len(),
         }
     }
 
@@ -68,6 +162,9 @@ impl RotatingKvCache {
     }
 
     fn update_concat(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        if let Some(round) = &mut self.round {
+            round.before = None;
+        }
         let kv = match self.kv.take() {
             Some((k, v)) => {
                 let k = self.temporal_order(&k)?;
@@ -88,36 +185,36 @@ impl RotatingKvCache {
     }
 
     fn update_in_place(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        let s = keys.dim(2) as usize;
-        let prev = self.offset;
-        if self.kv.is_none() || (prev >= self.len() && self.len() < self.max_size) {
-            let new_size = (STEP as usize).min(self.max_size - prev) as i32;
-            let (new_k, new_v) = zeros_like_steps(keys, values, new_size)?;
-            self.kv = Some(match self.kv.take() {
-                Some((k, v)) => (
+        if let Some(before) = self.round.as_mut().and_then(|r| r.before.as_mut()) {
+            before.push(Ring {
+                kv: self.kv.clone(),
+                offset: self.offset,
+                idx: self.idx,
+            });
+        }
+        let mut cursor = self.cursor();
+        let place = cursor.advance(self.max_size, self.keep);
+        let (mut k, mut v) = match self.kv.take() {
+            Some((k, v)) if place.grow > 0 => {
+                let (new_k, new_v) = zeros_like_steps(keys, values, place.grow as i32)?;
+                (
                     ops::concatenate(&[&k, &new_k], 2)?,
                     ops::concatenate(&[&v, &new_v], 2)?,
-                ),
-                None => (new_k, new_v),
-            });
-            self.idx = prev;
-        }
-        let (mut k, mut v) = self.kv.take().expect("allocated above");
-        let trim_size = k.dim(2) - self.max_size as i32;
-        if trim_size > 0 {
-            k = self.trim_buffer(trim_size, &k, None)?;
-            v = self.trim_buffer(trim_size, &v, None)?;
-            self.idx = self.max_size;
-        }
-        if self.idx == self.max_size {
-            self.idx = self.keep;
+                )
+            }
+            Some(kv) => kv,
+            None => zeros_like_steps(keys, values, place.grow as i32)?,
+        };
+        if place.trim > 0 {
+            k = self.trim_buffer(place.trim as i32, &k, None)?;
+            v = self.trim_buffer(place.trim as i32, &v, None)?;
         }
         let (k, v) = (
-            write_seq(&k, keys, self.idx as i32)?,
-            write_seq(&v, values, self.idx as i32)?,
+            write_seq(&k, keys, place.slot as i32)?,
+            write_seq(&v, values, place.slot as i32)?,
         );
-        self.offset += s;
-        self.idx += s;
+        self.offset = cursor.offset;
+        self.idx = cursor.idx;
         let fetched = if (self.offset as i32) < k.dim(2) {
             let n = self.offset as i32;
             (seq(&k, 0, n)?, seq(&v, 0, n)?)
@@ -136,6 +233,31 @@ impl RotatingKvCache {
         }
     }
 
+    /// Appends `keys` and `values` (B, H, S, D) one token at a time, as S one-token steps would,
+    /// returning the keys and values each step reads (in the ring's slot order).
+    pub fn update_each_token(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<Vec<(Array, Array)>> {
+        (0..keys.dim(2))
+            .map(|t| self.update_in_place(&seq(keys, t, t + 1)?, &seq(values, t, t + 1)?))
+            .collect()
+    }
+
+    /// The masks of `n` one-token steps from here, one for each token
+    /// [`RotatingKvCache::update_each_token`] writes.
+    pub fn step_masks(&self, n: usize, window: Option<usize>) -> Result<Vec<Mask>> {
+        let mut cursor = self.cursor();
+        (0..n)
+            .map(|_| {
+                let mask = cursor.mask(self.max_size, window);
+                cursor.advance(self.max_size, self.keep);
+                mask
+            })
+            .collect()
+    }
+
     pub fn make_mask(&self, n: usize, window: Option<usize>) -> Result<Mask> {
         if n > 1 {
             let window = window.unwrap_or(self.max_size);
@@ -146,25 +268,7 @@ impl RotatingKvCache {
                 Ok(Mask::Causal)
             };
         }
-        let Some(window) = window else {
-            return Ok(Mask::None);
-        };
-        if self.offset >= window && self.max_size > window {
-            let idx = if self.idx >= self.max_size {
-                0
-            } else {
-                self.idx
-            };
-            let mask_size = if self.offset < self.max_size {
-                self.offset + 1
-            } else {
-                self.max_size
-            };
-            let positions = Array::arange(0.0, mask_size as f64, 1.0, Dtype::Int32)?;
-            let mask = positions.greater_equal(&Array::from_i32((mask_size - window) as i32))?;
-            return Ok(Mask::Array(roll(&mask, idx + 1)?));
-        }
-        Ok(Mask::None)
+        self.cursor().mask(self.max_size, window)
     }
 
     /// Keys and values in temporal order, as a multi-token update would see them.
@@ -190,6 +294,38 @@ impl RotatingKvCache {
         self.offset -= n;
         self.idx = self.idx.saturating_sub(n);
         n
+    }
+
+    /// Opens a round at the current offset.
+    pub(crate) fn begin_round(&mut self) {
+        self.round = Some(Round {
+            start: self.offset,
+            before: Some(Vec::new()),
+        });
+    }
+
+    /// Closes the round keeping all but its last `reject` tokens: restores the ring its kept
+    /// tokens left when every token of the round was written alone, else trims (exact only
+    /// while the ring has not wrapped, and refused after).
+    pub(crate) fn end_round(&mut self, reject: usize) -> Result<usize> {
+        let round = self.round.take();
+        let written = round_written(round.as_ref().map(|r| r.start), self.offset, reject)?;
+        if reject == 0 {
+            return Ok(0);
+        }
+        match round.and_then(|r| r.before) {
+            Some(before) if before.len() == written => {
+                let ring = before[written - reject].clone();
+                (self.kv, self.offset, self.idx) = (ring.kv, ring.offset, ring.idx);
+                Ok(reject)
+            }
+            _ if self.offset > self.max_size => Err(contract(format!(
+                "the rotating cache wrapped during a round written several tokens at a time \
+                 ({} tokens in a window of {}); its evicted entries cannot be restored",
+                self.offset, self.max_size
+            ))),
+            _ => Ok(self.trim(reject)),
+        }
     }
 }
 

@@ -263,7 +263,7 @@ impl DflashModel {
             &keys,
             &values,
             self.scale,
-            mask.as_sdpa(),
+            mask.as_sdpa()?,
             None,
         )?;
         Ok(p.o_proj.forward(&t(out)?.reshape(&[b, l, -1])?)?)

@@ -129,7 +129,7 @@ impl Attention {
                     let offset = cache.offset();
                     let k = self.rope.forward(&ks[r], offset)?;
                     let q = self.rope.forward(&qs[r], offset)?;
-                    let kv = cache.update_and_fetch(&k, &vs[r])?;
+                    let kv = rows::update_row(cache, &k, &vs[r])?;
                     let plain = matches!(**cache, LayerCache::Kv(_));
                     outs.push(attend_row(&q, &kv, 1.0, &masks[r], plain)?);
                     kvs.push(RowKv { kv, offset, plain });

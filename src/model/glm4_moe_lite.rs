@@ -25,6 +25,7 @@ use super::lone_rows;
 use super::rows::{self, LayerRows};
 use super::{Forward, LanguageModel};
 use crate::cache::{create_causal_mask, KeysValues, LayerCache, Mask};
+use crate::error::contract;
 use crate::load::{Config, LoadError, LoadResult, QuantConfig, Weights};
 use crate::Result;
 
@@ -146,6 +147,9 @@ impl Mla {
                      fails there too)"
                         .into(),
                 ))
+            }
+            KeysValues::Steps(_) => {
+                return Err(contract("glm4_moe_lite's caches are plain KV caches"))
             }
         };
         let mut pe_scores = q_pe
@@ -457,5 +461,6 @@ fn as_array(mask: Mask, n: usize, offset: usize) -> Result<Option<Array>> {
         Mask::None => None,
         Mask::Causal => Some(create_causal_mask(n, offset, None)?),
         Mask::Array(m) => Some(m),
+        Mask::Steps(_) => return Err(contract("glm4_moe_lite's caches are plain KV caches")),
     })
 }

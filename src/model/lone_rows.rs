@@ -74,11 +74,19 @@ pub fn on_any_device<T>(f: impl FnOnce() -> T) -> T {
     out
 }
 
+/// Whether a decode forward started here ([`decode_rows`]) gives each of its tokens its
+/// one-token step's bits: the lone-row kernels are on and this is not an oracle's replay. A
+/// speculative round asks before its forward whether its caches could take it back, which for
+/// a rotating cache past its window depends on this (`crate::cache::rollback_plan`).
+pub fn exact_decode() -> bool {
+    enabled() && !AS_ORACLE.get()
+}
+
 /// Runs `forward`, a decode forward over several rows, with the lone-row kernels when they are
 /// enabled and the default device is a GPU.
 pub fn decode_rows<T>(forward: impl FnOnce() -> T) -> T {
     let gpu = mlx::default_device() == mlx::Device::Gpu;
-    let exact = enabled() && !AS_ORACLE.get();
+    let exact = exact_decode();
     let on = exact && (gpu || ON_ANY_DEVICE.get());
     let outer = (ACTIVE.replace(on), AS_ONE_TOKEN_STEPS.replace(exact));
     let out = forward();
@@ -90,8 +98,9 @@ pub fn decode_rows<T>(forward: impl FnOnce() -> T) -> T {
 /// Whether the forward in progress is a decode forward (a verify, a batch step) whose every
 /// token must get its one-token step's bits, on any device. A family whose one-token step is
 /// another computation than a multi-token forward (MLA's absorbed attention, glm4_moe_lite)
-/// then runs each token of a row as that step, so that speculation never changes its output;
-/// golden replay runs what mlx-lm runs ([`oracle_kernels`]).
+/// then runs each token of a row as that step, and a rotating cache takes a row's tokens one
+/// at a time as its one-token steps do, so that speculation never changes the output; golden
+/// replay runs what mlx-lm runs ([`oracle_kernels`]).
 pub fn as_one_token_steps() -> bool {
     AS_ONE_TOKEN_STEPS.get()
 }

@@ -71,6 +71,11 @@ pub fn attend_in_row_blocks(
                 Some(m.slice_axis(-2, start, stop)?)
             }
             Mask::Array(m) => Some(m.clone()),
+            Mask::Steps(_) => {
+                return Err(mlx::Error::Invalid(
+                    "one-token steps' masks given to a chunk's attention".into(),
+                ))
+            }
         };
         let sdpa_mask = match &part_mask {
             Some(m) => fast::SdpaMask::Array(m),

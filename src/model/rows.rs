@@ -12,8 +12,9 @@
 
 use mlx::{ops, Array};
 
-use crate::cache::{LayerCache, Mask};
+use crate::cache::{KeysValues, LayerCache, Mask};
 use crate::error::contract;
+use crate::model::lone_rows;
 use crate::Result;
 
 /// One layer's view of the rows: each row's cache for the layer and its token count.
@@ -109,7 +110,8 @@ pub(crate) fn check(
 }
 
 /// Every row's mask for its new tokens, from its cache of layer `layer` (mlx-lm builds one mask
-/// per kind of layer from the first layer of that kind).
+/// per kind of layer from the first layer of that kind); each token's own where a rotating
+/// cache takes them one at a time ([`update_row`]).
 pub fn masks(
     rows: &[&mut [LayerCache]],
     lens: &[usize],
@@ -118,6 +120,25 @@ pub fn masks(
 ) -> Result<Vec<Mask>> {
     rows.iter()
         .zip(lens)
-        .map(|(r, &n)| r[layer].make_mask(n, window))
+        .map(|(r, &n)| match &r[layer] {
+            LayerCache::Rotating(c) if n > 1 && lone_rows::as_one_token_steps() => {
+                Ok(Mask::Steps(c.step_masks(n, window)?))
+            }
+            cache => cache.make_mask(n, window),
+        })
         .collect()
+}
+
+/// A row's cache update for its new keys and values (B, H, S, D): in a decode forward whose
+/// tokens must each get their one-token step's bits ([`lone_rows::as_one_token_steps`]), a
+/// rotating cache takes them one at a time, as its one-token steps would, and returns what each
+/// step reads; so a verify past a sliding window attends each key in the slot order plain
+/// decoding sees it, and the round can be taken back exactly.
+pub fn update_row(cache: &mut LayerCache, keys: &Array, values: &Array) -> Result<KeysValues> {
+    match cache {
+        LayerCache::Rotating(c) if keys.dim(2) > 1 && lone_rows::as_one_token_steps() => {
+            Ok(KeysValues::Steps(c.update_each_token(keys, values)?))
+        }
+        cache => cache.update_and_fetch(keys, values),
+    }
 }

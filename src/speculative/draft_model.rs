@@ -74,7 +74,12 @@ pub trait SteppedDraft {
 impl SteppedDraft for DraftModel<'_> {
     fn open_round(&mut self, n: usize) -> Option<Vec<u32>> {
         let fed = self.pending.len() + n.saturating_sub(1);
-        if n == 0 || matches!(rollback_plan(&self.caches, fed), Rollback::Refuse(_)) {
+        if n == 0
+            || matches!(
+                rollback_plan(&self.caches, fed, lone_rows::exact_decode()),
+                Rollback::Refuse(_)
+            )
+        {
             return None;
         }
         begin_round(&mut self.caches);

@@ -248,7 +248,10 @@ impl Speculator {
     pub(crate) fn draft_request(&mut self) -> Option<(usize, DraftContext<'_>)> {
         let seeding = self.seeding.is_some();
         let want = self.draft_budget();
-        let refused = matches!(rollback_plan(&self.caches, want + 1), Rollback::Refuse(_));
+        let refused = matches!(
+            rollback_plan(&self.caches, want + 1, lone_rows::exact_decode()),
+            Rollback::Refuse(_)
+        );
         if refused && !seeding {
             self.stats.refused_rounds += 1;
         }

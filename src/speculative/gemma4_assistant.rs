@@ -21,9 +21,12 @@
 //!   (`Sampler::draw_with_key`). Other sampling (greedy, mlx-lm's key sequence) drafts as the
 //!   target would sample (`DraftContext::sample`).
 //!
-//! Past a sliding window the target's rotating caches refuse every round (the rollback
-//! contract), so the drafter only ever sees windows that hold all their keys; mlx-vlm swaps in
-//! a BufferedRotatingKVCache there and goes on drafting, a case verity does not reproduce.
+//! Past a sliding window the drafter reads the window's last `max_size` keys, which the target's
+//! rotating caches hold in time order only until they wrap (`LayerCache::visible` orders them),
+//! and its rounds are taken back exactly where the target writes a verify one token at a time
+//! (crate::cache::RotatingKvCache). mlx-vlm swaps in a BufferedRotatingKVCache there, whose
+//! mask lets the drafter see 15 of a window's 16 keys (docs/fixture-pitfalls.md): past a
+//! window its drafts are not verity's, and only speculation ≡ plain is checked there.
 
 use mlx::random::KeySequence;
 use mlx::{Array, Dtype};
@@ -93,11 +96,12 @@ impl<'m> AssistantDrafter<'m> {
         }
     }
 
-    /// Each drafter layer's keys and values, as the target's caches hold them, and the
-    /// position of the target's last cached token; None when a window has wrapped.
-    fn shared(&self, target: &[LayerCache]) -> Result<Option<Shared>> {
+    /// Each drafter layer's keys and values, as the target's caches hold them (a sliding
+    /// window's last `max_size`: what a query at the last cached token's position sees), and
+    /// that position.
+    fn shared(&self, target: &[LayerCache]) -> Result<Shared> {
         let mut kv = Vec::with_capacity(self.caches.len());
-        let mut offset = None;
+        let mut offset = 0;
         for &i in &self.caches {
             let cache = target.get(i).ok_or_else(|| {
                 contract(format!(
@@ -105,22 +109,26 @@ impl<'m> AssistantDrafter<'m> {
                     target.len()
                 ))
             })?;
-            match cache {
-                LayerCache::Rotating(c) if c.offset > c.max_size => return Ok(None),
-                LayerCache::Kv(_) | LayerCache::Rotating(_) => {}
+            let window = match cache {
+                LayerCache::Rotating(c) => Some(c.max_size as i32),
+                LayerCache::Kv(_) => None,
                 _ => {
                     return Err(Error::Unsupported(
                         "the Gemma 4 assistant drafter over a quantized KV cache".into(),
                     ))
                 }
-            }
-            let visible = cache.visible()?.ok_or_else(|| {
+            };
+            let (keys, values) = cache.visible()?.ok_or_else(|| {
                 contract("the assistant drafter drafts before the target holds any token")
             })?;
-            offset = Some(cache.offset());
-            kv.push(visible);
+            let last = |a: &Array| match window {
+                Some(w) if a.dim(2) > w => a.slice_axis(2, a.dim(2) - w, a.dim(2)),
+                _ => Ok(a.clone()),
+            };
+            kv.push((last(&keys)?, last(&values)?));
+            offset = cache.offset();
         }
-        Ok(offset.map(|o| (kv, o.saturating_sub(1))))
+        Ok((kv, offset.saturating_sub(1)))
     }
 }
 
@@ -150,9 +158,7 @@ impl DraftSource for AssistantDrafter<'_> {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let Some((kv, position)) = self.shared(ctx.target)? else {
-            return Ok(Vec::new());
-        };
+        let (kv, position) = self.shared(ctx.target)?;
         let mut state = ctx
             .anchor
             .first()

@@ -26,6 +26,7 @@ use mlx::{Array, Dtype};
 use super::{DraftContext, DraftSource, PrefillMode, Verified};
 use crate::cache::{begin_round, end_round, rollback_plan, LayerCache, Rollback};
 use crate::generate::token_array;
+use crate::model::lone_rows;
 use crate::model::mtp::MtpHead;
 use crate::model::LanguageModel;
 use crate::{validate, Error, Result};
@@ -107,7 +108,12 @@ impl DraftSource for MtpDrafter<'_> {
     }
 
     fn draft(&mut self, n: usize, ctx: &mut DraftContext<'_>) -> Result<Vec<u32>> {
-        if n == 0 || matches!(rollback_plan(&self.caches, n), Rollback::Refuse(_)) {
+        if n == 0
+            || matches!(
+                rollback_plan(&self.caches, n, lone_rows::exact_decode()),
+                Rollback::Refuse(_)
+            )
+        {
             return Ok(Vec::new());
         }
         begin_round(&mut self.caches);

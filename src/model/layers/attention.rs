@@ -6,7 +6,7 @@ use mlx::{fast, ops, Array, Dtype, Result};
 use super::{Dims, Linear, QkNorm, Rope};
 use crate::cache::{KeysValues, LayerCache, Mask, Packed3};
 use crate::load::{LoadResult, QuantConfig, Weights};
-use crate::model::rows::LayerRows;
+use crate::model::rows::{self, LayerRows};
 use crate::model::{lone_rows, row_blocks};
 
 /// The q, k, v and o projections of an attention block.
@@ -130,7 +130,7 @@ pub fn attend_rows(
         let offset = cache.offset();
         let q = rope.forward(&q[r], offset)?;
         let k = rope.forward(&k[r], offset)?;
-        let kv = cache.update_and_fetch(&k, &v[r])?;
+        let kv = rows::update_row(cache, &k, &v[r])?;
         let plain = matches!(**cache, LayerCache::Kv(_));
         outs.push(attend_row(&q, &kv, scale, &masks[r], plain)?);
     }
@@ -178,17 +178,19 @@ fn attend_each_query(q: &Array, keys: &Array, values: &Array, scale: f32) -> Res
 
 /// mlx-lm's scaled_dot_product_attention: the fused kernel for dense caches (a long chunk's
 /// rows in blocks on a reference-BLAS CPU, same bits: [`row_blocks`]), the
-/// quantized-matmul formulation for quantized ones. A backend without a quantized-matmul kernel
-/// for the cache's shape (mlx-cuda for the fixtures' group size 32) fails naming the cache's
-/// settings.
+/// quantized-matmul formulation for quantized ones, and for one-token steps' keys
+/// ([`KeysValues::Steps`]) each query as its step attends. A backend without a quantized-matmul
+/// kernel for the cache's shape (mlx-cuda for the fixtures' group size 32) fails naming the
+/// cache's settings.
 pub fn attend(q: &Array, kv: &KeysValues, scale: f32, mask: &Mask) -> crate::Result<Array> {
     match kv {
         KeysValues::Dense { keys, values } => Ok(match row_blocks::rows_per_block(q) {
             Some(block) => row_blocks::attend_in_row_blocks(q, keys, values, scale, mask, block)?,
             None => {
-                fast::scaled_dot_product_attention(q, keys, values, scale, mask.as_sdpa(), None)?
+                fast::scaled_dot_product_attention(q, keys, values, scale, mask.as_sdpa()?, None)?
             }
         }),
+        KeysValues::Steps(steps) => attend_steps(q, steps, scale, mask),
         KeysValues::Quantized {
             keys,
             values,
@@ -201,6 +203,43 @@ pub fn attend(q: &Array, kv: &KeysValues, scale: f32, mask: &Mask) -> crate::Res
             ))
         }),
     }
+}
+
+/// Query t of `q` (1, heads, T, head_dim) over what one-token step t read, with that step's
+/// mask: T calls, each the one its step makes.
+fn attend_steps(
+    q: &Array,
+    steps: &[(Array, Array)],
+    scale: f32,
+    mask: &Mask,
+) -> crate::Result<Array> {
+    let masks = match mask {
+        Mask::Steps(masks) if masks.len() == steps.len() && q.dim(2) == steps.len() as i32 => masks,
+        _ => {
+            return Err(crate::error::contract(format!(
+                "{} queries over the keys of {} one-token steps without a mask for each",
+                q.dim(2),
+                steps.len()
+            )))
+        }
+    };
+    let outs = steps
+        .iter()
+        .zip(masks)
+        .enumerate()
+        .map(|(t, ((keys, values), mask))| {
+            let t = t as i32;
+            fast::scaled_dot_product_attention(
+                &q.slice_axis(2, t, t + 1)?,
+                keys,
+                values,
+                scale,
+                mask.as_sdpa()?,
+                None,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ops::concatenate(&outs.iter().collect::<Vec<_>>(), 2)?)
 }
 
 /// models/base.py quantized_scaled_dot_product_attention, op for op.
@@ -257,6 +296,11 @@ fn quantized_attention(
             )
         }
         Mask::Array(m) => Some(m.clone()),
+        Mask::Steps(_) => {
+            return Err(mlx::Error::Invalid(
+                "one-token steps' masks given to a quantized KV cache's attention".into(),
+            ))
+        }
     };
     if let Some(mut m) = mask {
         if n_repeats > 1 && m.ndim() > 3 {
