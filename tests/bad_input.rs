@@ -154,6 +154,40 @@ fn without_tensor(name: &'static str, tensor: &'static str) -> Setup {
     })
 }
 
+/// A copy of fixture `name` at `<scratch>/m` with every float32 tensor stored as bfloat16 (each
+/// value's upper 16 bits), as a bfloat16 conversion of the model would hold it.
+fn as_bfloat16(name: &'static str) -> Setup {
+    Box::new(move |s| {
+        let path = copy_model(s, name).join("model.safetensors");
+        let (mut header, data) = read_safetensors(&path);
+        let keys: Vec<String> = header
+            .keys()
+            .filter(|k| *k != "__metadata__")
+            .cloned()
+            .collect();
+        let mut packed = Vec::new();
+        for key in keys {
+            let entry = &mut header[&key];
+            let offsets = &entry["data_offsets"];
+            let (start, end) = (
+                offsets[0].as_u64().unwrap() as usize,
+                offsets[1].as_u64().unwrap() as usize,
+            );
+            let at = packed.len();
+            if entry["dtype"] == "F32" {
+                for value in data[start..end].chunks(4) {
+                    packed.extend_from_slice(&value[2..]);
+                }
+                entry["dtype"] = json!("BF16");
+            } else {
+                packed.extend_from_slice(&data[start..end]);
+            }
+            entry["data_offsets"] = json!([at, packed.len()]);
+        }
+        write_safetensors(&path, &header, &packed);
+    })
+}
+
 /// A copy of qwen3 at `<scratch>/m` whose (f32) tensor `tensor` starts with the value `bits`.
 fn poisoned_tensor(tensor: &'static str, bits: u32) -> Setup {
     Box::new(move |s| {
@@ -987,6 +1021,15 @@ fn model_folder_cases() -> Vec<Case> {
             "moe-dense-layer-past-the-layers",
             &["mlp_only_layers lists layer 3", "layers 0 to 2"],
             config_value("qwen3_moe", "mlp_only_layers", json!([1, 3])),
+        ),
+        folder(
+            "moe-bfloat16-experts-on-the-cpu",
+            &[
+                "model.layers.0.mlp.switch_mlp.gate_proj.weight",
+                "Bfloat16",
+                "float32 on the CPU",
+            ],
+            as_bfloat16("qwen3_moe"),
         ),
         folder(
             "moe-missing-expert-tensor",

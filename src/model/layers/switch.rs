@@ -2,11 +2,11 @@
 //! multiplied by the matrices of the experts it picked, through `gather_mm` or `gather_qmm`) and
 //! SwitchGLU over three of them, with the sort by expert that mlx-lm does for many tokens.
 
-use mlx::{ops, Array, Result};
+use mlx::{ops, Array, Dtype, Result};
 
 use super::multi_linear::Stacked;
 use super::Activation;
-use crate::load::{LoadResult, QuantConfig, Weights};
+use crate::load::{LoadError, LoadResult, QuantConfig, Weights};
 
 /// SwitchGLU sorts the (token, expert) pairs by expert once there are this many
 /// (`indices.size >= 64`); fewer are gathered in token order.
@@ -29,6 +29,19 @@ impl SwitchLinear {
         out_dims: i32,
     ) -> LoadResult<SwitchLinear> {
         let weights = Stacked::load(w, q, path, (experts, out_dims, in_dims))?;
+        if let Stacked::Dense(weight) = &weights {
+            // MLX's CPU gather_mm computes float32 only; anything else fails at the first
+            // forward, deep in a generation, with MLX's bare "Currently only supports float32".
+            if mlx::default_device() == mlx::Device::Cpu && weight.dtype() != Dtype::Float32 {
+                return Err(LoadError::TensorDtype {
+                    folder: w.folder().to_path_buf(),
+                    key: format!("{path}.weight"),
+                    dtype: format!("{:?}", weight.dtype()),
+                    allowed: "float32 on the CPU, whose gather_mm computes float32 only (run \
+                              on a GPU, or convert or quantize the model)",
+                });
+            }
+        }
         Ok(SwitchLinear { weights })
     }
 
