@@ -481,7 +481,9 @@ fn qwen3_5_speculative_batch_rows_equal_their_lone_requests() {
     );
 }
 
-/// Sliding-window caches under speculation (rounds the window cannot take back are refused).
+/// Sliding-window caches under speculation: prompts of up to 24 tokens pass the window of 16,
+/// where a row's verify writes its rotating caches a token at a time and a rejected tail is
+/// restored.
 #[test]
 fn gemma3_speculative_batch_rows_equal_their_lone_requests() {
     check_speculative_fixture(
