@@ -10,8 +10,8 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use support::proptest_cases;
 use verity::cache::{
-    rollback_plan, KvCache, LayerCache, QuantizedKvCache, Recurrence, RecurrentCache, Rollback,
-    RotatingKvCache,
+    rollback_plan, KvCache, LayerCache, Mask, QuantizedKvCache, Recurrence, RecurrentCache,
+    Rollback, RotatingKvCache,
 };
 use verity_harness::cache_model::{ops, rotating_kind, Kind, Op, Plan, RefCache};
 
@@ -321,6 +321,50 @@ fn a_round_past_the_window_written_one_at_a_time_is_taken_back_exactly() {
         ],
     )
     .unwrap();
+}
+
+/// The masks a round written one token at a time attends with (`step_masks`, worked out before
+/// the round) are those each one-token step makes (`make_mask(1, window)` just before its
+/// update): windows narrower than the ring included, whose masks are arrays.
+#[test]
+fn step_masks_are_the_masks_one_token_steps_make() {
+    support::on_cpu();
+    let mask_bits = |m: &Mask| match m {
+        Mask::None => None,
+        Mask::Array(a) => Some(a.astype(Dtype::Int32).unwrap().to_vec::<i32>().unwrap()),
+        _ => panic!("a one-token step's mask is none or an array"),
+    };
+    let mut arrays = 0;
+    for (max_size, keep, window) in [
+        (8, 0, Some(5)),
+        (6, 2, Some(4)),
+        (8, 4, None),
+        (5, 0, Some(5)),
+    ] {
+        for prompt in 1..12 {
+            let mut cache = RotatingKvCache::new(max_size, keep);
+            let ids: Vec<u32> = (0..prompt).collect();
+            let (keys, values) = rows(&ids);
+            cache.update_and_fetch(&keys, &values).unwrap();
+            let planned = cache.step_masks(7, window).unwrap();
+            for (t, planned) in planned.iter().enumerate() {
+                let made = cache.make_mask(1, window).unwrap();
+                assert_eq!(
+                    mask_bits(planned),
+                    mask_bits(&made),
+                    "ring {max_size} keeping {keep}, window {window:?}, {prompt} prompt tokens, \
+                     step {t}"
+                );
+                arrays += usize::from(matches!(made, Mask::Array(_)));
+                let (k, v) = rows(&[prompt + t as u32]);
+                cache.update_and_fetch(&k, &v).unwrap();
+            }
+        }
+    }
+    assert!(
+        arrays > 0,
+        "no step had an array mask; the test compared nothing but None"
+    );
 }
 
 #[test]
