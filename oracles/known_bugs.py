@@ -74,6 +74,39 @@ def batch_rotating_cache_drops_keep():
     return batched != alone
 
 
+def vlm_batch_hybrid_rows():
+    """mlx-vlm's BatchGenerator on the hybrid qwen3_5-trained, greedy, three prompts of
+    different lengths: a left-padded row's tokens differ from the same prompt alone."""
+    from mlx_vlm import load as vlm_load
+    from mlx_vlm.generate import stream_generate as vlm_stream_generate
+    from mlx_vlm.generate.ar import BatchGenerator as VlmBatchGenerator
+    from mlx_vlm.generate.ar import _split_prompt_kwargs_per_row
+    from mlx_vlm.utils import prepare_inputs
+
+    model, processor = vlm_load(str(MODELS / "qwen3_5-trained"))
+    prompts = ["def fibonacci(n):", "The capital of France is a city that", CODE]
+    inputs = prepare_inputs(processor, prompts=prompts, add_special_tokens=True)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    embedded = model.get_input_embeddings(ids, None, mask=mask)
+    kwargs = _split_prompt_kwargs_per_row(
+        {k: v for k, v in embedded.to_dict().items() if v is not None}, len(prompts))
+    gen = VlmBatchGenerator(model.language_model, processor, prefill_batch_size=3,
+                            completion_batch_size=3, compute_logprobs=False)
+    uids = gen.insert(ids, [24] * 3, prompt_kwargs=kwargs, attention_mask=mask)
+    batched = {uid: [] for uid in uids}
+    while gen.has_work:
+        for r in gen.next()[1]:
+            batched[r.uid].append(int(r.token))
+    gen.close()
+    for i, uid in enumerate(uids):
+        prompt = [t for t, m in zip(ids[i].tolist(), mask[i].tolist()) if m]
+        alone = [r.token for r in vlm_stream_generate(model, processor, "", input_ids=mx.array([prompt]),
+                                                      max_tokens=24, temperature=0.0)][:-1]
+        if batched[uid][:len(alone)] != alone:
+            return True
+    return False
+
+
 class Server:
     """mlx_lm.server on a free 127.0.0.1 port, stopped on exit."""
 

@@ -1,8 +1,9 @@
 """Records mlx-vlm's batched MTP rounds: its BatchGenerator with a draft model
 (mlx_vlm/generate/ar.py, SpeculativeGenerationBatch over _mtp_rounds_batch,
-mlx_vlm/speculative/mtp.py:871) on gemma4-vlm with the trained Gemma 4 assistant, greedy, the
+mlx_vlm/speculative/mtp.py:871), greedy, the
 prompts of golden/MANIFEST.toml's [[vlm_batch]] tables decoded together (left-padded, as
-mlx-vlm's batch_generate pads them), each row with its own max_tokens.
+mlx-vlm's batch_generate pads them), each row with its own max_tokens; a group whose drafter is
+its model drafts with the target's own MTP head (load_drafter splits it off).
 
 mlx-vlm reports no logprobs for a speculative batch's rows, so these are not traces: a file
 holds each row's prompt tokens as mlx-vlm prefilled them (its left padding removed) and the
@@ -70,7 +71,8 @@ def record(group):
         "oracle": {"tool": "mlx-vlm", "tool_version": mlx_vlm.__version__,
                    "mlx_version": mx.__version__, "device": "cpu"},
         "model": group["model"],
-        "drafter": group["drafter"],
+        # None: the target's own MTP head (the group names the target itself).
+        "drafter": None if group["drafter"] == group["model"] else group["drafter"],
         "block_size": group["block_size"],
         "rows": rows,
     })
