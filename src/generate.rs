@@ -86,11 +86,15 @@ fn group_ends(tokens: usize, layers: usize) -> Vec<usize> {
 /// faster than the device computes: enqueued in one go, every layer's are held at once (on the
 /// H200, a 1024-token chunk of the 0.6B shape peaked at 1.22 GB against 0.45 GB of weights and
 /// cache). The same kernels run in the same order, so no bit changes.
-fn enqueue_by_groups(ends: &[Array]) -> mlx::Result<()> {
-    for (i, end) in ends.iter().enumerate() {
-        mlx::async_eval([end])?;
-        if let Some(before) = i.checked_sub(1).map(|j| &ends[j]) {
-            mlx::eval([before])?;
+///
+/// Each end is dropped once it has been waited for: a handle kept would hold its hidden state
+/// (tokens x hidden) allocated after the next layers consumed it.
+fn enqueue_by_groups(ends: Vec<Array>) -> mlx::Result<()> {
+    let mut before: Option<Array> = None;
+    for end in ends {
+        mlx::async_eval([&end])?;
+        if let Some(before) = before.replace(end) {
+            mlx::eval([&before])?;
         }
     }
     Ok(())
@@ -135,13 +139,16 @@ pub fn prefill_tapped(
         let groups = group_ends(n as usize, model.num_layers());
         let wanted: Vec<usize> = taps.iter().chain(&groups).copied().collect();
         let kv = params.kv_quantization.as_ref();
-        let mut out = forward_tapped(model, caches, &chunk, kv, &wanted)?;
-        enqueue_by_groups(&out.hidden.split_off(taps.len()))?;
+        // The chunk's logits are never read, and their pending graph would hold the last
+        // layer's input (tokens x hidden) through the evaluation: dropped first, as mlx-lm
+        // drops the output of a prefill chunk's model call.
+        let Forward { mut hidden, .. } = forward_tapped(model, caches, &chunk, kv, &wanted)?;
+        enqueue_by_groups(hidden.split_off(taps.len()))?;
         eval_state(caches)?;
-        if !out.hidden.is_empty() {
-            mlx::eval(&out.hidden)?;
+        if !hidden.is_empty() {
+            mlx::eval(&hidden)?;
         }
-        for (kept, h) in chunks.iter_mut().zip(out.hidden) {
+        for (kept, h) in chunks.iter_mut().zip(hidden) {
             kept.push(h);
         }
         on_chunk(&chunk)?;
