@@ -2,7 +2,8 @@
 //! (and, for the trained weights, oracles/train.sh) produced: golden/models/SHA256SUMS lists
 //! every file with its hash, and no file is missing, changed or unlisted. The weights of a
 //! derived folder (one with a derivation.json) are not shipped: its SHA256SUMS line is what
-//! verity's materialised copy must hash to.
+//! verity's materialised copy must hash to. golden/ as a whole stays small, and what it says
+//! of verity (the tests a known oracle bug names) resolves.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -289,4 +290,32 @@ fn a_missing_derivation_json_leaves_a_folder_without_weights() {
         "{message}"
     );
     fs::remove_dir_all(&scratch).unwrap();
+}
+
+/// Every known oracle bug names the tests that show verity's behaviour (`verity = "tests/F.rs
+/// NAME ...; ..."`): each must be a test function in that file, so renaming a test cannot leave
+/// an entry pointing at nothing.
+#[test]
+fn known_oracle_bugs_name_tests_that_exist() {
+    let text = fs::read_to_string(golden().join("known-oracle-bugs.toml")).unwrap();
+    let bugs: toml::Value = toml::from_str(&text).unwrap();
+    let mut named = 0;
+    for bug in bugs["bug"].as_array().unwrap() {
+        let id = bug["id"].as_str().unwrap();
+        let verity = bug["verity"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{id}: no verity test named"));
+        for reference in verity.split(';') {
+            let mut words = reference.split_whitespace();
+            let (file, test) = (words.next().unwrap(), words.next().unwrap());
+            let source = fs::read_to_string(support::root().join(file))
+                .unwrap_or_else(|e| panic!("{id}: {file}: {e}"));
+            assert!(
+                source.contains(&format!("fn {test}(")),
+                "{id}: {file} has no test {test}"
+            );
+            named += 1;
+        }
+    }
+    assert!(named > 0, "no known oracle bug names a test");
 }
