@@ -160,15 +160,39 @@ pub fn attend_row(
 /// that position, so its kernel and bits ([`lone_rows`]).
 fn attend_each_query(q: &Array, keys: &Array, values: &Array, scale: f32) -> Result<Array> {
     let (l, key_len) = (q.dim(2), keys.dim(2));
-    let outs = (0..l)
+    let steps = (0..l)
         .map(|i| {
             let extent = key_len - (l - 1 - i);
+            Ok((
+                keys.slice_axis(2, 0, extent)?,
+                values.slice_axis(2, 0, extent)?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let masks: Vec<Mask> = (0..l).map(|_| Mask::None).collect();
+    query_by_query(q, &steps, &masks, scale)
+}
+
+/// Query t of `q` (1, heads, T, head_dim) over `steps[t]`'s keys and values with `masks[t]`,
+/// one attention call each, joined on the query axis.
+fn query_by_query(
+    q: &Array,
+    steps: &[(Array, Array)],
+    masks: &[Mask],
+    scale: f32,
+) -> Result<Array> {
+    let outs = steps
+        .iter()
+        .zip(masks)
+        .enumerate()
+        .map(|(t, ((keys, values), mask))| {
+            let t = t as i32;
             fast::scaled_dot_product_attention(
-                &q.slice_axis(2, i, i + 1)?,
-                &keys.slice_axis(2, 0, extent)?,
-                &values.slice_axis(2, 0, extent)?,
+                &q.slice_axis(2, t, t + 1)?,
+                keys,
+                values,
                 scale,
-                fast::SdpaMask::None,
+                mask.as_sdpa()?,
                 None,
             )
         })
@@ -223,23 +247,7 @@ fn attend_steps(
             )))
         }
     };
-    let outs = steps
-        .iter()
-        .zip(masks)
-        .enumerate()
-        .map(|(t, ((keys, values), mask))| {
-            let t = t as i32;
-            fast::scaled_dot_product_attention(
-                &q.slice_axis(2, t, t + 1)?,
-                keys,
-                values,
-                scale,
-                mask.as_sdpa()?,
-                None,
-            )
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(ops::concatenate(&outs.iter().collect::<Vec<_>>(), 2)?)
+    Ok(query_by_query(q, steps, masks, scale)?)
 }
 
 /// models/base.py quantized_scaled_dot_product_attention, op for op.
