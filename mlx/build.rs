@@ -22,7 +22,12 @@ const MLX_VERSION: &str = "0.32.4";
 fn main() {
     println!("cargo:rerun-if-env-changed=MLX_DIR");
     println!("cargo:rerun-if-env-changed=MLX_PYTHON");
-    for f in ["src/ffi.rs", "src/shim.cc", "include/shim.h"] {
+    for f in [
+        "src/ffi.rs",
+        "src/shim.cc",
+        "include/shim.h",
+        "include/rows_attention.h",
+    ] {
         println!("cargo:rerun-if-changed={f}");
     }
     if let Err(message) = run() {

@@ -8,6 +8,11 @@
 //! draft with the same draft model draft together, one packed forward per draft step
 //! (crate::speculative::draft_model::draft_together).
 //!
+//! While every row is plain and its caches are plain KV caches, the rows' caches are gathered
+//! into one [`BatchKvCache`] per layer (rows joining move in, rows leaving take theirs back out),
+//! so that a step writes every row's keys in one op and, on CUDA, attends them in one kernel:
+//! on a GPU a step's cost is the host's work per graph node.
+//!
 //! A row emits what its request emits alone through [`crate::decode::decode`], token for token
 //! and logprob bit for bit, wherever the packed forward gives each row its lone bits (on the
 //! CPU: tests/batch.rs). What differs is only when work happens: a lone request enqueues its
@@ -20,7 +25,7 @@ use std::time::{Duration, Instant};
 use mlx::Dtype;
 
 use crate::bundle::ModelBundle;
-use crate::cache::{quantize_due, LayerCache};
+use crate::cache::{eval_state, quantize_due, BatchKvCache, KvCache, LayerCache};
 use crate::decode::{Request, Start};
 use crate::generate::{
     logprobs_after, prefill_request, token_array, Control, GenerateParams, GeneratedToken,
@@ -87,6 +92,8 @@ pub struct StepSplit {
     pub eval: Duration,
     /// Reading each row's tokens back, acceptance, rollback, and the callbacks.
     pub settle: Duration,
+    /// The steps whose rows shared one KV cache per layer ([`BatchKvCache`]).
+    pub shared: usize,
 }
 
 impl StepSplit {
@@ -99,6 +106,7 @@ impl StepSplit {
             build: self.build - earlier.build,
             eval: self.eval - earlier.eval,
             settle: self.settle - earlier.settle,
+            shared: self.shared - earlier.shared,
         }
     }
 }
@@ -107,6 +115,10 @@ impl StepSplit {
 pub struct Batch<'m> {
     model: &'m dyn LanguageModel,
     rows: Vec<Row<'m>>,
+    /// While every row is a plain row whose caches are plain KV caches (and the model's
+    /// attention reads a [`BatchKvCache`]), their caches gathered into one per layer: row r of
+    /// `rows` is row r of each, and the rows' own `caches` are empty meanwhile.
+    shared: Option<Vec<LayerCache>>,
     split: StepSplit,
 }
 
@@ -115,6 +127,7 @@ impl<'m> Batch<'m> {
         Batch {
             model,
             rows: Vec::new(),
+            shared: None,
             split: StepSplit::default(),
         }
     }
@@ -204,10 +217,124 @@ impl<'m> Batch<'m> {
     }
 
     /// Takes row `id` out (its request was cancelled); false when there is no such row.
-    pub fn remove(&mut self, id: usize) -> bool {
-        let before = self.rows.len();
-        self.rows.retain(|r| r.id != id);
-        self.rows.len() < before
+    pub fn remove(&mut self, id: usize) -> Result<bool> {
+        let Some(at) = self.rows.iter().position(|r| r.id == id) else {
+            return Ok(false);
+        };
+        self.take_shared(at)?;
+        self.rows.remove(at);
+        Ok(true)
+    }
+
+    /// The rows already in the shared caches (the first ones; later rows joined since).
+    fn shared_rows(&self) -> usize {
+        match self.shared.as_deref() {
+            Some([LayerCache::Batch(c), ..]) => c.rows(),
+            _ => 0,
+        }
+    }
+
+    /// Whether the next step's rows can share one KV cache per layer: two or more, every one a
+    /// plain row without KV quantization, on a model whose attention reads a batch cache, and
+    /// every row not yet shared holding filled plain KV caches.
+    fn can_share(&self) -> bool {
+        self.model.attends_batch_caches()
+            && self.rows.len() > 1
+            && self
+                .rows
+                .iter()
+                .enumerate()
+                .all(|(r, row)| match &row.decoder {
+                    Decoder::Plain(p) => {
+                        p.params.kv_quantization.is_none()
+                            && (r < self.shared_rows()
+                                || p.caches
+                                    .iter()
+                                    .all(|c| matches!(c, LayerCache::Kv(kv) if kv.kv.is_some())))
+                    }
+                    Decoder::Speculative { .. } => false,
+                })
+    }
+
+    /// Before a step: the rows that joined since move into the shared caches (gathered when
+    /// there are none yet), or every row takes its caches back when they can no longer share.
+    fn arrange_shared(&mut self) -> Result<()> {
+        if !self.can_share() {
+            for at in (0..self.shared_rows()).rev() {
+                self.take_shared(at)?;
+            }
+            return Ok(());
+        }
+        let from = self.shared_rows();
+        let joining: Vec<Vec<LayerCache>> = self.rows[from..]
+            .iter_mut()
+            .map(|row| match &mut row.decoder {
+                Decoder::Plain(p) => std::mem::take(&mut p.caches),
+                Decoder::Speculative { .. } => Vec::new(),
+            })
+            .collect();
+        let kv = |c: &LayerCache| -> Result<KvCache> {
+            match c {
+                LayerCache::Kv(kv) => Ok(kv.clone()),
+                _ => Err(contract(
+                    "a row joins shared caches with a cache other than plain KV",
+                )),
+            }
+        };
+        let layers = self.model.num_caches();
+        match &mut self.shared {
+            None => {
+                let mut gathered = Vec::with_capacity(layers);
+                for l in 0..layers {
+                    let rows = joining
+                        .iter()
+                        .map(|c| kv(&c[l]))
+                        .collect::<Result<Vec<_>>>()?;
+                    let rows: Vec<&KvCache> = rows.iter().collect();
+                    gathered.push(LayerCache::Batch(BatchKvCache::gather(&rows)?));
+                }
+                self.shared = Some(gathered);
+            }
+            Some(shared) => {
+                for caches in &joining {
+                    for (layer, c) in shared.iter_mut().zip(caches) {
+                        let LayerCache::Batch(b) = layer else {
+                            return Err(contract("shared caches hold a batch cache per layer"));
+                        };
+                        b.join(&kv(c)?)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Row `at` takes its own caches back out of the shared ones (when it is in them).
+    fn take_shared(&mut self, at: usize) -> Result<()> {
+        if at >= self.shared_rows() {
+            return Ok(());
+        }
+        let shared = self
+            .shared
+            .as_mut()
+            .expect("a shared row implies shared caches");
+        let caches = shared
+            .iter_mut()
+            .map(|layer| match layer {
+                LayerCache::Batch(b) => Ok(LayerCache::Kv(b.leave(at)?)),
+                _ => Err(contract("shared caches hold a batch cache per layer")),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // Evaluated now, so that the copies hold none of the shared buffers the next step
+        // writes in place.
+        eval_state(&caches)?;
+        if let Decoder::Plain(p) = &mut self.rows[at].decoder {
+            p.caches = caches;
+        }
+        if self.shared_rows() == 0 {
+            self.shared = None;
+        }
+        Ok(())
     }
 
     /// The next round's drafts of every speculative row whose draft model another row drafts
@@ -278,6 +405,7 @@ impl<'m> Batch<'m> {
             return Ok(Vec::new());
         }
         let started = Instant::now();
+        self.arrange_shared()?;
         let drafted = self.draft_shared()?;
         let inputs: Vec<Vec<u32>> = self
             .rows
@@ -311,14 +439,17 @@ impl<'m> Batch<'m> {
         taps.dedup();
         let ids = token_array(&inputs.concat())?;
         let out = {
-            let mut caches: Vec<&mut [LayerCache]> = self
-                .rows
-                .iter_mut()
-                .map(|row| match &mut row.decoder {
-                    Decoder::Plain(p) => &mut p.caches[..],
-                    Decoder::Speculative { speculator, .. } => &mut speculator.caches[..],
-                })
-                .collect();
+            let mut caches: Vec<&mut [LayerCache]> = match &mut self.shared {
+                Some(shared) => vec![&mut shared[..]],
+                None => self
+                    .rows
+                    .iter_mut()
+                    .map(|row| match &mut row.decoder {
+                        Decoder::Plain(p) => &mut p.caches[..],
+                        Decoder::Speculative { speculator, .. } => &mut speculator.caches[..],
+                    })
+                    .collect(),
+            };
             let ids = ids.expand_dims(&[0])?;
             lone_rows::decode_rows(|| self.model.forward_rows(&ids, &mut caches, &lens, &taps))?
         };
@@ -406,6 +537,12 @@ impl<'m> Batch<'m> {
         split.build += built_at - drafted_at;
         split.eval += evaluated_at - built_at;
         split.settle += evaluated_at.elapsed();
+        split.shared += usize::from(self.shared.is_some());
+        for at in (0..self.rows.len()).rev() {
+            if leaving.contains(&self.rows[at].id) {
+                self.take_shared(at)?;
+            }
+        }
         let (gone, staying) = std::mem::take(&mut self.rows)
             .into_iter()
             .partition(|row| leaving.contains(&row.id));

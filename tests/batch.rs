@@ -150,11 +150,13 @@ fn alone_with_stats(
 }
 
 /// A schedule run as one batch: every row's emitted tokens by row index, the speculation
-/// counters of the speculative rows that finished, and the most rows that decoded in one step.
+/// counters of the speculative rows that finished, the most rows that decoded in one step, and
+/// the steps whose rows shared one KV cache per layer.
 struct Batched {
     steps: BTreeMap<usize, Steps>,
     speculation: BTreeMap<usize, SpeculationStats>,
     widest: usize,
+    shared_steps: usize,
 }
 
 fn batched<'m>(
@@ -187,7 +189,7 @@ fn batched<'m>(
             .enumerate()
             .filter(|(_, r)| r.cancelled == Some(step))
         {
-            batch.remove(i);
+            batch.remove(i).unwrap();
         }
         widest = widest.max(batch.ids().len());
         let left = batch
@@ -206,6 +208,7 @@ fn batched<'m>(
         steps: out,
         speculation,
         widest,
+        shared_steps: batch.split().shared,
     }
 }
 
@@ -230,6 +233,7 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
     };
     let vocab = model.vocab_size() as u32;
     let shared = std::cell::Cell::new(0usize);
+    let shared_steps = std::cell::Cell::new(0usize);
     TestRunner::new(config)
         .run(&rows(vocab, drafters.len()), |rows| {
             let params: Vec<GenerateParams> = rows.iter().map(|r| params(&b, r, caches)).collect();
@@ -237,7 +241,9 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
                 steps: got,
                 speculation,
                 widest,
+                shared_steps: cache_shared,
             } = batched(model, &drafters, &rows, &params);
+            shared_steps.set(shared_steps.get() + cache_shared);
             for (i, row) in rows.iter().enumerate() {
                 let (drafter, k) = match row.drafter {
                     Some((d, k)) => (Some(&drafters[d]), k),
@@ -278,6 +284,13 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
         shared.get() > 0,
         "{fixture}: no step decoded two rows (with a speculative one when drafters are given)"
     );
+    // Plain rows of plain KV caches share one per layer whenever two decode together.
+    if model.attends_batch_caches() && matches!(caches, Caches::Plain) && drafters.is_empty() {
+        assert!(
+            shared_steps.get() > 0,
+            "{fixture}: no step's rows shared their KV caches"
+        );
+    }
 }
 
 #[test]

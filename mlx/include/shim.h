@@ -119,6 +119,9 @@ ArrayPtr scaled_dot_product_attention(const Array& queries, const Array& keys,
                                       const Array& values, float scale, rust::Str mask_mode,
                                       const Array* mask, const Array* sinks);
 
+ArrayPtr rows_attention(const Array& queries, const Array& keys, const Array& values,
+                        const Array& slots, const Array& extents, float scale);
+
 ArrayPtr random_key(uint64_t seed);
 ArrayPtr random_split(const Array& key, int32_t num);
 ArrayPtr random_uniform(I32s shape, uint8_t dtype, const Array& key);

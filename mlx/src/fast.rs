@@ -116,3 +116,27 @@ pub fn scaled_dot_product_attention(
         )
     })
 }
+
+/// One-query attention of B rows in one CUDA kernel: row b's query `queries[b]` (B, H, 1, D)
+/// over the first `extents[b]` keys and values of slot `slots[b]` of a shared (slots, H_kv,
+/// capacity, D) cache. Each row gets the bits of [`scaled_dot_product_attention`] over its own
+/// keys alone (MLX's one-pass vector kernel, which a lone decode step runs for up to 1024 keys
+/// at head_dim 64, 96 or 128: include/rows_attention.h); longer rows and other head sizes are
+/// the caller's to send there. CUDA only: other backends fail at evaluation.
+pub fn rows_attention(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    slots: &Array,
+    extents: &Array,
+    scale: f32,
+) -> Result<Array> {
+    wrap(ffi::rows_attention(
+        queries.ffi(),
+        keys.ffi(),
+        values.ffi(),
+        slots.ffi(),
+        extents.ffi(),
+        scale,
+    ))
+}

@@ -295,6 +295,15 @@ pub(crate) mod bridge {
             sinks: *const Array,
         ) -> Result<UniquePtr<Array>>;
 
+        fn rows_attention(
+            queries: &Array,
+            keys: &Array,
+            values: &Array,
+            slots: &Array,
+            extents: &Array,
+            scale: f32,
+        ) -> Result<UniquePtr<Array>>;
+
         // mx::random, always with an explicit key (see random.rs).
         fn random_key(seed: u64) -> Result<UniquePtr<Array>>;
         fn random_split(key: &Array, num: i32) -> Result<UniquePtr<Array>>;

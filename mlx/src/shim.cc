@@ -1,4 +1,5 @@
 #include "mlx/include/shim.h"
+#include "mlx/include/rows_attention.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -489,6 +490,25 @@ ArrayPtr scaled_dot_product_attention(const Array& queries, const Array& keys,
   return wrap(mx::fast::scaled_dot_product_attention(queries.inner, keys.inner, values.inner,
                                                      scale, std::string(mask_mode), opt(mask),
                                                      opt(sinks)));
+}
+
+ArrayPtr rows_attention(const Array& queries, const Array& keys, const Array& values,
+                        const Array& slots, const Array& extents, float scale) {
+  static const mx::fast::CustomKernelFunction kernel = mx::fast::cuda_kernel(
+      "verity_rows_attention", {"q", "k", "v", "slots", "extents", "capacity", "scale_log2"},
+      {"out"}, ROWS_ATTENTION_SOURCE, ROWS_ATTENTION_HEADER);
+  const auto& q = queries.inner;
+  const auto& k = keys.inner;
+  int rows = q.shape(0), q_heads = q.shape(1), kv_heads = k.shape(1), head_dim = q.shape(3);
+  // As MLX's vector kernel computes it: the float scale times the double log2(e), rounded.
+  float scale_log2 = static_cast<float>(static_cast<double>(scale) * M_LOG2E);
+  auto capacity = mx::array(k.shape(2), mx::int32);
+  auto outs = kernel({q, k, values.inner, slots.inner, extents.inner, capacity,
+                      mx::array(scale_log2, mx::float32)},
+                     {q.shape()}, {q.dtype()}, {q_heads * 1024, 1, rows}, {1024, 1, 1},
+                     {{"T", q.dtype()}, {"D", head_dim}, {"HQ", q_heads}, {"HKV", kv_heads}},
+                     std::nullopt, false, {});
+  return wrap(outs.at(0));
 }
 
 ArrayPtr random_key(uint64_t seed) { return wrap(mx::random::key(seed)); }

@@ -3,6 +3,7 @@
 //! rollback contract (`rollback`) says how each kind takes a speculative round back; prompt
 //! cache files (`prompt_file`) are mlx-lm's format.
 
+mod batch_kv;
 mod gated_delta;
 mod kv;
 mod mask;
@@ -12,6 +13,7 @@ mod recurrent;
 mod rollback;
 mod rotating;
 
+pub use batch_kv::{BatchKvCache, RowsKv};
 pub use gated_delta::{gated_delta_update, normalize_qk, Recurrence, RecurrentStep};
 pub use kv::KvCache;
 pub use mask::{create_causal_mask, Mask};
@@ -35,6 +37,9 @@ pub enum LayerCache {
     Rotating(RotatingKvCache),
     QuantizedKv(QuantizedKvCache),
     Recurrent(RecurrentCache),
+    /// Every row's KV cache of a batch decode step, in one buffer ([`BatchKvCache`]): the batch
+    /// passes its rows' caches as one such row, and only attention's batch path reads it.
+    Batch(BatchKvCache),
 }
 
 /// The keys and values attention reads after an update.
@@ -64,13 +69,15 @@ pub struct KvQuantization {
 }
 
 impl LayerCache {
-    /// Tokens seen so far (the RoPE offset of the next token).
+    /// Tokens seen so far (the RoPE offset of the next token); a batch cache's longest row's
+    /// (each row's own: [`BatchKvCache::offsets`]).
     pub fn offset(&self) -> usize {
         match self {
             LayerCache::Kv(c) => c.offset,
             LayerCache::Rotating(c) => c.offset,
             LayerCache::QuantizedKv(c) => c.offset,
             LayerCache::Recurrent(c) => c.seen,
+            LayerCache::Batch(c) => c.offsets().into_iter().max().unwrap_or(0),
         }
     }
 
@@ -84,6 +91,9 @@ impl LayerCache {
             LayerCache::Recurrent(_) => {
                 Err(contract("an attention layer was given a recurrent cache"))
             }
+            LayerCache::Batch(_) => Err(contract(
+                "a batch cache is written by attention's batch path only",
+            )),
         }
     }
 
@@ -94,6 +104,8 @@ impl LayerCache {
             LayerCache::QuantizedKv(c) => mask::attention_mask(n, c.offset, window),
             LayerCache::Rotating(c) => c.make_mask(n, window),
             LayerCache::Recurrent(_) => Ok(Mask::None),
+            LayerCache::Batch(_) if n == 1 => Ok(Mask::None),
+            LayerCache::Batch(_) => Err(contract("a batch cache takes one token per row")),
         }
     }
 
@@ -110,7 +122,7 @@ impl LayerCache {
             }),
             LayerCache::QuantizedKv(c) => c.dequantized(),
             LayerCache::Rotating(c) => c.temporal(),
-            LayerCache::Recurrent(_) => Ok(None),
+            LayerCache::Recurrent(_) | LayerCache::Batch(_) => Ok(None),
         }
     }
 
@@ -120,7 +132,7 @@ impl LayerCache {
         match self {
             LayerCache::Kv(c) => Ok(c.trim(n)),
             LayerCache::QuantizedKv(c) => Ok(c.trim(n)),
-            LayerCache::Rotating(_) | LayerCache::Recurrent(_) => {
+            LayerCache::Rotating(_) | LayerCache::Recurrent(_) | LayerCache::Batch(_) => {
                 Err(contract("only KV caches trim outside a speculative round"))
             }
         }
@@ -145,6 +157,7 @@ impl LayerCache {
             LayerCache::Rotating(c) => c.state(),
             LayerCache::QuantizedKv(c) => c.state(),
             LayerCache::Recurrent(c) => c.state(),
+            LayerCache::Batch(c) => c.state(),
         }
     }
 

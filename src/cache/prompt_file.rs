@@ -31,6 +31,7 @@ fn class_name(c: &LayerCache) -> &'static str {
         LayerCache::Rotating(_) => "RotatingKVCache",
         LayerCache::QuantizedKv(_) => "QuantizedKVCache",
         LayerCache::Recurrent(_) => "ArraysCache",
+        LayerCache::Batch(_) => "BatchKVCache",
     }
 }
 
@@ -76,6 +77,8 @@ fn state(c: &LayerCache) -> Vec<(String, Entry)> {
                 ("2".into(), Entry::None),
             ]
         }
+        // Refused by save_prompt_cache before any state is read.
+        LayerCache::Batch(_) => Vec::new(),
     }
 }
 
@@ -102,6 +105,12 @@ pub fn save_prompt_cache(
         meta.insert(format!("2.{scalars}.0"), key.to_string());
         meta.insert(format!("2.{scalars}.1"), kind.to_string());
     };
+    if caches.iter().any(|c| matches!(c, LayerCache::Batch(_))) {
+        return Err(PromptFileError::Format {
+            path: p,
+            message: "a batch cache holds several sequences; save each row's own caches".into(),
+        });
+    }
     for (i, c) in caches.iter().enumerate() {
         meta.insert(format!("1.{i}"), class_name(c).into());
         for (sub, entry) in state(c) {

@@ -30,6 +30,9 @@ impl LayerCache {
             LayerCache::Recurrent(_) => Rollback::SnapshotReplay,
             LayerCache::Rotating(c) if c.offset + round_len <= c.max_size => Rollback::Trim,
             LayerCache::Rotating(_) if one_token_writes => Rollback::Restore,
+            LayerCache::Batch(_) => {
+                Rollback::Refuse("a batch cache's rows take rounds in caches of their own".into())
+            }
             LayerCache::Rotating(c) => Rollback::Refuse(format!(
                 "a rotating cache of {} holding {} tokens would wrap during a round of \
                  {round_len} written several tokens at a time",
@@ -45,6 +48,7 @@ impl LayerCache {
             LayerCache::QuantizedKv(c) => c.round_start = Some(c.offset),
             LayerCache::Rotating(c) => c.begin_round(),
             LayerCache::Recurrent(c) => c.begin_round(),
+            LayerCache::Batch(_) => {}
         }
     }
 
@@ -62,6 +66,7 @@ impl LayerCache {
             }
             LayerCache::Rotating(c) => c.end_round(reject),
             LayerCache::Recurrent(c) => c.end_round(reject),
+            LayerCache::Batch(_) => Err(contract("a batch cache takes no speculative rounds")),
         }
     }
 }

@@ -200,6 +200,10 @@ impl LanguageModel for Model {
         self.layers.len()
     }
 
+    fn attends_batch_caches(&self) -> bool {
+        true
+    }
+
     fn attention_head_dim(&self) -> usize {
         self.head_dim
     }

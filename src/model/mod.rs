@@ -62,6 +62,13 @@ pub trait LanguageModel {
         self.forward_rows(ids, &mut [caches], &[len], taps)
     }
 
+    /// Whether every layer attends through attention's rows path (`layers::attend_rows`), so
+    /// that a batch step of plain KV caches may hand it its rows' caches as one
+    /// [`crate::cache::BatchKvCache`] per layer.
+    fn attends_batch_caches(&self) -> bool {
+        false
+    }
+
     /// Layers in the model (`len(model.layers)`), one cache each.
     fn num_layers(&self) -> usize;
 

@@ -8,7 +8,10 @@
 //! So a row's bits are its lone request's wherever the token-wise kernels give each token the
 //! same bits whatever tokens surround it, which MLX's CPU kernels over the reference BLAS do
 //! (tests/batch.rs). A single row takes the lone request's graph itself: nothing is sliced or
-//! joined.
+//! joined. A batch decode step of plain KV caches may pass its rows' caches as one row of
+//! [`LayerCache::Batch`] caches instead (one per layer, each holding every row: the batch's
+//! `lens` still one per row), which attention reads with one write and, on CUDA, one call
+//! (`crate::cache::BatchKvCache`).
 
 use mlx::{ops, Array};
 
@@ -87,6 +90,23 @@ pub(crate) fn check(
     layers: usize,
     tokens: usize,
 ) -> Result<()> {
+    if let [only] = rows {
+        if let Some(LayerCache::Batch(c)) = only.first() {
+            if only.len() != layers
+                || c.rows() != lens.len()
+                || lens.iter().any(|&l| l != 1)
+                || tokens != lens.len()
+            {
+                return Err(contract(format!(
+                    "a batch cache of {} rows and {} layers for row lengths {lens:?} ({tokens} \
+                     tokens) in a model of {layers} layers",
+                    c.rows(),
+                    only.len()
+                )));
+            }
+            return Ok(());
+        }
+    }
     if rows.is_empty() || rows.len() != lens.len() {
         return Err(contract(format!(
             "{} rows of caches for {} row lengths",

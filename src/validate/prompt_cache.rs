@@ -130,6 +130,7 @@ fn kind(c: &LayerCache) -> &'static str {
         LayerCache::Rotating(_) => "rotating KV (--max-kv-size or a sliding window)",
         LayerCache::QuantizedKv(_) => "quantized KV",
         LayerCache::Recurrent(_) => "recurrent (gated-DeltaNet)",
+        LayerCache::Batch(_) => "batch KV",
     }
 }
 

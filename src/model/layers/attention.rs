@@ -3,8 +3,8 @@
 
 use mlx::{fast, ops, Array, Dtype, Result};
 
-use super::{Dims, Linear, QkNorm, Rope};
-use crate::cache::{KeysValues, LayerCache, Mask, Packed3};
+use super::{rows_kernel, Dims, Linear, QkNorm, Rope};
+use crate::cache::{BatchKvCache, KeysValues, LayerCache, Mask, Packed3};
 use crate::load::{LoadResult, QuantConfig, Weights};
 use crate::model::rows::{self, LayerRows};
 use crate::model::{lone_rows, row_blocks};
@@ -109,6 +109,9 @@ pub fn attend_rows(
     masks: &[Mask],
     rows: &mut LayerRows,
 ) -> crate::Result<Array> {
+    if let [LayerCache::Batch(cache)] = rows.caches.as_mut_slice() {
+        return attend_batch(rope, scale, q, k, v, cache);
+    }
     let mut outs = Vec::with_capacity(masks.len());
     if rows.one_token_each() {
         let per_row = |y: &Array| y.transpose(&[2, 1, 0, 3]);
@@ -135,6 +138,39 @@ pub fn attend_rows(
         outs.push(attend_row(&q, &kv, scale, &masks[r], plain)?);
     }
     rows.join(outs, 2)
+}
+
+/// A batch step over one [`BatchKvCache`] (B rows of one token each, (1, heads, B, head_dim)):
+/// RoPE at each row's offset, one write for every row, and one attention call where CUDA gives
+/// every row its lone step's bits in one ([`rows_kernel::usable`]), else a call per row over its
+/// own keys, the call its lone step makes.
+fn attend_batch(
+    rope: &Rope,
+    scale: f32,
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    cache: &mut BatchKvCache,
+) -> crate::Result<Array> {
+    let per_row = |y: &Array| y.transpose(&[2, 1, 0, 3]);
+    let offsets: Vec<i32> = cache.offsets().iter().map(|&o| o as i32).collect();
+    let offsets = Array::from_slice(&offsets, &[offsets.len() as i32])?;
+    let q = rope.forward_at(&per_row(q)?, &offsets)?;
+    let k = rope.forward_at(&per_row(k)?, &offsets)?;
+    let kv = cache.append(&k, &per_row(v)?)?;
+    let out = if rows_kernel::usable(&q, &kv.lens)? {
+        fast::rows_attention(&q, &kv.keys, &kv.values, &kv.slots, &kv.extents, scale)?
+    } else {
+        let outs = (0..kv.lens.len())
+            .map(|r| {
+                let (keys, values) = kv.row(r)?;
+                let q = q.slice_axis(0, r as i32, r as i32 + 1)?;
+                attend(&q, &KeysValues::Dense { keys, values }, scale, &Mask::None)
+            })
+            .collect::<crate::Result<Vec<_>>>()?;
+        ops::concatenate(&outs.iter().collect::<Vec<_>>(), 0)?
+    };
+    Ok(per_row(&out)?)
 }
 
 /// One row's attention over the keys and values its cache returned: [`attend`], or, on the

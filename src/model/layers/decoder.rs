@@ -44,6 +44,10 @@ impl LanguageModel for Decoder {
         self.layers.len()
     }
 
+    fn attends_batch_caches(&self) -> bool {
+        true
+    }
+
     fn attention_head_dim(&self) -> usize {
         self.head_dim
     }

@@ -16,6 +16,7 @@ mod multi_linear;
 mod norm;
 mod outer;
 mod rope;
+pub mod rows_kernel;
 mod switch;
 
 pub use attention::{attend, attend_row, attend_rows, finfo_min, Attention, AttentionProjections};

@@ -1,0 +1,216 @@
+//! Several sequences' KV caches of one layer in one buffer, for the batch decode steps whose rows
+//! each add one token: one write for every row, and on CUDA one attention call
+//! (`mlx::fast::rows_attention`), where caches of their own cost each row a write, two reads and
+//! an attention call per layer. On a GPU a batch step is bound by the host's work per graph node
+//! (docs/gpu-rows.md), so those per-row nodes are what a wide batch pays for.
+//!
+//! mlx-lm's BatchKVCache (models/cache.py) pads its rows on the left so that one mask serves
+//! them all; that moves a row's keys away from the positions of its lone cache, and with them
+//! the order its attention reads them in. Here every row starts at position 0 of its own slot
+//! and keeps its own extent, so its keys sit where its lone cache keeps them.
+
+use mlx::{ops, Array};
+
+use super::kv::seq;
+use super::{KvCache, STEP};
+use crate::error::contract;
+use crate::Result;
+
+/// Slots are added this many at a time: a new slot copies the buffer.
+const SLOT_STEP: i32 = 8;
+
+#[derive(Clone)]
+pub struct BatchKvCache {
+    /// (slots, H, capacity, D) buffers; a slot's first `extents[slot]` positions are its row's.
+    keys: Array,
+    values: Array,
+    extents: Vec<usize>,
+    /// The slots of the rows, in the order of the rows a step carries.
+    active: Vec<usize>,
+}
+
+/// `n` rounded up to a multiple of `step`.
+fn round_up(n: i32, step: i32) -> i32 {
+    (n + step - 1) / step * step
+}
+
+impl BatchKvCache {
+    /// A cache holding `rows` (each a lone KV cache that has seen at least one token), in order.
+    pub fn gather(rows: &[&KvCache]) -> Result<BatchKvCache> {
+        let first = rows
+            .first()
+            .and_then(|r| r.kv.as_ref())
+            .ok_or_else(|| contract("a batch cache gathers at least one filled KV cache"))?;
+        let (k, v) = first;
+        let longest = rows.iter().map(|r| r.offset).max().unwrap_or(0) as i32;
+        let slots = round_up(rows.len() as i32, SLOT_STEP);
+        let capacity = round_up(longest + 1, STEP);
+        let mut cache = BatchKvCache {
+            keys: Array::zeros(&[slots, k.dim(1), capacity, k.dim(3)], k.dtype())?,
+            values: Array::zeros(&[slots, v.dim(1), capacity, v.dim(3)], v.dtype())?,
+            extents: vec![0; slots as usize],
+            active: Vec::new(),
+        };
+        for row in rows {
+            cache.join(row)?;
+        }
+        Ok(cache)
+    }
+
+    /// Adds `row` as the last row, in a free slot (the buffer grows when there is none).
+    pub fn join(&mut self, row: &KvCache) -> Result<()> {
+        let Some((k, v)) = &row.kv else {
+            return Err(contract("a batch cache row joins with an empty KV cache"));
+        };
+        let slot = match (0..self.extents.len()).find(|s| !self.active.contains(s)) {
+            Some(slot) => slot,
+            None => {
+                self.add_slots(SLOT_STEP)?;
+                self.extents.len() - SLOT_STEP as usize
+            }
+        };
+        let len = row.offset as i32;
+        if len + 1 > self.capacity() {
+            self.add_capacity(round_up(len + 1, STEP) - self.capacity())?;
+        }
+        let at = |buffer: &Array, rows: &Array| -> mlx::Result<Array> {
+            let s = buffer.shape();
+            buffer.slice_update(
+                &seq(rows, 0, len)?,
+                &[slot as i32, 0, 0, 0],
+                &[slot as i32 + 1, s[1], len, s[3]],
+                &[1, 1, 1, 1],
+            )
+        };
+        self.keys = at(&self.keys, k)?;
+        self.values = at(&self.values, v)?;
+        self.extents[slot] = row.offset;
+        self.active.push(slot);
+        Ok(())
+    }
+
+    /// Takes row `row` out (the later rows move up one) as the lone KV cache it would be,
+    /// copied out of the shared buffer and evaluated, so that the buffer stays its own.
+    pub fn leave(&mut self, row: usize) -> Result<KvCache> {
+        let slot = self.active.remove(row);
+        let len = self.extents[slot] as i32;
+        let pad = round_up(len + 1, STEP) - len;
+        let copy = |buffer: &Array| -> Result<Array> {
+            let own = buffer.slice_axis(0, slot as i32, slot as i32 + 1)?;
+            let own = seq(&own, 0, len)?;
+            let s = own.shape();
+            let zeros = Array::zeros(&[1, s[1], pad, s[3]], own.dtype())?;
+            Ok(ops::concatenate(&[&own, &zeros], 2)?)
+        };
+        let (k, v) = (copy(&self.keys)?, copy(&self.values)?);
+        mlx::eval([&k, &v])?;
+        Ok(KvCache {
+            kv: Some((k, v)),
+            offset: len as usize,
+            round_start: None,
+        })
+    }
+
+    /// The rows, in order.
+    pub fn rows(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Each row's tokens so far (the RoPE offset of its next token).
+    pub fn offsets(&self) -> Vec<usize> {
+        self.active.iter().map(|&s| self.extents[s]).collect()
+    }
+
+    fn capacity(&self) -> i32 {
+        self.keys.dim(2)
+    }
+
+    /// `buffer` with `more` zeros appended along `axis`.
+    fn padded(buffer: &Array, axis: i32, more: i32) -> Result<Array> {
+        let mut shape = buffer.shape();
+        shape[axis as usize] = more;
+        let zeros = Array::zeros(&shape, buffer.dtype())?;
+        Ok(ops::concatenate(&[buffer, &zeros], axis)?)
+    }
+
+    /// Room for `more` rows (copies the buffers).
+    fn add_slots(&mut self, more: i32) -> Result<()> {
+        self.keys = Self::padded(&self.keys, 0, more)?;
+        self.values = Self::padded(&self.values, 0, more)?;
+        self.extents.resize(self.extents.len() + more as usize, 0);
+        Ok(())
+    }
+
+    /// Room for `more` positions per row (copies the buffers).
+    fn add_capacity(&mut self, more: i32) -> Result<()> {
+        self.keys = Self::padded(&self.keys, 2, more)?;
+        self.values = Self::padded(&self.values, 2, more)?;
+        Ok(())
+    }
+
+    /// Writes each row's new key and value (rows, H, 1, D) after its last token, in one
+    /// scatter per buffer, and returns the buffers with each row's slot and its extent after the
+    /// write (int32, one per row).
+    pub fn append(&mut self, keys: &Array, values: &Array) -> Result<RowsKv> {
+        let longest = self.offsets().into_iter().max().unwrap_or(0) as i32;
+        if longest + 1 > self.capacity() {
+            self.add_capacity(STEP)?;
+        }
+        let b = self.active.len() as i32;
+        let slots: Vec<i32> = self.active.iter().map(|&s| s as i32).collect();
+        let positions: Vec<i32> = self.offsets().iter().map(|&o| o as i32).collect();
+        let slots = Array::from_slice(&slots, &[b])?;
+        let positions = Array::from_slice(&positions, &[b])?;
+        let write = |buffer: &Array, new: &Array| -> Result<Array> {
+            let s = new.shape();
+            let updates = new.reshape(&[b, 1, s[1], 1, s[3]])?;
+            Ok(ops::scatter(
+                buffer,
+                &[&slots, &positions],
+                &updates,
+                &[0, 2],
+            )?)
+        };
+        self.keys = write(&self.keys, keys)?;
+        self.values = write(&self.values, values)?;
+        for &s in &self.active {
+            self.extents[s] += 1;
+        }
+        let extents: Vec<i32> = self.offsets().iter().map(|&o| o as i32).collect();
+        Ok(RowsKv {
+            keys: self.keys.clone(),
+            values: self.values.clone(),
+            slots,
+            extents: Array::from_slice(&extents, &[b])?,
+            lens: self.offsets(),
+            slot_of: self.active.clone(),
+        })
+    }
+
+    pub fn state(&self) -> Vec<&Array> {
+        vec![&self.keys, &self.values]
+    }
+}
+
+/// What a batch step's attention reads after [`BatchKvCache::append`].
+pub struct RowsKv {
+    /// The shared (slots, H, capacity, D) buffers.
+    pub keys: Array,
+    pub values: Array,
+    /// Each row's slot and its extent, as int32 arrays for a kernel and as numbers.
+    pub slots: Array,
+    pub extents: Array,
+    pub lens: Vec<usize>,
+    pub slot_of: Vec<usize>,
+}
+
+impl RowsKv {
+    /// Row `r`'s keys and values alone, (1, H, extent, D): what its lone cache returns.
+    pub fn row(&self, r: usize) -> Result<(Array, Array)> {
+        let (slot, len) = (self.slot_of[r] as i32, self.lens[r] as i32);
+        let own = |buffer: &Array| -> mlx::Result<Array> {
+            seq(&buffer.slice_axis(0, slot, slot + 1)?, 0, len)
+        };
+        Ok((own(&self.keys)?, own(&self.values)?))
+    }
+}
