@@ -100,7 +100,7 @@ fn check(d: i32, dtype: Dtype) {
     if mlx::default_device() == mlx::Device::Gpu && mlx::Device::Gpu.name() == "cuda" {
         assert!(
             rows_kernel::verified(dtype, d).unwrap(),
-            "head_dim {d}, {dtype:?}: the one-kernel batch attention differs from MLX's call"
+            "head_dim {d}, {dtype:?}: the one-call batch attention differs from MLX's call"
         );
     }
     let rope = Rope::new(d, 10000.0, false, None).unwrap();

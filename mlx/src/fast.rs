@@ -117,19 +117,21 @@ pub fn scaled_dot_product_attention(
     })
 }
 
-/// One-query attention of B rows in one CUDA kernel: row b's query `queries[b]` (B, H, 1, D)
+/// One-query attention of B rows in one call on CUDA: row b's query `queries[b]` (B, H, 1, D)
 /// over the first `extents[b]` keys and values of slot `slots[b]` of a shared (slots, H_kv,
-/// capacity, D) cache. Each row gets the bits of [`scaled_dot_product_attention`] over its own
-/// keys alone (MLX's one-pass vector kernel, which a lone decode step runs for up to 1024 keys
-/// at head_dim 64, 96 or 128: include/rows_attention.h); longer rows and other head sizes are
-/// the caller's to send there. CUDA only: other backends fail at evaluation.
+/// capacity, D) cache, with the float operations of MLX's vector kernels in their order (one pass
+/// up to 1024 keys, two beyond: include/rows_attention.h). `scales_log2` are the scale times
+/// log2(e) as the one-pass and the two-pass kernel round it; `two_pass` adds the two-pass
+/// kernels, needed when a row has more than 1024 keys. CUDA only: other backends fail at
+/// evaluation.
 pub fn rows_attention(
     queries: &Array,
     keys: &Array,
     values: &Array,
     slots: &Array,
     extents: &Array,
-    scale: f32,
+    scales_log2: (f32, f32),
+    two_pass: bool,
 ) -> Result<Array> {
     wrap(ffi::rows_attention(
         queries.ffi(),
@@ -137,6 +139,8 @@ pub fn rows_attention(
         values.ffi(),
         slots.ffi(),
         extents.ffi(),
-        scale,
+        scales_log2.0,
+        scales_log2.1,
+        two_pass,
     ))
 }

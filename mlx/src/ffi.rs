@@ -301,7 +301,9 @@ pub(crate) mod bridge {
             values: &Array,
             slots: &Array,
             extents: &Array,
-            scale: f32,
+            one_pass_scale_log2: f32,
+            two_pass_scale_log2: f32,
+            two_pass: bool,
         ) -> Result<UniquePtr<Array>>;
 
         // mx::random, always with an explicit key (see random.rs).

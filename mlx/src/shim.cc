@@ -493,22 +493,43 @@ ArrayPtr scaled_dot_product_attention(const Array& queries, const Array& keys,
 }
 
 ArrayPtr rows_attention(const Array& queries, const Array& keys, const Array& values,
-                        const Array& slots, const Array& extents, float scale) {
-  static const mx::fast::CustomKernelFunction kernel = mx::fast::cuda_kernel(
-      "verity_rows_attention", {"q", "k", "v", "slots", "extents", "capacity", "scale_log2"},
-      {"out"}, ROWS_ATTENTION_SOURCE, ROWS_ATTENTION_HEADER);
+                        const Array& slots, const Array& extents, float one_pass_scale_log2,
+                        float two_pass_scale_log2, bool two_pass) {
+  const std::vector<std::string> cache_inputs = {"q",       "k",        "v",         "slots",
+                                                 "extents", "capacity", "scale_log2"};
+  static const auto one_pass =
+      mx::fast::cuda_kernel("verity_rows_attention_one_pass", cache_inputs, {"out"},
+                            ROWS_ATTENTION_ONE_PASS, ROWS_ATTENTION_HEADER);
+  static const auto partials =
+      mx::fast::cuda_kernel("verity_rows_attention_partials", cache_inputs,
+                            {"partials", "sums", "maxs"}, ROWS_ATTENTION_PARTIALS,
+                            ROWS_ATTENTION_HEADER);
+  static const auto combine = mx::fast::cuda_kernel(
+      "verity_rows_attention_combine", {"partials", "sums", "maxs", "one_pass", "extents"},
+      {"out"}, ROWS_ATTENTION_COMBINE, ROWS_ATTENTION_HEADER);
   const auto& q = queries.inner;
   const auto& k = keys.inner;
   int rows = q.shape(0), q_heads = q.shape(1), kv_heads = k.shape(1), head_dim = q.shape(3);
-  // As MLX's vector kernel computes it: the float scale times the double log2(e), rounded.
-  float scale_log2 = static_cast<float>(static_cast<double>(scale) * M_LOG2E);
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> tmpl = {
+      {"T", q.dtype()}, {"D", head_dim}, {"HQ", q_heads}, {"HKV", kv_heads}};
   auto capacity = mx::array(k.shape(2), mx::int32);
-  auto outs = kernel({q, k, values.inner, slots.inner, extents.inner, capacity,
-                      mx::array(scale_log2, mx::float32)},
-                     {q.shape()}, {q.dtype()}, {q_heads * 1024, 1, rows}, {1024, 1, 1},
-                     {{"T", q.dtype()}, {"D", head_dim}, {"HQ", q_heads}, {"HKV", kv_heads}},
+  auto inputs = [&](float scale_log2) {
+    return std::vector<mx::array>{q,       k, values.inner, slots.inner,
+                                  extents.inner, capacity, mx::array(scale_log2, mx::float32)};
+  };
+  auto first = one_pass(inputs(one_pass_scale_log2), {q.shape()}, {q.dtype()},
+                        {q_heads * 1024, 1, rows}, {1024, 1, 1}, tmpl, std::nullopt, false, {});
+  if (!two_pass) {
+    return wrap(first.at(0));
+  }
+  auto parts = partials(inputs(two_pass_scale_log2),
+                        {{rows, q_heads, 32, head_dim}, {rows, q_heads, 32}, {rows, q_heads, 32}},
+                        {mx::float32, mx::float32, mx::float32}, {q_heads * 256, 1, rows * 32},
+                        {256, 1, 1}, tmpl, std::nullopt, false, {});
+  auto out = combine({parts.at(0), parts.at(1), parts.at(2), first.at(0), extents.inner},
+                     {q.shape()}, {q.dtype()}, {q_heads * 1024, 1, rows}, {1024, 1, 1}, tmpl,
                      std::nullopt, false, {});
-  return wrap(outs.at(0));
+  return wrap(out.at(0));
 }
 
 ArrayPtr random_key(uint64_t seed) { return wrap(mx::random::key(seed)); }

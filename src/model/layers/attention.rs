@@ -142,7 +142,7 @@ pub fn attend_rows(
 
 /// A batch step over one [`BatchKvCache`] (B rows of one token each, (1, heads, B, head_dim)):
 /// RoPE at each row's offset, one write for every row, and one attention call where CUDA gives
-/// every row its lone step's bits in one ([`rows_kernel::usable`]), else a call per row over its
+/// every row its lone step's bits in one ([`rows_kernel::one_call`]), else a call per row over its
 /// own keys, the call its lone step makes.
 fn attend_batch(
     rope: &Rope,
@@ -158,8 +158,16 @@ fn attend_batch(
     let q = rope.forward_at(&per_row(q)?, &offsets)?;
     let k = rope.forward_at(&per_row(k)?, &offsets)?;
     let kv = cache.append(&k, &per_row(v)?)?;
-    let out = if rows_kernel::usable(&q, &kv.lens)? {
-        fast::rows_attention(&q, &kv.keys, &kv.values, &kv.slots, &kv.extents, scale)?
+    let out = if let Some(call) = rows_kernel::one_call(&q, scale, &kv.lens)? {
+        fast::rows_attention(
+            &q,
+            &kv.keys,
+            &kv.values,
+            &kv.slots,
+            &kv.extents,
+            call.scales_log2,
+            call.two_pass,
+        )?
     } else {
         let outs = (0..kv.lens.len())
             .map(|r| {
