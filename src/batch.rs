@@ -235,35 +235,46 @@ impl<'m> Batch<'m> {
     }
 
     /// Whether the next step's rows can share one KV cache per layer: two or more, every one a
-    /// plain row without KV quantization, on a model whose attention reads a batch cache, and
-    /// every row not yet shared holding filled plain KV caches.
+    /// plain row without KV quantization, on a model whose attention reads a batch cache, every
+    /// row not yet shared holding filled plain KV caches, and their lengths close enough for one
+    /// buffer ([`BatchKvCache::fits`]).
     fn can_share(&self) -> bool {
+        let shared = self.shared_rows();
+        let mut lens = match self.shared.as_deref() {
+            Some([LayerCache::Batch(c), ..]) => c.offsets(),
+            _ => Vec::new(),
+        };
+        for row in &self.rows[shared..] {
+            let Decoder::Plain(p) = &row.decoder else {
+                return false;
+            };
+            let own_kv = |c: &LayerCache| matches!(c, LayerCache::Kv(kv) if kv.kv.is_some());
+            if !p.caches.iter().all(own_kv) {
+                return false;
+            }
+            lens.push(p.caches.first().map_or(0, LayerCache::offset));
+        }
+        let plain = self.rows.iter().all(
+            |row| matches!(&row.decoder, Decoder::Plain(p) if p.params.kv_quantization.is_none()),
+        );
         self.model.attends_batch_caches()
             && self.rows.len() > 1
-            && self
-                .rows
-                .iter()
-                .enumerate()
-                .all(|(r, row)| match &row.decoder {
-                    Decoder::Plain(p) => {
-                        p.params.kv_quantization.is_none()
-                            && (r < self.shared_rows()
-                                || p.caches
-                                    .iter()
-                                    .all(|c| matches!(c, LayerCache::Kv(kv) if kv.kv.is_some())))
-                    }
-                    Decoder::Speculative { .. } => false,
-                })
+            && plain
+            && BatchKvCache::fits(&lens)
     }
 
     /// Before a step: the rows that joined since move into the shared caches (gathered when
     /// there are none yet), or every row takes its caches back when they can no longer share.
     fn arrange_shared(&mut self) -> Result<()> {
-        if !self.can_share() {
+        let outgrown =
+            matches!(self.shared.as_deref(), Some([LayerCache::Batch(c), ..]) if c.outgrown());
+        if outgrown || !self.can_share() {
             for at in (0..self.shared_rows()).rev() {
                 self.take_shared(at)?;
             }
-            return Ok(());
+            if !self.can_share() {
+                return Ok(());
+            }
         }
         let from = self.shared_rows();
         let joining: Vec<Vec<LayerCache>> = self.rows[from..]

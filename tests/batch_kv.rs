@@ -158,3 +158,29 @@ fn head_dim_128_rows_equal_their_lone_steps() {
     check(128, Dtype::Float32);
     check(128, Dtype::Bfloat16);
 }
+
+#[test]
+fn rows_share_a_buffer_only_while_it_pads_them_at_most_twice() {
+    assert!(BatchKvCache::fits(&[1000, 1000]));
+    assert!(BatchKvCache::fits(&[1000, 10]));
+    assert!(BatchKvCache::fits(&[100; 32]));
+    assert!(!BatchKvCache::fits(&[2000, 100, 100, 100]));
+    let mut lens = vec![100; 31];
+    lens.push(8000);
+    assert!(!BatchKvCache::fits(&lens));
+
+    support::on_cpu();
+    let rows: Vec<LayerCache> = [2000, 600, 700]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| filled(len, 64, Dtype::Float32, 10 * i as u64))
+        .collect();
+    let own: Vec<&KvCache> = rows.iter().map(kv).collect();
+    let mut shared = BatchKvCache::gather(&own).unwrap();
+    assert!(!shared.outgrown());
+    shared.leave(0).unwrap();
+    assert!(
+        shared.outgrown(),
+        "rows of 600 and 700 keys held in slots of 2048"
+    );
+}

@@ -19,6 +19,11 @@ use crate::Result;
 /// Slots are added this many at a time: a new slot copies the buffer.
 const SLOT_STEP: i32 = 8;
 
+/// A shared buffer may hold at most this many times the positions its rows' own caches would:
+/// every slot is as long as the longest row, and one long row beside short ones would multiply
+/// the memory of all of them.
+const MAX_PADDING: usize = 2;
+
 #[derive(Clone)]
 pub struct BatchKvCache {
     /// (slots, H, capacity, D) buffers; a slot's first `extents[slot]` positions are its row's.
@@ -27,6 +32,11 @@ pub struct BatchKvCache {
     extents: Vec<usize>,
     /// The slots of the rows, in the order of the rows a step carries.
     active: Vec<usize>,
+}
+
+/// The positions a lone KV cache of `len` tokens allocates for its next one.
+fn own_positions(len: usize) -> usize {
+    round_up(len as i32 + 1, STEP) as usize
 }
 
 /// `n` rounded up to a multiple of `step`.
@@ -109,6 +119,21 @@ impl BatchKvCache {
             offset: len as usize,
             round_start: None,
         })
+    }
+
+    /// Whether rows of `lens` tokens fit one buffer without padding it past [`MAX_PADDING`]
+    /// times the positions their own caches would hold.
+    pub fn fits(lens: &[usize]) -> bool {
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        lens.len() * own_positions(longest)
+            <= MAX_PADDING * lens.iter().map(|&l| own_positions(l)).sum::<usize>()
+    }
+
+    /// Whether this buffer outgrew its rows (a long row left), so that gathering them afresh
+    /// would pad less.
+    pub fn outgrown(&self) -> bool {
+        let held: usize = self.offsets().into_iter().map(own_positions).sum();
+        self.rows() * self.capacity() as usize > MAX_PADDING * held
     }
 
     /// The rows, in order.
