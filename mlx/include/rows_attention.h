@@ -18,6 +18,39 @@ namespace verity_mlx {
 inline constexpr const char* ROWS_ATTENTION_HEADER = R"cuda(
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
+
+// One warp's online softmax over keys first, first + stride, ... below extent (the loop of MLX's
+// vector kernels): each lane holds D / 32 of the query (already times the scale in base 2) and
+// of the output, and `max_score` and `sum_exp_score` carry the warp's running max and sum.
+template <typename T, int D, typename Warp>
+__device__ void attend_keys(Warp& warp, const T* K, const T* V, const float* qr, float* o,
+                            float& max_score, float& sum_exp_score, int first, int extent,
+                            int stride) {
+  constexpr int PER_LANE = D / 32;
+  const int lane = warp.thread_rank();
+  float kr[PER_LANE];
+  for (int i = first; i < extent; i += stride) {
+    for (int j = 0; j < PER_LANE; j++) {
+      kr[j] = K[PER_LANE * lane + j];
+    }
+    float score = 0.f;
+    for (int j = 0; j < PER_LANE; j++) {
+      score += qr[j] * kr[j];
+    }
+    score = cooperative_groups::reduce(warp, score, cooperative_groups::plus<float>());
+    float new_max = max(max_score, score);
+    float factor = exp2f(max_score - new_max);
+    float exp_score = exp2f(score - new_max);
+    max_score = new_max;
+    sum_exp_score = sum_exp_score * factor + exp_score;
+    for (int j = 0; j < PER_LANE; j++) {
+      o[j] = o[j] * factor +
+          exp_score * static_cast<float>(V[PER_LANE * lane + j]);
+    }
+    K += stride * D;
+    V += stride * D;
+  }
+}
 )cuda";
 
 // Rows of at most 1024 keys. Inputs q (rows, HQ, 1, D), k and v (slots, HKV, capacity, D),
@@ -48,7 +81,6 @@ inline constexpr const char* ROWS_ATTENTION_ONE_PASS = R"cuda(
   const T* K = k + (kv_base + w) * D;
   const T* V = v + (kv_base + w) * D;
   U qr[PER_LANE];
-  U kr[PER_LANE];
   U o[PER_LANE];
   for (int i = 0; i < PER_LANE; i++) {
     qr[i] = scale * static_cast<U>(Q[PER_LANE * lane + i]);
@@ -58,27 +90,7 @@ inline constexpr const char* ROWS_ATTENTION_ONE_PASS = R"cuda(
   }
   U max_score = -3.40282346638528859812e+38F;
   U sum_exp_score = 0.f;
-  for (int i = w; i < extent; i += WARPS) {
-    for (int j = 0; j < PER_LANE; j++) {
-      kr[j] = K[PER_LANE * lane + j];
-    }
-    U score = 0.f;
-    for (int j = 0; j < PER_LANE; j++) {
-      score += qr[j] * kr[j];
-    }
-    score = cg::reduce(warp, score, cg::plus<U>());
-    U new_max = max(max_score, score);
-    U factor = exp2f(max_score - new_max);
-    U exp_score = exp2f(score - new_max);
-    max_score = new_max;
-    sum_exp_score = sum_exp_score * factor + exp_score;
-    for (int j = 0; j < PER_LANE; j++) {
-      o[j] = o[j] * factor +
-          exp_score * static_cast<U>(V[PER_LANE * lane + j]);
-    }
-    K += WARPS * D;
-    V += WARPS * D;
-  }
+  attend_keys<T, D>(warp, K, V, qr, o, max_score, sum_exp_score, w, extent, WARPS);
   if (lane == 0) {
     max_scores[w] = max_score;
     sum_exp_scores[w] = sum_exp_score;
@@ -135,7 +147,6 @@ inline constexpr const char* ROWS_ATTENTION_PARTIALS = R"cuda(
   const T* V = v + (kv_base + b * WARPS + w) * D;
   const long p = ((long)row * HQ + head) * BLOCKS + b;
   U qr[PER_LANE];
-  U kr[PER_LANE];
   U o[PER_LANE];
   for (int i = 0; i < PER_LANE; i++) {
     qr[i] = scale * static_cast<U>(Q[PER_LANE * lane + i]);
@@ -145,27 +156,8 @@ inline constexpr const char* ROWS_ATTENTION_PARTIALS = R"cuda(
   }
   U max_score = -3.40282346638528859812e+38F;
   U sum_exp_score = 0.f;
-  for (int i = b * WARPS + w; i < extent; i += BLOCKS * WARPS) {
-    for (int j = 0; j < PER_LANE; j++) {
-      kr[j] = K[PER_LANE * lane + j];
-    }
-    U score = 0.f;
-    for (int j = 0; j < PER_LANE; j++) {
-      score += qr[j] * kr[j];
-    }
-    score = cg::reduce(warp, score, cg::plus<U>());
-    U new_max = max(max_score, score);
-    U factor = exp2f(max_score - new_max);
-    U exp_score = exp2f(score - new_max);
-    max_score = new_max;
-    sum_exp_score = sum_exp_score * factor + exp_score;
-    for (int j = 0; j < PER_LANE; j++) {
-      o[j] = o[j] * factor +
-          exp_score * static_cast<U>(V[PER_LANE * lane + j]);
-    }
-    K += BLOCKS * WARPS * D;
-    V += BLOCKS * WARPS * D;
-  }
+  attend_keys<T, D>(warp, K, V, qr, o, max_score, sum_exp_score, b * WARPS + w, extent,
+                    BLOCKS * WARPS);
   if (lane == 0) {
     max_scores[w] = max_score;
     sum_exp_scores[w] = sum_exp_score;
