@@ -19,6 +19,19 @@ inline constexpr const char* ROWS_ATTENTION_HEADER = R"cuda(
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
 
+// A lane's share of the query, times the scale in base 2, and its output zeroed.
+template <typename T, int D, typename Warp>
+__device__ void start_query(Warp& warp, const T* Q, float scale_log2, float* qr, float* o) {
+  constexpr int PER_LANE = D / 32;
+  const int lane = warp.thread_rank();
+  for (int i = 0; i < PER_LANE; i++) {
+    qr[i] = scale_log2 * static_cast<float>(Q[PER_LANE * lane + i]);
+  }
+  for (int i = 0; i < PER_LANE; i++) {
+    o[i] = 0.f;
+  }
+}
+
 // One warp's online softmax over keys first, first + stride, ... below extent (the loop of MLX's
 // vector kernels): each lane holds D / 32 of the query (already times the scale in base 2) and
 // of the output, and `max_score` and `sum_exp_score` carry the warp's running max and sum.
@@ -49,6 +62,34 @@ __device__ void attend_keys(Warp& warp, const T* K, const T* V, const float* qr,
     }
     K += stride * D;
     V += stride * D;
+  }
+}
+
+// The last step of MLX's one-pass kernel and of its two-pass combine, for a block of 32 warps:
+// lane l brings warp (or first-pass block) l's running max and sum, each warp its output `o`;
+// their weighted sum, normalized, is written to `out` (this row and head's D values).
+template <typename T, int D, typename Block, typename Warp>
+__device__ void combine_warps(Block& block, Warp& warp, float (*outputs)[33], float* o,
+                              float max_score, float sum_exp_score, T* out) {
+  constexpr int PER_LANE = D / 32;
+  const int lane = warp.thread_rank();
+  const int w = warp.meta_group_rank();
+  float new_max = cooperative_groups::reduce(warp, max_score, cooperative_groups::greater<float>());
+  float factor = exp2f(max_score - new_max);
+  sum_exp_score =
+      cooperative_groups::reduce(warp, sum_exp_score * factor, cooperative_groups::plus<float>());
+  sum_exp_score = sum_exp_score == 0 ? 0 : __frcp_rn(sum_exp_score);
+  for (int i = 0; i < PER_LANE; i++) {
+    outputs[lane][w] = o[i];
+    block.sync();
+    float ot = outputs[w][lane] * factor;
+    o[i] = cooperative_groups::reduce(warp, ot, cooperative_groups::plus<float>()) * sum_exp_score;
+    block.sync();
+  }
+  if (lane == 0) {
+    for (int i = 0; i < PER_LANE; i++) {
+      out[PER_LANE * w + i] = static_cast<T>(o[i]);
+    }
   }
 }
 )cuda";
@@ -82,12 +123,7 @@ inline constexpr const char* ROWS_ATTENTION_ONE_PASS = R"cuda(
   const T* V = v + (kv_base + w) * D;
   U qr[PER_LANE];
   U o[PER_LANE];
-  for (int i = 0; i < PER_LANE; i++) {
-    qr[i] = scale * static_cast<U>(Q[PER_LANE * lane + i]);
-  }
-  for (int i = 0; i < PER_LANE; i++) {
-    o[i] = 0.f;
-  }
+  start_query<T, D>(warp, Q, scale, qr, o);
   U max_score = -3.40282346638528859812e+38F;
   U sum_exp_score = 0.f;
   attend_keys<T, D>(warp, K, V, qr, o, max_score, sum_exp_score, w, extent, WARPS);
@@ -96,23 +132,8 @@ inline constexpr const char* ROWS_ATTENTION_ONE_PASS = R"cuda(
     sum_exp_scores[w] = sum_exp_score;
   }
   block.sync();
-  max_score = max_scores[lane];
-  U new_max = cg::reduce(warp, max_score, cg::greater<U>());
-  U factor = exp2f(max_score - new_max);
-  sum_exp_score = cg::reduce(warp, sum_exp_scores[lane] * factor, cg::plus<U>());
-  sum_exp_score = sum_exp_score == 0 ? 0 : __frcp_rn(sum_exp_score);
-  for (int i = 0; i < PER_LANE; i++) {
-    outputs[lane][w] = o[i];
-    block.sync();
-    U ot = outputs[w][lane] * factor;
-    o[i] = cg::reduce(warp, ot, cg::plus<U>()) * sum_exp_score;
-    block.sync();
-  }
-  if (lane == 0) {
-    for (int i = 0; i < PER_LANE; i++) {
-      out[(long)row * HQ * D + (long)head * D + PER_LANE * w + i] = static_cast<T>(o[i]);
-    }
-  }
+  combine_warps<T, D>(block, warp, outputs, o, max_scores[lane], sum_exp_scores[lane],
+                      out + ((long)row * HQ + head) * D);
 )cuda";
 
 // Rows of more than 1024 keys, first pass: block b of a (row, head) takes keys 8 b + w, + 256,
@@ -148,12 +169,7 @@ inline constexpr const char* ROWS_ATTENTION_PARTIALS = R"cuda(
   const long p = ((long)row * HQ + head) * BLOCKS + b;
   U qr[PER_LANE];
   U o[PER_LANE];
-  for (int i = 0; i < PER_LANE; i++) {
-    qr[i] = scale * static_cast<U>(Q[PER_LANE * lane + i]);
-  }
-  for (int i = 0; i < PER_LANE; i++) {
-    o[i] = 0.f;
-  }
+  start_query<T, D>(warp, Q, scale, qr, o);
   U max_score = -3.40282346638528859812e+38F;
   U sum_exp_score = 0.f;
   attend_keys<T, D>(warp, K, V, qr, o, max_score, sum_exp_score, b * WARPS + w, extent,
@@ -220,26 +236,10 @@ inline constexpr const char* ROWS_ATTENTION_COMBINE = R"cuda(
   }
   const long p = ((long)row * HQ + head) * BLOCKS;
   U o[PER_LANE];
-  U max_score = maxs[p + lane];
-  U new_max = cg::reduce(warp, max_score, cg::greater<U>());
-  U factor = exp2f(max_score - new_max);
-  U sum_exp_score = cg::reduce(warp, sums[p + lane] * factor, cg::plus<U>());
-  sum_exp_score = sum_exp_score == 0 ? 0 : __frcp_rn(sum_exp_score);
   for (int i = 0; i < PER_LANE; i++) {
     o[i] = partials[(p + w) * D + PER_LANE * lane + i];
   }
-  for (int i = 0; i < PER_LANE; i++) {
-    outputs[lane][w] = o[i];
-    block.sync();
-    U ot = outputs[w][lane] * factor;
-    o[i] = cg::reduce(warp, ot, cg::plus<U>()) * sum_exp_score;
-    block.sync();
-  }
-  if (lane == 0) {
-    for (int i = 0; i < PER_LANE; i++) {
-      out[o_base + PER_LANE * w + i] = static_cast<T>(o[i]);
-    }
-  }
+  combine_warps<T, D>(block, warp, outputs, o, maxs[p + lane], sums[p + lane], out + o_base);
 )cuda";
 
 }  // namespace verity_mlx
