@@ -133,6 +133,11 @@ fn counters_hold_what_the_answers_imply_and_each_request_logs_one_line() {
     let tokens = sum(&|v| usage(v, "completion_tokens"));
     assert_eq!(m.get("verity_batch_steps_total"), tokens);
     assert_eq!(m.get("verity_batch_step_rows_total"), tokens);
+    assert_eq!(
+        m.get("verity_batch_shared_cache_steps_total"),
+        0.0,
+        "a lone row shares nothing"
+    );
     let phase = |p: &str| m.get(&format!("verity_batch_step_seconds_total{{phase=\"{p}\"}}"));
     for p in ["draft", "build", "eval", "settle"] {
         assert!(phase(p) > 0.0, "{p}");

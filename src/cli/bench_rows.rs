@@ -81,6 +81,8 @@ struct Outcome {
     /// A batch case's step split in the median run: ms per step drafting, building, evaluating
     /// and settling ([`StepSplit`]).
     split: Option<[f64; 4]>,
+    /// A batch case's steps whose rows shared one KV cache per layer, and all its steps.
+    shared: Option<(usize, usize)>,
 }
 
 /// A split's phases in milliseconds per step.
@@ -107,6 +109,7 @@ impl Outcome {
             first_token_difference: None,
             ms_per_forward: timed.ms,
             split: timed.split.as_ref().map(ms_per_step),
+            shared: timed.split.as_ref().map(|s| (s.shared, s.steps)),
         };
         for (g, w) in got.iter().zip(want) {
             o.steps += w.len();
@@ -273,7 +276,8 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
                        "first_token_difference": o.first_token_difference,
                        "ms_per_forward": o.ms_per_forward,
                        "step_split_ms": o.split.map(|[d, b, e, s]| json!({
-                           "draft": d, "build": b, "eval": e, "settle": s}))})
+                           "draft": d, "build": b, "eval": e, "settle": s})),
+                       "shared_cache_steps": o.shared.map(|(shared, _)| shared)})
             })
             .collect();
         println!(
@@ -307,11 +311,11 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
                 o.ms_per_forward
             );
         }
-        println!("batch steps, ms per step: draft / build / eval / settle");
+        println!("batch steps, ms per step: draft / build / eval / settle; steps on shared caches");
         for o in &outcomes {
-            if let Some([d, b, e, s]) = o.split {
+            if let (Some([d, b, e, s]), Some((shared, steps))) = (o.split, o.shared) {
                 println!(
-                    "{:<34} {:<9} {d:.2} / {b:.2} / {e:.2} / {s:.2}",
+                    "{:<34} {:<9} {d:.2} / {b:.2} / {e:.2} / {s:.2}; {shared} of {steps}",
                     o.case, o.kernels
                 );
             }

@@ -64,6 +64,7 @@ pub struct Metrics {
     prefix_bytes: Gauge,
     steps: Counter,
     step_rows: Counter,
+    shared_steps: Counter,
     step_seconds: Family<PhaseLabels, Counter<f64, AtomicU64>>,
     rounds: Family<LaneLabels, Counter>,
     drafted: Family<DraftPositionLabels, Counter>,
@@ -160,6 +161,12 @@ impl Metrics {
                 "batch_step_rows",
                 "Rows of every batch step, summed (over the steps: the batch's mean width)",
             ),
+            shared_steps: registered(
+                r,
+                "batch_shared_cache_steps",
+                "Batch steps whose rows shared one KV cache per layer (every row plain over plain \
+                 KV caches)",
+            ),
             step_seconds: registered(
                 r,
                 "batch_step_seconds",
@@ -232,6 +239,7 @@ impl Metrics {
     pub fn stepped(&self, step: &StepSplit) {
         self.steps.inc_by(count(step.steps));
         self.step_rows.inc_by(count(step.rows));
+        self.shared_steps.inc_by(count(step.shared));
         for (phase, spent) in [
             ("draft", step.draft),
             ("build", step.build),
