@@ -200,8 +200,10 @@ impl LanguageModel for Model {
         self.layers.len()
     }
 
+    /// Sliding layers over plain KV caches need each row's window mask, which one shared
+    /// buffer's attention does not apply.
     fn attends_batch_caches(&self) -> bool {
-        true
+        self.swa_idx.is_none()
     }
 
     fn attention_head_dim(&self) -> usize {
