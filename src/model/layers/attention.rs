@@ -158,7 +158,7 @@ fn attend_batch(
     let q = rope.forward_at(&per_row(q)?, &offsets)?;
     let k = rope.forward_at(&per_row(k)?, &offsets)?;
     let kv = cache.append(&k, &per_row(v)?)?;
-    let out = if let Some(call) = rows_kernel::one_call(&q, scale, &kv.lens) {
+    let out = if let Some(call) = rows_kernel::one_call(&q, scale, &kv) {
         fast::rows_attention(
             &q,
             &kv.keys,

@@ -12,6 +12,8 @@ use std::sync::Mutex;
 
 use mlx::{fast, ops, random, Array, Device, Dtype, Result};
 
+use crate::cache::RowsKv;
+
 /// How a kernel rounds the attention scale into base 2 (the two MLX kernels differ).
 #[derive(Clone, Copy, Debug)]
 enum Log2e {
@@ -45,20 +47,24 @@ pub struct OneCall {
     pub two_pass: bool,
 }
 
-/// The one call for queries `q` (rows, heads, 1, head_dim) at `scale` over rows of `extents` keys
-/// (after this step's write), where it gives each row its lone call's bits; None otherwise.
-pub fn one_call(q: &Array, scale: f32, extents: &[usize]) -> Option<OneCall> {
+/// The one call for queries `q` (rows, heads, 1, head_dim) at `scale` over `kv` (after this
+/// step's write), where it gives each row its lone call's bits; None otherwise.
+pub fn one_call(q: &Array, scale: f32, kv: &RowsKv) -> Option<OneCall> {
     let (dtype, head_dim) = (q.dtype(), q.dim(3));
     let fits = mlx::default_device() == Device::Gpu
         && Device::Gpu.name() == "cuda"
         && matches!(head_dim, 64 | 96 | 128)
-        && matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16);
+        && kv.keys.dim(3) == head_dim
+        && kv.values.dim(3) == head_dim
+        && q.dim(1) % kv.keys.dim(1) == 0
+        && matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
+        && kv.keys.dtype() == dtype;
     if !fits {
         return None;
     }
     rounding(dtype, head_dim).map(|(one, two)| OneCall {
         scales_log2: (one.times(scale), two.times(scale)),
-        two_pass: extents.iter().any(|&e| e > 1024),
+        two_pass: kv.lens.iter().any(|&e| e > 1024),
     })
 }
 
