@@ -322,3 +322,27 @@ fn the_queue_depth_and_running_rows_show_a_waiting_request_and_a_cancel_is_count
         usage(&v, "completion_tokens")
     );
 }
+
+#[test]
+fn plain_requests_decoding_together_share_their_kv_caches() {
+    let s = Server::start(&model_dir(TARGET), &[]);
+    let mut long = chat("Write a long story.", 4000);
+    long["stream"] = json!(true);
+    long["logit_bias"] = json!({"2": -100, "0": -100});
+    let lines = s.open_stream("/v1/chat/completions", &long, 2);
+    scrape_when(&s, |m| m.get("verity_running_requests") == 1.0);
+    let before = Scrape::of(&s).get("verity_batch_shared_cache_steps_total");
+    let v = s.ok("/v1/chat/completions", &chat("hi", 8));
+    let after = Scrape::of(&s);
+    drop(lines);
+    // Every step of the short request but its joining one ran beside the stream.
+    let steps = usage(&v, "completion_tokens");
+    assert!(
+        after.get("verity_batch_shared_cache_steps_total") - before >= steps - 1.0,
+        "{steps} tokens beside a stream, {} steps on shared caches",
+        after.get("verity_batch_shared_cache_steps_total") - before
+    );
+    assert!(
+        after.get("verity_batch_shared_cache_steps_total") <= after.get("verity_batch_steps_total")
+    );
+}
