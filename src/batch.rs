@@ -119,6 +119,8 @@ pub struct Batch<'m> {
     /// attention reads a [`BatchKvCache`]), their caches gathered into one per layer: row r of
     /// `rows` is row r of each, and the rows' own `caches` are empty meanwhile.
     shared: Option<Vec<LayerCache>>,
+    /// Whether plain rows may share their caches at all ([`Batch::share_caches`]).
+    may_share: bool,
     split: StepSplit,
 }
 
@@ -128,6 +130,7 @@ impl<'m> Batch<'m> {
             model,
             rows: Vec::new(),
             shared: None,
+            may_share: true,
             split: StepSplit::default(),
         }
     }
@@ -202,6 +205,13 @@ impl<'m> Batch<'m> {
         Ok(())
     }
 
+    /// Whether plain rows over plain KV caches share one cache per layer (the default) or keep
+    /// their own: the same bits either way, so this is for measuring what sharing buys. Takes
+    /// effect from the next step.
+    pub fn share_caches(&mut self, share: bool) {
+        self.may_share = share;
+    }
+
     /// The ids of the rows still decoding, in the order they joined.
     pub fn ids(&self) -> Vec<usize> {
         self.rows.iter().map(|r| r.id).collect()
@@ -257,7 +267,8 @@ impl<'m> Batch<'m> {
         let plain = self.rows.iter().all(
             |row| matches!(&row.decoder, Decoder::Plain(p) if p.params.kv_quantization.is_none()),
         );
-        self.model.attends_batch_caches()
+        self.may_share
+            && self.model.attends_batch_caches()
             && self.rows.len() > 1
             && plain
             && BatchKvCache::fits(&lens)

@@ -47,6 +47,14 @@ pub struct RowsArgs {
     json: bool,
 }
 
+/// How a case decodes its prompts: each alone, or all as one batch whose plain rows share one
+/// KV cache per layer or keep their own ([`Batch::share_caches`]).
+#[derive(Clone, Copy)]
+enum Rows {
+    Alone,
+    Batch { shared: bool },
+}
+
 /// (token, logprob bits) of each emitted token.
 type Steps = Vec<(u32, Vec<u8>)>;
 
@@ -175,8 +183,9 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         let forwards = done.speculation.map_or(steps.len(), |s| s.target_calls);
         anyhow::Ok((steps, forwards))
     };
-    let batched = |k: Option<usize>| {
+    let batched = |k: Option<usize>, shared_caches: bool| {
         let mut batch = Batch::new(model);
+        batch.share_caches(shared_caches);
         for (i, prompt) in prompts.iter().enumerate() {
             let request = Request {
                 prompt,
@@ -204,21 +213,28 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         .map(|p| alone(None, None, p).map(|(s, _)| s))
         .collect::<anyhow::Result<_>>()?;
     let k_batch = *a.draft_tokens.iter().max().expect("checked non-empty");
-    let mut cases: Vec<(String, Option<usize>, bool)> = a
+    // (case, drafts per round, how the rows decode)
+    let mut cases: Vec<(String, Option<usize>, Rows)> = a
         .draft_tokens
         .iter()
-        .map(|&k| (format!("speculative alone, k={k}"), Some(k), false))
+        .map(|&k| (format!("speculative alone, k={k}"), Some(k), Rows::Alone))
         .collect();
-    cases.push((format!("batch of {}", prompts.len()), None, true));
+    let n = prompts.len();
+    cases.push((format!("batch of {n}"), None, Rows::Batch { shared: true }));
     cases.push((
-        format!("speculative batch of {}, k={k_batch}", prompts.len()),
+        format!("batch of {n}, own caches"),
+        None,
+        Rows::Batch { shared: false },
+    ));
+    cases.push((
+        format!("speculative batch of {n}, k={k_batch}"),
         Some(k_batch),
-        true,
+        Rows::Batch { shared: true },
     ));
     // One case's rows and its time per target forward.
-    let run = |k: Option<usize>, in_batch: bool| -> anyhow::Result<(Vec<Steps>, Timed)> {
-        if in_batch {
-            return batched(k);
+    let run = |k: Option<usize>, rows: Rows| -> anyhow::Result<(Vec<Steps>, Timed)> {
+        if let Rows::Batch { shared } = rows {
+            return batched(k, shared);
         }
         let start = Instant::now();
         let (mut got, mut forwards) = (Vec::new(), 0);
@@ -235,15 +251,15 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
     let chosen = lone_rows::enabled();
     for (kernels, on) in [("lone-row", true), ("batched", false)] {
         lone_rows::set_enabled(on);
-        for (case, k, in_batch) in &cases {
+        for (case, k, rows) in &cases {
             // The first run compiles the GPU's kernels for these shapes and is not timed.
-            let (got, _) = run(*k, *in_batch)?;
+            let (got, _) = run(*k, *rows)?;
             bar.inc(1);
             let mut ms = Vec::with_capacity(a.runs);
             for _ in 0..a.runs {
-                let (rows, t) = run(*k, *in_batch)?;
+                let (again, t) = run(*k, *rows)?;
                 anyhow::ensure!(
-                    rows == got,
+                    again == got,
                     "{case} ({kernels}) gave other bits on a second run"
                 );
                 ms.push(t);
