@@ -173,25 +173,30 @@ impl BatchKvCache {
         Ok(())
     }
 
-    /// Writes each row's new key and value (rows, H, 1, D) after its last token, in one
-    /// scatter per buffer, and returns the buffers with each row's slot and its extent after the
-    /// write (int32, one per row).
-    pub fn append(&mut self, keys: &Array, values: &Array) -> Result<RowsKv> {
-        let longest = self.offsets().into_iter().max().unwrap_or(0) as i32;
-        if longest + 1 > self.capacity() {
+    /// Each row's tokens so far as an int32 array: its next token's RoPE offset and where
+    /// [`BatchKvCache::append`] writes it (one array serves both).
+    pub fn positions(&self) -> Result<Array> {
+        let offsets: Vec<i32> = self.offsets().iter().map(|&o| o as i32).collect();
+        Ok(Array::from_slice(&offsets, &[offsets.len() as i32])?)
+    }
+
+    /// Writes each row's new key and value (rows, H, 1, D) at its `positions` (from
+    /// [`BatchKvCache::positions`]), in one scatter per buffer, and returns the buffers with each
+    /// row's slot and its extent after the write (int32, one per row).
+    pub fn append(&mut self, keys: &Array, values: &Array, positions: &Array) -> Result<RowsKv> {
+        let before = self.offsets();
+        if before.iter().any(|&o| o as i32 + 1 > self.capacity()) {
             self.add_capacity(STEP)?;
         }
         let b = self.active.len() as i32;
         let slots: Vec<i32> = self.active.iter().map(|&s| s as i32).collect();
-        let positions: Vec<i32> = self.offsets().iter().map(|&o| o as i32).collect();
         let slots = Array::from_slice(&slots, &[b])?;
-        let positions = Array::from_slice(&positions, &[b])?;
         let write = |buffer: &Array, new: &Array| -> Result<Array> {
             let s = new.shape();
             let updates = new.reshape(&[b, 1, s[1], 1, s[3]])?;
             Ok(ops::scatter(
                 buffer,
-                &[&slots, &positions],
+                &[&slots, positions],
                 &updates,
                 &[0, 2],
             )?)
@@ -201,13 +206,14 @@ impl BatchKvCache {
         for &s in &self.active {
             self.extents[s] += 1;
         }
-        let extents: Vec<i32> = self.offsets().iter().map(|&o| o as i32).collect();
+        let lens: Vec<usize> = before.iter().map(|&o| o + 1).collect();
+        let extents: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
         Ok(RowsKv {
             keys: self.keys.clone(),
             values: self.values.clone(),
             slots,
             extents: Array::from_slice(&extents, &[b])?,
-            lens: self.offsets(),
+            lens,
             slot_of: self.active.clone(),
         })
     }

@@ -153,11 +153,10 @@ fn attend_batch(
     cache: &mut BatchKvCache,
 ) -> crate::Result<Array> {
     let per_row = |y: &Array| y.transpose(&[2, 1, 0, 3]);
-    let offsets: Vec<i32> = cache.offsets().iter().map(|&o| o as i32).collect();
-    let offsets = Array::from_slice(&offsets, &[offsets.len() as i32])?;
-    let q = rope.forward_at(&per_row(q)?, &offsets)?;
-    let k = rope.forward_at(&per_row(k)?, &offsets)?;
-    let kv = cache.append(&k, &per_row(v)?)?;
+    let positions = cache.positions()?;
+    let q = rope.forward_at(&per_row(q)?, &positions)?;
+    let k = rope.forward_at(&per_row(k)?, &positions)?;
+    let kv = cache.append(&k, &per_row(v)?, &positions)?;
     let out = if let Some(call) = rows_kernel::one_call(&q, scale, &kv) {
         fast::rows_attention(
             &q,
