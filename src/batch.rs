@@ -295,14 +295,6 @@ impl<'m> Batch<'m> {
                 Decoder::Speculative { .. } => Vec::new(),
             })
             .collect();
-        let kv = |c: &LayerCache| -> Result<KvCache> {
-            match c {
-                LayerCache::Kv(kv) => Ok(kv.clone()),
-                _ => Err(contract(
-                    "a row joins shared caches with a cache other than plain KV",
-                )),
-            }
-        };
         let layers = self.model.num_caches();
         match &mut self.shared {
             None => {
@@ -310,9 +302,8 @@ impl<'m> Batch<'m> {
                 for l in 0..layers {
                     let rows = joining
                         .iter()
-                        .map(|c| kv(&c[l]))
+                        .map(|c| plain_kv(&c[l]))
                         .collect::<Result<Vec<_>>>()?;
-                    let rows: Vec<&KvCache> = rows.iter().collect();
                     gathered.push(LayerCache::Batch(BatchKvCache::gather(&rows)?));
                 }
                 self.shared = Some(gathered);
@@ -323,7 +314,7 @@ impl<'m> Batch<'m> {
                         let LayerCache::Batch(b) = layer else {
                             return Err(contract("shared caches hold a batch cache per layer"));
                         };
-                        b.join(&kv(c)?)?;
+                        b.join(plain_kv(c)?)?;
                     }
                 }
             }
@@ -584,5 +575,15 @@ impl<'m> Batch<'m> {
                 },
             })
             .collect())
+    }
+}
+
+/// A row's cache of one layer as the plain KV cache a shared buffer takes in.
+fn plain_kv(c: &LayerCache) -> Result<&KvCache> {
+    match c {
+        LayerCache::Kv(kv) => Ok(kv),
+        _ => Err(contract(
+            "a row joins shared caches with a cache other than plain KV",
+        )),
     }
 }
