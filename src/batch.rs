@@ -8,10 +8,11 @@
 //! draft with the same draft model draft together, one packed forward per draft step
 //! (crate::speculative::draft_model::draft_together).
 //!
-//! While every row is plain and its caches are plain KV caches, the rows' caches are gathered
-//! into one [`BatchKvCache`] per layer (rows joining move in, rows leaving take theirs back out),
-//! so that a step writes every row's keys in one op and, on CUDA, attends them in one kernel:
-//! on a GPU a step's cost is the host's work per graph node.
+//! While every row's caches are plain KV caches (and no row's draft source reads them), the
+//! rows' caches are gathered into one [`BatchKvCache`] per layer (rows joining move in, rows
+//! leaving take theirs back out; a speculative row's rejected drafts are taken back there), so
+//! that a step writes every row's keys in one op and, on CUDA, attends every query, a verify's
+//! included, in one kernel: on a GPU a step's cost is the host's work per graph node.
 //!
 //! A row emits what its request emits alone through [`crate::decode::decode`], token for token
 //! and logprob bit for bit, wherever the packed forward gives each row its lone bits (on the
@@ -55,6 +56,23 @@ enum Decoder<'m> {
         source: Box<dyn DraftSource + 'm>,
         drafter: &'m Drafter,
     },
+}
+
+impl Decoder<'_> {
+    /// The row's own caches (empty while it is in the batch's shared caches).
+    fn caches(&self) -> &[LayerCache] {
+        match self {
+            Decoder::Plain(p) => &p.caches,
+            Decoder::Speculative { speculator, .. } => &speculator.caches,
+        }
+    }
+
+    fn caches_mut(&mut self) -> &mut Vec<LayerCache> {
+        match self {
+            Decoder::Plain(p) => &mut p.caches,
+            Decoder::Speculative { speculator, .. } => &mut speculator.caches,
+        }
+    }
 }
 
 /// One request in the batch.
@@ -115,11 +133,11 @@ impl StepSplit {
 pub struct Batch<'m> {
     model: &'m dyn LanguageModel,
     rows: Vec<Row<'m>>,
-    /// While every row is a plain row whose caches are plain KV caches (and the model's
-    /// attention reads a [`BatchKvCache`]), their caches gathered into one per layer: row r of
-    /// `rows` is row r of each, and the rows' own `caches` are empty meanwhile.
+    /// While every row's caches are plain KV caches that may be shared ([`Batch::can_share`])
+    /// and the model's attention reads a [`BatchKvCache`], their caches gathered into one per
+    /// layer: row r of `rows` is row r of each, and the rows' own caches are empty meanwhile.
     shared: Option<Vec<LayerCache>>,
-    /// Whether plain rows may share their caches at all ([`Batch::share_caches`]).
+    /// Whether rows may share their caches at all ([`Batch::share_caches`]).
     may_share: bool,
     split: StepSplit,
 }
@@ -205,8 +223,8 @@ impl<'m> Batch<'m> {
         Ok(())
     }
 
-    /// Whether plain rows over plain KV caches share one cache per layer (the default) or keep
-    /// their own: the same bits either way, so this is for measuring what sharing buys. Takes
+    /// Whether rows over plain KV caches share one cache per layer (the default) or keep their
+    /// own: the same bits either way, so this is for measuring what sharing buys. Takes
     /// effect from the next step.
     pub fn share_caches(&mut self, share: bool) {
         self.may_share = share;
@@ -244,33 +262,34 @@ impl<'m> Batch<'m> {
         }
     }
 
-    /// Whether the next step's rows can share one KV cache per layer: two or more, every one a
-    /// plain row without KV quantization, on a model whose attention reads a batch cache, every
-    /// row not yet shared holding filled plain KV caches, and their lengths close enough for one
-    /// buffer ([`BatchKvCache::fits`]).
+    /// Whether the next step's rows can share one KV cache per layer: two or more, none
+    /// quantizing its KV cache and none drafting from the target's caches, on a model whose
+    /// attention reads a batch cache, every row not yet shared holding filled plain KV caches,
+    /// and their lengths close enough for one buffer ([`BatchKvCache::fits`]).
     fn can_share(&self) -> bool {
         let shared = self.shared_rows();
         let mut lens = match self.shared.as_deref() {
             Some([LayerCache::Batch(c), ..]) => c.offsets(),
             _ => Vec::new(),
         };
+        let own_kv = |c: &LayerCache| matches!(c, LayerCache::Kv(kv) if kv.kv.is_some());
         for row in &self.rows[shared..] {
-            let Decoder::Plain(p) = &row.decoder else {
-                return false;
-            };
-            let own_kv = |c: &LayerCache| matches!(c, LayerCache::Kv(kv) if kv.kv.is_some());
-            if !p.caches.iter().all(own_kv) {
+            let caches = row.decoder.caches();
+            if !caches.iter().all(own_kv) {
                 return false;
             }
-            lens.push(p.caches.first().map_or(0, LayerCache::offset));
+            lens.push(caches.first().map_or(0, LayerCache::offset));
         }
-        let plain = self.rows.iter().all(
-            |row| matches!(&row.decoder, Decoder::Plain(p) if p.params.kv_quantization.is_none()),
-        );
+        let shareable = self.rows.iter().all(|row| match &row.decoder {
+            Decoder::Plain(p) => p.params.kv_quantization.is_none(),
+            Decoder::Speculative {
+                speculator, source, ..
+            } => !speculator.quantizes_kv() && !source.reads_target_caches(),
+        });
         self.may_share
             && self.model.attends_batch_caches()
             && self.rows.len() > 1
-            && plain
+            && shareable
             && BatchKvCache::fits(&lens)
     }
 
@@ -290,10 +309,7 @@ impl<'m> Batch<'m> {
         let from = self.shared_rows();
         let joining: Vec<Vec<LayerCache>> = self.rows[from..]
             .iter_mut()
-            .map(|row| match &mut row.decoder {
-                Decoder::Plain(p) => std::mem::take(&mut p.caches),
-                Decoder::Speculative { .. } => Vec::new(),
-            })
+            .map(|row| std::mem::take(row.decoder.caches_mut()))
             .collect();
         let layers = self.model.num_caches();
         match &mut self.shared {
@@ -341,9 +357,7 @@ impl<'m> Batch<'m> {
         // Evaluated now, so that the copies hold none of the shared buffers the next step
         // writes in place.
         eval_state(&caches)?;
-        if let Decoder::Plain(p) = &mut self.rows[at].decoder {
-            p.caches = caches;
-        }
+        *self.rows[at].decoder.caches_mut() = caches;
         if self.shared_rows() == 0 {
             self.shared = None;
         }
@@ -457,10 +471,7 @@ impl<'m> Batch<'m> {
                 None => self
                     .rows
                     .iter_mut()
-                    .map(|row| match &mut row.decoder {
-                        Decoder::Plain(p) => &mut p.caches[..],
-                        Decoder::Speculative { speculator, .. } => &mut speculator.caches[..],
-                    })
+                    .map(|row| &mut row.decoder.caches_mut()[..])
                     .collect(),
             };
             let ids = ids.expand_dims(&[0])?;
@@ -502,7 +513,7 @@ impl<'m> Batch<'m> {
         let evaluated_at = Instant::now();
         let mut leaving = Vec::new();
         let mut rounds = rounds.into_iter();
-        for row in &mut self.rows {
+        for (at, row) in self.rows.iter_mut().enumerate() {
             let Decoder::Speculative {
                 speculator, source, ..
             } = &mut row.decoder
@@ -511,11 +522,17 @@ impl<'m> Batch<'m> {
             };
             let (logits, hidden) = rounds.next().expect("one round per speculative row");
             let mut stopped = false;
-            speculator.settle(source.as_mut(), &logits, &hidden, &mut |t| {
+            let rejected = speculator.settle(source.as_mut(), &logits, &hidden, &mut |t| {
                 let control = on_token(row.id, t);
                 stopped |= control == Control::Stop;
                 control
             })?;
+            for layer in self.shared.iter_mut().flatten() {
+                let LayerCache::Batch(b) = layer else {
+                    return Err(contract("shared caches hold a batch cache per layer"));
+                };
+                b.trim(at, rejected)?;
+            }
             if stopped || speculator.is_done() {
                 leaving.push(row.id);
             }

@@ -284,8 +284,9 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
         shared.get() > 0,
         "{fixture}: no step decoded two rows (with a speculative one when drafters are given)"
     );
-    // Plain rows of plain KV caches share one per layer whenever two decode together.
-    if model.attends_batch_caches() && matches!(caches, Caches::Plain) && drafters.is_empty() {
+    // Rows of plain KV caches, plain or speculative, share one per layer whenever two decode
+    // together.
+    if model.attends_batch_caches() && matches!(caches, Caches::Plain) {
         assert!(
             shared_steps.get() > 0,
             "{fixture}: no step's rows shared their KV caches"
@@ -452,6 +453,10 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
     }
     let got = batched(model, &drafters, &rows, &params);
     assert_eq!(got.widest, 4);
+    assert!(
+        got.shared_steps > 0,
+        "the rows never shared their KV caches"
+    );
     for (i, row) in rows.iter().enumerate() {
         let k = row.drafter.unwrap().1;
         let (want, stats) = alone_with_stats(model, Some(&drafters[0]), k, &row.prompt, &params[i]);

@@ -1,7 +1,8 @@
-//! A batch step's attention over one shared KV cache per layer (`BatchKvCache`) gives every row
-//! the bits its lone step gives it over a KV cache of its own: rows of head_dim 64, 96 and 128,
-//! in float32 and bfloat16, with grouped KV heads, some of whose keys pass 1024 (where a lone
-//! step on CUDA leaves the one-pass kernel that the batch's one attention call repeats), rows
+//! A batch step's attention over one shared KV cache per layer (`BatchKvCache`) gives every
+//! token the bits its lone one-token step gives it over a KV cache of its own: rows of head_dim
+//! 64, 96 and 128, in float32 and bfloat16, with grouped KV heads, some of whose keys pass 1024
+//! (where a lone step on CUDA leaves the one-pass kernel that the batch's one attention call
+//! repeats), speculative rows verifying several tokens and taking rejected ones back, rows
 //! joining (growing the buffer's slots and capacity) and leaving between steps. On the CPU each
 //! row takes a call over its own keys; under the nextest `gpu` profile on CUDA, one kernel for
 //! every row.
@@ -11,6 +12,7 @@ mod support;
 use mlx::{random, Array, Dtype};
 use verity::cache::{BatchKvCache, KvCache, LayerCache, Mask};
 use verity::model::layers::{attend_rows, rows_kernel, Rope};
+use verity::model::lone_rows;
 use verity::model::rows::LayerRows;
 
 const Q_HEADS: i32 = 4;
@@ -41,55 +43,74 @@ fn kv(cache: &LayerCache) -> &KvCache {
     }
 }
 
-/// Token `r` of a (1, H, B, D) array: row r's (1, H, 1, D).
-fn row(x: &Array, r: usize) -> Array {
-    x.slice_axis(2, r as i32, r as i32 + 1).unwrap()
+/// Token `t` of a (1, H, T, D) array: its (1, H, 1, D).
+fn token(x: &Array, t: usize) -> Array {
+    x.slice_axis(2, t as i32, t as i32 + 1).unwrap()
 }
 
-/// One step of every row: the batch over `batch`, and each row alone over its own cache in
-/// `lone`; every row's output bits must be equal.
+/// One step of every row, row r taking `lens[r]` tokens (a plain row 1, a speculative row's
+/// verify several): the batch over `batch`, as a batch step runs it, and each row alone over
+/// its own cache in `lone`, one token at a time as plain decoding takes them; every token's
+/// output bits must be equal.
 fn step(
     rope: &Rope,
     batch: &mut LayerCache,
     lone: &mut [LayerCache],
-    d: i32,
-    dtype: Dtype,
+    lens: &[usize],
+    (d, dtype): (i32, Dtype),
     seed: u64,
 ) {
-    let b = lone.len() as i32;
-    let q = normal(&[1, Q_HEADS, b, d], dtype, seed);
-    let k = normal(&[1, KV_HEADS, b, d], dtype, seed + 1);
-    let v = normal(&[1, KV_HEADS, b, d], dtype, seed + 2);
+    let t = lens.iter().sum::<usize>() as i32;
+    let q = normal(&[1, Q_HEADS, t, d], dtype, seed);
+    let k = normal(&[1, KV_HEADS, t, d], dtype, seed + 1);
+    let v = normal(&[1, KV_HEADS, t, d], dtype, seed + 2);
     let scale = (d as f64).powf(-0.5) as f32;
-    let ones = vec![1; lone.len()];
     let masks = [Mask::None];
-    let together = attend_rows(
-        rope,
-        scale,
-        &q,
-        &k,
-        &v,
-        &masks,
-        &mut LayerRows::one(batch, &ones),
-    )
-    .unwrap();
-    for (r, cache) in lone.iter_mut().enumerate() {
-        let offset = cache.offset();
-        let alone = attend_rows(
+    let together = lone_rows::decode_rows(|| {
+        attend_rows(
             rope,
             scale,
-            &row(&q, r),
-            &row(&k, r),
-            &row(&v, r),
+            &q,
+            &k,
+            &v,
             &masks,
-            &mut LayerRows::one(cache, &[1]),
+            &mut LayerRows::one(batch, lens),
         )
-        .unwrap();
-        assert_eq!(
-            support::bits(&row(&together, r)),
-            support::bits(&alone),
-            "head_dim {d}, {dtype:?}: row {r} after {offset} keys differs from its lone step"
-        );
+    })
+    .unwrap();
+    let mut at = 0;
+    for (r, (cache, &n)) in lone.iter_mut().zip(lens).enumerate() {
+        for i in 0..n {
+            let offset = cache.offset();
+            let alone = attend_rows(
+                rope,
+                scale,
+                &token(&q, at),
+                &token(&k, at),
+                &token(&v, at),
+                &masks,
+                &mut LayerRows::one(cache, &[1]),
+            )
+            .unwrap();
+            assert_eq!(
+                support::bits(&token(&together, at)),
+                support::bits(&alone),
+                "head_dim {d}, {dtype:?}: row {r}'s token {i} of {n}, after {offset} keys, \
+                 differs from its lone step"
+            );
+            at += 1;
+        }
+    }
+}
+
+/// Takes back each row's last `rejected[r]` tokens, in the batch and in its lone cache.
+fn reject(batch: &mut LayerCache, lone: &mut [LayerCache], rejected: &[usize]) {
+    let LayerCache::Batch(shared) = batch else {
+        unreachable!()
+    };
+    for (r, (cache, &n)) in lone.iter_mut().zip(rejected).enumerate() {
+        shared.trim(r, n).unwrap();
+        cache.trim(n).unwrap();
     }
 }
 
@@ -104,6 +125,7 @@ fn check(d: i32, dtype: Dtype) {
         );
     }
     let rope = Rope::new(d, 10000.0, false, None).unwrap();
+    let shape = (d, dtype);
     let mut lone: Vec<LayerCache> = [1, 31, 1000, 1022, 300]
         .iter()
         .enumerate()
@@ -111,9 +133,16 @@ fn check(d: i32, dtype: Dtype) {
         .collect();
     let rows: Vec<&KvCache> = lone.iter().map(kv).collect();
     let mut batch = LayerCache::Batch(BatchKvCache::gather(&rows).unwrap());
-    for s in 0..4 {
-        step(&rope, &mut batch, &mut lone, d, dtype, 1000 + 10 * s);
+    for s in 0..3 {
+        step(&rope, &mut batch, &mut lone, &[1; 5], shape, 1000 + 10 * s);
     }
+    // Speculative rounds: verifies of several tokens beside plain rows (one crossing 1024
+    // keys), their rejected drafts taken back, then plain steps over what was kept.
+    step(&rope, &mut batch, &mut lone, &[4, 1, 2, 3, 1], shape, 1100);
+    reject(&mut batch, &mut lone, &[2, 0, 1, 3, 0]);
+    step(&rope, &mut batch, &mut lone, &[1, 2, 1, 4, 1], shape, 1200);
+    reject(&mut batch, &mut lone, &[0, 1, 0, 0, 0]);
+    step(&rope, &mut batch, &mut lone, &[1; 5], shape, 1300);
     // Row 1 leaves as the cache it would be alone; rows join past the buffer's capacity and
     // its slots (nine rows where it held eight).
     let LayerCache::Batch(shared) = &mut batch else {
@@ -136,9 +165,17 @@ fn check(d: i32, dtype: Dtype) {
         lone.push(joining);
     }
     assert_eq!(shared.rows(), 9);
-    for s in 0..3 {
-        step(&rope, &mut batch, &mut lone, d, dtype, 2000 + 10 * s);
+    for s in 0..2 {
+        step(&rope, &mut batch, &mut lone, &[1; 9], shape, 2000 + 10 * s);
     }
+    step(
+        &rope,
+        &mut batch,
+        &mut lone,
+        &[1, 3, 1, 1, 4, 1, 2, 1, 1],
+        shape,
+        2100,
+    );
 }
 
 #[test]

@@ -1,13 +1,15 @@
-//! Several sequences' KV caches of one layer in one buffer, for the batch decode steps whose rows
-//! each add one token: one write for every row, and on CUDA one attention call
-//! (`mlx::fast::rows_attention`), where caches of their own cost each row a write, two reads and
-//! an attention call per layer. On a GPU a batch step is bound by the host's work per graph node
-//! (docs/gpu-rows.md), so those per-row nodes are what a wide batch pays for.
+//! Several sequences' KV caches of one layer in one buffer, for batch decode steps: one write
+//! for every row's new tokens, and on CUDA one attention call (`mlx::fast::rows_attention`),
+//! where caches of their own cost each row a write, two reads and an attention call per layer
+//! (per query, for a speculative row's verify on the lone-row path). On a GPU a batch step is
+//! bound by the host's work per graph node (docs/gpu-rows.md), so those per-row nodes are what
+//! a wide batch pays for.
 //!
 //! mlx-lm's BatchKVCache (models/cache.py) pads its rows on the left so that one mask serves
 //! them all; that moves a row's keys away from the positions of its lone cache, and with them
 //! the order its attention reads them in. Here every row starts at position 0 of its own slot
-//! and keeps its own extent, so its keys sit where its lone cache keeps them.
+//! and keeps its own extent, so its keys sit where its lone cache keeps them, and a speculative
+//! row's rejected drafts are taken back by setting its extent back, as its lone cache trims.
 
 use mlx::{ops, Array};
 
@@ -173,27 +175,59 @@ impl BatchKvCache {
         Ok(())
     }
 
-    /// Each row's tokens so far as an int32 array: its next token's RoPE offset and where
-    /// [`BatchKvCache::append`] writes it (one array serves both).
-    pub fn positions(&self) -> Result<Array> {
-        let offsets: Vec<i32> = self.offsets().iter().map(|&o| o as i32).collect();
-        Ok(Array::from_slice(&offsets, &[offsets.len() as i32])?)
+    /// The position of every new token of a step whose rows take `lens` tokens each (row r's
+    /// `lens[r]` tokens, from its offset on), as an int32 array: each token's RoPE offset and
+    /// where [`BatchKvCache::append`] writes it (one array serves both).
+    pub fn positions(&self, lens: &[usize]) -> Result<Array> {
+        self.check_lens(lens)?;
+        let positions: Vec<i32> = self
+            .offsets()
+            .into_iter()
+            .zip(lens)
+            .flat_map(|(o, &n)| (o..o + n).map(|p| p as i32))
+            .collect();
+        Ok(Array::from_slice(&positions, &[positions.len() as i32])?)
     }
 
-    /// Writes each row's new key and value (rows, H, 1, D) at its `positions` (from
-    /// [`BatchKvCache::positions`]), in one scatter per buffer, and returns the buffers with each
-    /// row's slot and its extent after the write (int32, one per row).
-    pub fn append(&mut self, keys: &Array, values: &Array, positions: &Array) -> Result<RowsKv> {
-        let before = self.offsets();
-        if before.iter().any(|&o| o as i32 + 1 > self.capacity()) {
-            self.add_capacity(STEP)?;
+    fn check_lens(&self, lens: &[usize]) -> Result<()> {
+        if lens.len() != self.rows() || lens.contains(&0) {
+            return Err(contract(format!(
+                "a batch cache of {} rows given row lengths {lens:?}",
+                self.rows()
+            )));
         }
-        let b = self.active.len() as i32;
-        let slots: Vec<i32> = self.active.iter().map(|&s| s as i32).collect();
-        let slots = Array::from_slice(&slots, &[b])?;
+        Ok(())
+    }
+
+    /// Writes the rows' new keys and values (T, H, 1, D), row r's `lens[r]` tokens in turn, at
+    /// their `positions` (from [`BatchKvCache::positions`]), in one scatter per buffer, and
+    /// returns the buffers with what each token's query reads: its row's slot and the keys up
+    /// to its own (as a one-token step at its position reads them).
+    pub fn append(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+        positions: &Array,
+        lens: &[usize],
+    ) -> Result<RowsKv> {
+        self.check_lens(lens)?;
+        let before = self.offsets();
+        let longest = before.iter().zip(lens).map(|(o, n)| o + n).max();
+        let needed = longest.unwrap_or(0) as i32;
+        if needed > self.capacity() {
+            self.add_capacity(round_up(needed - self.capacity(), STEP))?;
+        }
+        let mut slots = Vec::with_capacity(keys.dim(0) as usize);
+        let mut query_extents = Vec::with_capacity(slots.capacity());
+        for ((&slot, &o), &n) in self.active.iter().zip(&before).zip(lens) {
+            slots.extend(std::iter::repeat_n(slot as i32, n));
+            query_extents.extend(o + 1..=o + n);
+        }
+        let t = slots.len() as i32;
+        let slots = Array::from_slice(&slots, &[t])?;
         let write = |buffer: &Array, new: &Array| -> Result<Array> {
             let s = new.shape();
-            let updates = new.reshape(&[b, 1, s[1], 1, s[3]])?;
+            let updates = new.reshape(&[t, 1, s[1], 1, s[3]])?;
             Ok(ops::scatter(
                 buffer,
                 &[&slots, positions],
@@ -203,19 +237,36 @@ impl BatchKvCache {
         };
         self.keys = write(&self.keys, keys)?;
         self.values = write(&self.values, values)?;
-        for &s in &self.active {
-            self.extents[s] += 1;
+        for (&s, &n) in self.active.iter().zip(lens) {
+            self.extents[s] += n;
         }
-        let lens: Vec<usize> = before.iter().map(|&o| o + 1).collect();
-        let extents: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+        let extents: Vec<i32> = query_extents.iter().map(|&e| e as i32).collect();
         Ok(RowsKv {
             keys: self.keys.clone(),
             values: self.values.clone(),
             slots,
-            extents: Array::from_slice(&extents, &[b])?,
-            lens,
+            extents: Array::from_slice(&extents, &[t])?,
+            query_extents,
             slot_of: self.active.clone(),
+            row_extents: self.offsets(),
         })
+    }
+
+    /// Takes back row `row`'s last `n` tokens (a speculative round's rejected drafts), as its
+    /// lone cache trims them: later writes overwrite them.
+    pub fn trim(&mut self, row: usize, n: usize) -> Result<()> {
+        let slot = *self
+            .active
+            .get(row)
+            .ok_or_else(|| contract(format!("no row {row} in a batch cache")))?;
+        if n > self.extents[slot] {
+            return Err(contract(format!(
+                "cannot take back {n} of row {row}'s {} tokens",
+                self.extents[slot]
+            )));
+        }
+        self.extents[slot] -= n;
+        Ok(())
     }
 
     pub fn state(&self) -> Vec<&Array> {
@@ -223,22 +274,26 @@ impl BatchKvCache {
     }
 }
 
-/// What a batch step's attention reads after [`BatchKvCache::append`].
+/// What a batch step's attention reads after [`BatchKvCache::append`]: per query (every new
+/// token of every row, in order) and per row.
 pub struct RowsKv {
     /// The shared (slots, H, capacity, D) buffers.
     pub keys: Array,
     pub values: Array,
-    /// Each row's slot and its extent, as int32 arrays for a kernel and as numbers.
+    /// Each query's slot and the keys it reads (its row's up to its own), as int32 arrays for a
+    /// kernel and as numbers.
     pub slots: Array,
     pub extents: Array,
-    pub lens: Vec<usize>,
+    pub query_extents: Vec<usize>,
+    /// Each row's slot and its extent after the write.
     pub slot_of: Vec<usize>,
+    pub row_extents: Vec<usize>,
 }
 
 impl RowsKv {
     /// Row `r`'s keys and values alone, (1, H, extent, D): what its lone cache returns.
     pub fn row(&self, r: usize) -> Result<(Array, Array)> {
-        let (slot, len) = (self.slot_of[r] as i32, self.lens[r] as i32);
+        let (slot, len) = (self.slot_of[r] as i32, self.row_extents[r] as i32);
         let own = |buffer: &Array| -> mlx::Result<Array> {
             seq(&buffer.slice_axis(0, slot, slot + 1)?, 0, len)
         };

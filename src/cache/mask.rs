@@ -48,7 +48,7 @@ pub fn create_causal_mask(n: usize, offset: usize, window: Option<usize>) -> Res
 }
 
 /// models/cache.py `create_attention_mask(N, offset, return_array=False, window_size)`.
-pub(crate) fn attention_mask(n: usize, offset: usize, window: Option<usize>) -> Result<Mask> {
+pub fn attention_mask(n: usize, offset: usize, window: Option<usize>) -> Result<Mask> {
     if window.is_some() {
         Ok(Mask::Array(create_causal_mask(n, offset, window)?))
     } else if n == 1 {

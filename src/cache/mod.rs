@@ -16,7 +16,7 @@ mod rotating;
 pub use batch_kv::{BatchKvCache, RowsKv};
 pub use gated_delta::{gated_delta_update, normalize_qk, Recurrence, RecurrentStep};
 pub use kv::KvCache;
-pub use mask::{create_causal_mask, Mask};
+pub use mask::{attention_mask, create_causal_mask, Mask};
 pub use prompt_file::{load_prompt_cache, save_prompt_cache};
 pub use quantized::{Packed3, QuantizedKvCache};
 pub use recurrent::{RecurrentCache, RecurrentState};
@@ -104,8 +104,8 @@ impl LayerCache {
             LayerCache::QuantizedKv(c) => mask::attention_mask(n, c.offset, window),
             LayerCache::Rotating(c) => c.make_mask(n, window),
             LayerCache::Recurrent(_) => Ok(Mask::None),
-            LayerCache::Batch(_) if n == 1 => Ok(Mask::None),
-            LayerCache::Batch(_) => Err(contract("a batch cache takes one token per row")),
+            // Attention's batch path builds each row's own mask.
+            LayerCache::Batch(_) => Ok(Mask::None),
         }
     }
 

@@ -226,11 +226,14 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         None,
         Rows::Batch { shared: false },
     ));
-    cases.push((
-        format!("speculative batch of {n}, k={k_batch}"),
-        Some(k_batch),
-        Rows::Batch { shared: true },
-    ));
+    for shared in [true, false] {
+        let own = if shared { "" } else { ", own caches" };
+        cases.push((
+            format!("speculative batch of {n}, k={k_batch}{own}"),
+            Some(k_batch),
+            Rows::Batch { shared },
+        ));
+    }
     // One case's rows and its time per target forward.
     let run = |k: Option<usize>, rows: Rows| -> anyhow::Result<(Vec<Steps>, Timed)> {
         if let Rows::Batch { shared } = rows {
@@ -310,7 +313,7 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             a.max_tokens
         );
         println!(
-            "{:<34} {:<9} {:>11} {:>17} {:>11} {:>11}",
+            "{:<40} {:<9} {:>11} {:>17} {:>11} {:>11}",
             "case", "kernels", "rows equal", "logprob bits eq.", "first diff", "ms/forward"
         );
         for o in &outcomes {
@@ -318,7 +321,7 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
                 .first_token_difference
                 .map_or("-".into(), |f| f.to_string());
             println!(
-                "{:<34} {:<9} {:>11} {:>17} {:>11} {:>11.2}",
+                "{:<40} {:<9} {:>11} {:>17} {:>11} {:>11.2}",
                 o.case,
                 o.kernels,
                 format!("{}/{}", o.rows_equal, o.rows),
@@ -331,7 +334,7 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         for o in &outcomes {
             if let (Some([d, b, e, s]), Some((shared, steps))) = (o.split, o.shared) {
                 println!(
-                    "{:<34} {:<9} {d:.2} / {b:.2} / {e:.2} / {s:.2}; {shared} of {steps}",
+                    "{:<40} {:<9} {d:.2} / {b:.2} / {e:.2} / {s:.2}; {shared} of {steps}",
                     o.case, o.kernels
                 );
             }

@@ -51,6 +51,11 @@ impl<'a> LayerRows<'a> {
         }
     }
 
+    /// Each row's token count.
+    pub fn lens(&self) -> &'a [usize] {
+        self.lens
+    }
+
     /// Whether there are several rows, each of one token (a batch decode step).
     pub fn one_token_each(&self) -> bool {
         self.lens.len() > 1 && self.lens.iter().all(|&l| l == 1)
@@ -94,8 +99,8 @@ pub(crate) fn check(
         if let Some(LayerCache::Batch(c)) = only.first() {
             if only.len() != layers
                 || c.rows() != lens.len()
-                || lens.iter().any(|&l| l != 1)
-                || tokens != lens.len()
+                || lens.contains(&0)
+                || tokens != lens.iter().sum::<usize>()
             {
                 return Err(contract(format!(
                     "a batch cache of {} rows and {} layers for row lengths {lens:?} ({tokens} \

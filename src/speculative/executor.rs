@@ -329,13 +329,15 @@ impl Speculator {
     /// (1, n, V) and tapped `hidden` states (one (1, n, H) per tap) over its input: accepts the
     /// drafts the target agrees with, emits them and the target's own token through
     /// `on_token`, takes the rest back from the caches and the sampler, and tells the source.
+    /// Returns how many tokens of the round the caches gave back: a batch holding this row's
+    /// caches in a shared buffer meanwhile (its own are empty then) takes them back there.
     pub fn settle(
         &mut self,
         source: &mut dyn DraftSource,
         logits: &Array,
         hidden: &[Array],
         on_token: &mut dyn FnMut(&GeneratedToken) -> Control,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         quantize_due(&mut self.caches, self.params.kv_quantization.as_ref())?;
         if self.verdict.is_none() {
             self.enqueue_verdict(logits)?;
@@ -385,7 +387,8 @@ impl Speculator {
         // not emitted.
         self.sampler.rewind(tokens.len() - emit_count)?;
         // The target fed the last token and the k drafts; it keeps those and the accepted ones.
-        end_round(&mut self.caches, k - accepted)?;
+        let rejected = k - accepted;
+        end_round(&mut self.caches, rejected)?;
         let verified = Verified {
             drafted: k,
             accepted: accepted.min(emit_count),
@@ -397,7 +400,7 @@ impl Speculator {
                 source.commit(&verified)?;
             }
             self.done = true;
-            return Ok(());
+            return Ok(rejected);
         }
         self.last = tokens[accepted];
         self.anchor = hidden
@@ -427,13 +430,18 @@ impl Speculator {
         }
         // max_tokens reached inside the accepted drafts: no bonus token (as mlx-lm).
         self.done = emit_count <= accepted;
-        Ok(())
+        Ok(rejected)
     }
 
     /// The request's statistics and the constraint in the state of the emitted tokens.
     pub fn finish(self) -> (SpeculationStats, Option<Constraint>) {
         let mut sampler = self.sampler;
         (self.stats, sampler.take_constraint())
+    }
+
+    /// Whether this request quantizes its KV caches as they grow.
+    pub(crate) fn quantizes_kv(&self) -> bool {
+        self.params.kv_quantization.is_some()
     }
 
     /// The speculation counters so far.

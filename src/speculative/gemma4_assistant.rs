@@ -141,6 +141,10 @@ impl DraftSource for AssistantDrafter<'_> {
         PrefillMode::Full
     }
 
+    fn reads_target_caches(&self) -> bool {
+        true
+    }
+
     fn prefill(&mut self, _prompt: &[u32], ctx: &mut DraftContext<'_>) -> Result<()> {
         self.accepted.clear();
         let p = ctx.params;

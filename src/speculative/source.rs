@@ -140,6 +140,12 @@ pub trait DraftSource {
     /// The round's outcome (also after a round without drafts).
     fn commit(&mut self, round: &Verified<'_>) -> Result<()>;
 
+    /// Whether drafting reads the target's caches (`DraftContext::target`): a batch then keeps
+    /// this row's caches its own rather than in a buffer shared with other rows.
+    fn reads_target_caches(&self) -> bool {
+        false
+    }
+
     /// The draft model this source runs, if any, so the executor can check it against the
     /// target before anything runs.
     fn draft_model(&self) -> Option<&dyn LanguageModel> {

@@ -141,6 +141,10 @@ impl<S: DraftSource> DraftSource for Spy<S> {
         self.inner.prefill_mode()
     }
 
+    fn reads_target_caches(&self) -> bool {
+        self.inner.reads_target_caches()
+    }
+
     fn prefill(&mut self, prompt: &[u32], ctx: &mut DraftContext<'_>) -> verity::Result<()> {
         self.inner.prefill(prompt, ctx)
     }

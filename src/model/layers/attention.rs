@@ -4,7 +4,7 @@
 use mlx::{fast, ops, Array, Dtype, Result};
 
 use super::{rows_kernel, Dims, Linear, QkNorm, Rope};
-use crate::cache::{BatchKvCache, KeysValues, LayerCache, Mask, Packed3};
+use crate::cache::{attention_mask, BatchKvCache, KeysValues, LayerCache, Mask, Packed3};
 use crate::load::{LoadResult, QuantConfig, Weights};
 use crate::model::rows::{self, LayerRows};
 use crate::model::{lone_rows, row_blocks};
@@ -109,8 +109,9 @@ pub fn attend_rows(
     masks: &[Mask],
     rows: &mut LayerRows,
 ) -> crate::Result<Array> {
+    let lens = rows.lens();
     if let [LayerCache::Batch(cache)] = rows.caches.as_mut_slice() {
-        return attend_batch(rope, scale, q, k, v, cache);
+        return attend_batch(rope, scale, q, k, v, cache, lens);
     }
     let mut outs = Vec::with_capacity(masks.len());
     if rows.one_token_each() {
@@ -140,10 +141,11 @@ pub fn attend_rows(
     rows.join(outs, 2)
 }
 
-/// A batch step over one [`BatchKvCache`] (B rows of one token each, (1, heads, B, head_dim)):
-/// RoPE at each row's offset, one write for every row, and one attention call where CUDA gives
-/// every row its lone step's bits in one ([`rows_kernel::one_call`]), else a call per row over its
-/// own keys, the call its lone step makes.
+/// A batch step over one [`BatchKvCache`], row r taking `lens[r]` tokens ((1, heads, T,
+/// head_dim), the rows' tokens in turn): RoPE at each token's position, one write for every
+/// token, and one attention call where CUDA gives every query its one-token step's bits in one
+/// ([`rows_kernel::one_call`]); else each row's call (or calls) over its own keys, what its lone
+/// step or verify makes ([`attend_row`]).
 fn attend_batch(
     rope: &Rope,
     scale: f32,
@@ -151,12 +153,13 @@ fn attend_batch(
     k: &Array,
     v: &Array,
     cache: &mut BatchKvCache,
+    lens: &[usize],
 ) -> crate::Result<Array> {
-    let per_row = |y: &Array| y.transpose(&[2, 1, 0, 3]);
-    let positions = cache.positions()?;
-    let q = rope.forward_at(&per_row(q)?, &positions)?;
-    let k = rope.forward_at(&per_row(k)?, &positions)?;
-    let kv = cache.append(&k, &per_row(v)?, &positions)?;
+    let per_query = |y: &Array| y.transpose(&[2, 1, 0, 3]);
+    let positions = cache.positions(lens)?;
+    let q = rope.forward_at(&per_query(q)?, &positions)?;
+    let k = rope.forward_at(&per_query(k)?, &positions)?;
+    let kv = cache.append(&k, &per_query(v)?, &positions, lens)?;
     let out = if let Some(call) = rows_kernel::one_call(&q, scale, &kv) {
         fast::rows_attention(
             &q,
@@ -168,16 +171,21 @@ fn attend_batch(
             call.two_pass,
         )?
     } else {
-        let outs = (0..kv.lens.len())
-            .map(|r| {
-                let (keys, values) = kv.row(r)?;
-                let q = q.slice_axis(0, r as i32, r as i32 + 1)?;
-                attend(&q, &KeysValues::Dense { keys, values }, scale, &Mask::None)
-            })
-            .collect::<crate::Result<Vec<_>>>()?;
+        let mut start = 0;
+        let mut outs = Vec::with_capacity(lens.len());
+        for (r, &n) in lens.iter().enumerate() {
+            let (keys, values) = kv.row(r)?;
+            let end = start + n as i32;
+            let q = per_query(&q.slice_axis(0, start, end)?)?;
+            let offset = kv.row_extents[r] - n;
+            let mask = attention_mask(n, offset, None)?;
+            let out = attend_row(&q, &KeysValues::Dense { keys, values }, scale, &mask, true)?;
+            outs.push(per_query(&out)?);
+            start = end;
+        }
         ops::concatenate(&outs.iter().collect::<Vec<_>>(), 0)?
     };
-    Ok(per_row(&out)?)
+    Ok(per_query(&out)?)
 }
 
 /// One row's attention over the keys and values its cache returned: [`attend`], or, on the

@@ -64,7 +64,7 @@ pub fn one_call(q: &Array, scale: f32, kv: &RowsKv) -> Option<OneCall> {
     }
     rounding(dtype, head_dim).map(|(one, two)| OneCall {
         scales_log2: (one.times(scale), two.times(scale)),
-        two_pass: kv.lens.iter().any(|&e| e > 1024),
+        two_pass: kv.query_extents.iter().any(|&e| e > 1024),
     })
 }
 
