@@ -23,7 +23,7 @@
 use std::ptr;
 use std::time::{Duration, Instant};
 
-use mlx::Dtype;
+use mlx::{ops, Array, Dtype};
 
 use crate::bundle::ModelBundle;
 use crate::cache::{eval_state, quantize_due, BatchKvCache, KvCache, LayerCache};
@@ -477,6 +477,7 @@ impl<'m> Batch<'m> {
             let ids = ids.expand_dims(&[0])?;
             lone_rows::decode_rows(|| self.model.forward_rows(&ids, &mut caches, &lens, &taps))?
         };
+        let greedy = GreedyRows::sample(&self.rows, &lens, &out.logits)?;
         let mut sampled = Vec::new();
         let mut pending = Vec::new();
         let mut rounds = Vec::new();
@@ -487,10 +488,13 @@ impl<'m> Batch<'m> {
             match &mut row.decoder {
                 Decoder::Plain(p) => {
                     quantize_due(&mut p.caches, p.params.kv_quantization.as_ref())?;
-                    let input = token_array(&[p.next])?;
-                    let logprobs = logprobs_after(&mut p.sampler, &input, &logits.squeeze(&[1])?)?;
-                    let y = p.sampler.sample(&logprobs)?;
-                    sampled.push((y, logprobs.squeeze(&[0])?));
+                    if !greedy.as_ref().is_some_and(|g| g.holds(start)) {
+                        let input = token_array(&[p.next])?;
+                        let logits = logits.squeeze(&[1])?;
+                        let logprobs = logprobs_after(&mut p.sampler, &input, &logits)?;
+                        let y = p.sampler.sample(&logprobs)?.astype(Dtype::Uint32)?;
+                        sampled.push((y, logprobs.squeeze(&[0])?));
+                    }
                 }
                 Decoder::Speculative { speculator, .. } => {
                     let hidden = speculator
@@ -506,6 +510,10 @@ impl<'m> Batch<'m> {
                 }
             }
             start = end;
+        }
+        if let Some(g) = &greedy {
+            pending.push(g.tokens.clone());
+            pending.extend(g.logprobs.iter().cloned());
         }
         // Every row's tokens at once: the host waits for the device once per step.
         let built_at = Instant::now();
@@ -538,12 +546,27 @@ impl<'m> Batch<'m> {
             }
         }
         let mut sampled = sampled.into_iter();
-        for row in &mut self.rows {
+        let greedy_tokens = greedy
+            .as_ref()
+            .map(|g| g.tokens.to_vec::<u32>())
+            .transpose()?;
+        let mut start = 0;
+        for (row, &len) in self.rows.iter_mut().zip(&lens) {
+            let row_start = start;
+            start += len;
             let Decoder::Plain(p) = &mut row.decoder else {
                 continue;
             };
-            let (y, logprobs) = sampled.next().expect("one sample per plain row");
-            let token = y.astype(Dtype::Uint32)?.item::<u32>()?;
+            let (token, logprobs) = match (&greedy, &greedy_tokens) {
+                (Some(g), Some(tokens)) if g.holds(row_start as i32) => {
+                    let i = g.index(row_start as i32);
+                    (tokens[i], g.logprobs[i].clone())
+                }
+                _ => {
+                    let (y, logprobs) = sampled.next().expect("one sample per plain row");
+                    (y.item::<u32>()?, logprobs)
+                }
+            };
             if p.sampler.is_constrained() {
                 p.sampler.advance_grammar(token)?;
             }
@@ -592,6 +615,62 @@ impl<'m> Batch<'m> {
                 },
             })
             .collect())
+    }
+}
+
+/// The plain rows of a step that sample by argmax alone (greedy, without logits processors or a
+/// grammar), sampled together: one logsumexp and one argmax over their (n, V) logits in place
+/// of a handful of ops per row. Each row keeps its lone bits: both reduce each row on its own
+/// ([`crate::model::lone_rows`]).
+struct GreedyRows {
+    /// The rows' positions on the step's token axis, ascending.
+    at: Vec<i32>,
+    /// (n,) uint32 tokens, and each row's logprobs (V,): views of one (n, V) array, evaluated
+    /// with the step so that reading one later costs nothing.
+    tokens: Array,
+    logprobs: Vec<Array>,
+}
+
+impl GreedyRows {
+    /// The greedy plain rows of a step over rows of `lens` tokens with `logits` (1, T, V); None
+    /// when fewer than two.
+    fn sample(rows: &[Row<'_>], lens: &[usize], logits: &Array) -> Result<Option<GreedyRows>> {
+        let mut at = Vec::new();
+        let mut start = 0;
+        for (row, &len) in rows.iter().zip(lens) {
+            if matches!(&row.decoder, Decoder::Plain(p) if p.sampler.samples_by_argmax()) {
+                at.push(start);
+            }
+            start += len as i32;
+        }
+        if at.len() < 2 {
+            return Ok(None);
+        }
+        let logits = logits.squeeze(&[0])?;
+        let logits = if at.len() as i32 == start {
+            logits
+        } else {
+            logits.take(&Array::from_slice(&at, &[at.len() as i32])?, 0)?
+        };
+        let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+        let tokens = ops::argmax(&logprobs, -1, false)?.astype(Dtype::Uint32)?;
+        let logprobs = (0..at.len() as i32)
+            .map(|i| logprobs.slice_axis(0, i, i + 1)?.squeeze(&[0]))
+            .collect::<mlx::Result<_>>()?;
+        Ok(Some(GreedyRows {
+            at,
+            tokens,
+            logprobs,
+        }))
+    }
+
+    /// Whether the row starting at `start` on the token axis is one of these.
+    fn holds(&self, start: i32) -> bool {
+        self.at.binary_search(&start).is_ok()
+    }
+
+    fn index(&self, start: i32) -> usize {
+        self.at.binary_search(&start).expect("a greedy row")
     }
 }
 

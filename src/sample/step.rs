@@ -67,6 +67,12 @@ impl StepSampler {
         self.sampler.is_greedy()
     }
 
+    /// Whether a step's token is the argmax of its logprobs and nothing else: greedy, without
+    /// processors or a grammar (a batch samples such rows together).
+    pub fn samples_by_argmax(&self) -> bool {
+        self.is_greedy() && !self.has_processors() && !self.is_constrained()
+    }
+
     /// Whether the grammar is complete (only EOS may follow).
     pub fn grammar_stopped(&self) -> bool {
         self.constraint.as_ref().is_some_and(Constraint::is_stopped)
