@@ -157,6 +157,7 @@ struct Batched {
     speculation: BTreeMap<usize, SpeculationStats>,
     widest: usize,
     shared_steps: usize,
+    shared_draft_steps: usize,
 }
 
 fn batched<'m>(
@@ -209,6 +210,7 @@ fn batched<'m>(
         speculation,
         widest,
         shared_steps: batch.split().shared,
+        shared_draft_steps: batch.split().shared_drafts,
     }
 }
 
@@ -242,6 +244,7 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
                 speculation,
                 widest,
                 shared_steps: cache_shared,
+                ..
             } = batched(model, &drafters, &rows, &params);
             shared_steps.set(shared_steps.get() + cache_shared);
             for (i, row) in rows.iter().enumerate() {
@@ -456,6 +459,10 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
     assert!(
         got.shared_steps > 0,
         "the rows never shared their KV caches"
+    );
+    assert!(
+        got.shared_draft_steps > 0,
+        "the rows never shared their draft model's KV caches"
     );
     for (i, row) in rows.iter().enumerate() {
         let k = row.drafter.unwrap().1;

@@ -176,7 +176,7 @@ impl BatchKvCache {
     }
 
     /// The position of every new token of a step whose rows take `lens` tokens each (row r's
-    /// `lens[r]` tokens, from its offset on), as an int32 array: each token's RoPE offset and
+    /// `lens[r]` tokens, from its offset on; a row may take none), as an int32 array: each token's RoPE offset and
     /// where [`BatchKvCache::append`] writes it (one array serves both).
     pub fn positions(&self, lens: &[usize]) -> Result<Array> {
         self.check_lens(lens)?;
@@ -190,7 +190,7 @@ impl BatchKvCache {
     }
 
     fn check_lens(&self, lens: &[usize]) -> Result<()> {
-        if lens.len() != self.rows() || lens.contains(&0) {
+        if lens.len() != self.rows() || lens.iter().all(|&n| n == 0) {
             return Err(contract(format!(
                 "a batch cache of {} rows given row lengths {lens:?}",
                 self.rows()

@@ -89,8 +89,9 @@ struct Outcome {
     /// A batch case's step split in the median run: ms per step drafting, building, evaluating
     /// and settling ([`StepSplit`]).
     split: Option<[f64; 4]>,
-    /// A batch case's steps whose rows shared one KV cache per layer, and all its steps.
-    shared: Option<(usize, usize)>,
+    /// A batch case's steps whose rows shared one KV cache per layer, those whose rows drafted
+    /// over shared draft caches, and all its steps.
+    shared: Option<(usize, usize, usize)>,
 }
 
 /// A split's phases in milliseconds per step.
@@ -117,7 +118,10 @@ impl Outcome {
             first_token_difference: None,
             ms_per_forward: timed.ms,
             split: timed.split.as_ref().map(ms_per_step),
-            shared: timed.split.as_ref().map(|s| (s.shared, s.steps)),
+            shared: timed
+                .split
+                .as_ref()
+                .map(|s| (s.shared, s.shared_drafts, s.steps)),
         };
         for (g, w) in got.iter().zip(want) {
             o.steps += w.len();
@@ -296,7 +300,8 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
                        "ms_per_forward": o.ms_per_forward,
                        "step_split_ms": o.split.map(|[d, b, e, s]| json!({
                            "draft": d, "build": b, "eval": e, "settle": s})),
-                       "shared_cache_steps": o.shared.map(|(shared, _)| shared)})
+                       "shared_cache_steps": o.shared.map(|(shared, _, _)| shared),
+                       "shared_draft_cache_steps": o.shared.map(|(_, drafts, _)| drafts)})
             })
             .collect();
         println!(
@@ -330,11 +335,14 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
                 o.ms_per_forward
             );
         }
-        println!("batch steps, ms per step: draft / build / eval / settle; steps on shared caches");
+        println!(
+            "batch steps, ms per step: draft / build / eval / settle; steps on shared caches \
+             (target, draft)"
+        );
         for o in &outcomes {
-            if let (Some([d, b, e, s]), Some((shared, steps))) = (o.split, o.shared) {
+            if let (Some([d, b, e, s]), Some((shared, drafts, steps))) = (o.split, o.shared) {
                 println!(
-                    "{:<40} {:<9} {d:.2} / {b:.2} / {e:.2} / {s:.2}; {shared} of {steps}",
+                    "{:<40} {:<9} {d:.2} / {b:.2} / {e:.2} / {s:.2}; {shared}, {drafts} of {steps}",
                     o.case, o.kernels
                 );
             }

@@ -24,6 +24,8 @@ pub struct DraftModel<'m> {
     pending: Vec<u32>,
     /// This round's drafts and how many tokens were fed to the draft model for them.
     round: Option<(Vec<u32>, usize)>,
+    /// The tokens the last commit took back from the caches.
+    taken_back: usize,
 }
 
 impl<'m> DraftModel<'m> {
@@ -44,6 +46,7 @@ impl<'m> DraftModel<'m> {
             cached,
             pending: Vec::new(),
             round: None,
+            taken_back: 0,
         }
     }
 
@@ -64,11 +67,16 @@ pub trait SteppedDraft {
     /// the round back).
     fn open_round(&mut self, n: usize) -> Option<Vec<u32>>;
 
-    /// The draft model's caches, which each draft step updates.
-    fn caches_mut(&mut self) -> &mut [LayerCache];
+    /// The draft model's caches, which each draft step updates (empty while a batch holds them
+    /// in a buffer shared with other rows).
+    fn caches_mut(&mut self) -> &mut Vec<LayerCache>;
 
     /// The drafts of the round `open_round` opened.
     fn close_round(&mut self, drafts: &[u32]);
+
+    /// How many tokens the last round's commit took back from the caches: a batch holding them
+    /// in a shared buffer takes them back there.
+    fn taken_back(&self) -> usize;
 }
 
 impl SteppedDraft for DraftModel<'_> {
@@ -87,7 +95,7 @@ impl SteppedDraft for DraftModel<'_> {
         Some(std::mem::take(&mut self.pending))
     }
 
-    fn caches_mut(&mut self) -> &mut [LayerCache] {
+    fn caches_mut(&mut self) -> &mut Vec<LayerCache> {
         &mut self.caches
     }
 
@@ -96,16 +104,31 @@ impl SteppedDraft for DraftModel<'_> {
             kept.extend_from_slice(drafts);
         }
     }
+
+    fn taken_back(&self) -> usize {
+        self.taken_back
+    }
+}
+
+/// Draft caches that a batch holds for several rows in one buffer per layer
+/// ([`crate::cache::BatchKvCache`]): the rows drafting together are rows `rows[r]` of it, in
+/// ascending order, of its `len` rows.
+pub struct SharedDraftCaches<'a> {
+    pub caches: &'a mut [LayerCache],
+    pub rows: Vec<usize>,
+    pub len: usize,
 }
 
 /// Drafts for several requests that draft with the same `model`, each row `(source, its
 /// context, drafts wanted)`: one packed forward per draft step over the rows still drafting
 /// (crate::model::rows, the lone-row kernels on a GPU), each row sampling its draft from its
-/// own logits with its own sampler. Wherever the packed forward gives each row its lone bits
-/// (the CPU), every row drafts what it drafts alone.
+/// own logits with its own sampler; over the rows' own caches, or over `shared` ones (the other
+/// rows there take no token). Wherever the packed forward gives each row its lone bits (the
+/// CPU), every row drafts what it drafts alone.
 pub fn draft_together(
     model: &dyn LanguageModel,
     rows: &mut [(&mut dyn SteppedDraft, DraftContext<'_>, usize)],
+    mut shared: Option<SharedDraftCaches<'_>>,
 ) -> Result<Vec<Vec<u32>>> {
     // Each row's next input: its pending tokens first, then its last draft.
     let mut inputs: Vec<Option<Array>> = rows
@@ -132,15 +155,26 @@ pub fn draft_together(
             .collect::<mlx::Result<_>>()?;
         let lens: Vec<usize> = fed.iter().map(|a| a.dim(0) as usize).collect();
         let ids = mlx::ops::concatenate(&fed.iter().collect::<Vec<_>>(), 0)?.expand_dims(&[0])?;
-        let logits = {
-            let mut caches: Vec<&mut [LayerCache]> = rows
-                .iter_mut()
-                .enumerate()
-                .filter(|(r, _)| live.contains(r))
-                .map(|(_, (source, _, _))| source.caches_mut())
-                .collect();
-            lone_rows::decode_rows(|| model.forward_rows(&ids, &mut caches, &lens, &[]))?.logits
-        };
+        let logits = match &mut shared {
+            Some(shared) => {
+                let mut all = vec![0; shared.len];
+                for (&r, &len) in live.iter().zip(&lens) {
+                    all[shared.rows[r]] = len;
+                }
+                let mut caches = [&mut shared.caches[..]];
+                lone_rows::decode_rows(|| model.forward_rows(&ids, &mut caches, &all, &[]))?
+            }
+            None => {
+                let mut caches: Vec<&mut [LayerCache]> = rows
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(r, _)| live.contains(r))
+                    .map(|(_, (source, _, _))| &mut source.caches_mut()[..])
+                    .collect();
+                lone_rows::decode_rows(|| model.forward_rows(&ids, &mut caches, &lens, &[]))?
+            }
+        }
+        .logits;
         let mut end = 0;
         let mut step = Vec::with_capacity(live.len());
         for (&r, &len) in live.iter().zip(&lens) {
@@ -240,6 +274,7 @@ impl DraftSource for DraftModel<'_> {
 
     fn commit(&mut self, round: &Verified<'_>) -> Result<()> {
         let (drafted, accepted, next) = (round.drafted, round.accepted, round.next);
+        self.taken_back = 0;
         let Some((drafts, fed)) = self.round.take() else {
             // Nothing drafted this round: the target's token joins what is still to be fed.
             self.pending.extend(next);
@@ -249,7 +284,8 @@ impl DraftSource for DraftModel<'_> {
         // Fed: the pending tokens and drafts 1..n-1. Keep the pending ones and the accepted drafts.
         let kept_drafts = accepted.min(drafted - 1);
         let pending_fed = fed - (drafted - 1);
-        end_round(&mut self.caches, fed - pending_fed - kept_drafts)?;
+        self.taken_back = fed - pending_fed - kept_drafts;
+        end_round(&mut self.caches, self.taken_back)?;
         self.pending = if accepted == drafted {
             vec![drafts[drafted - 1]]
         } else {

@@ -173,7 +173,7 @@ fn attend_batch(
     } else {
         let mut start = 0;
         let mut outs = Vec::with_capacity(lens.len());
-        for (r, &n) in lens.iter().enumerate() {
+        for (r, &n) in lens.iter().enumerate().filter(|(_, &n)| n > 0) {
             let (keys, values) = kv.row(r)?;
             let end = start + n as i32;
             let q = per_query(&q.slice_axis(0, start, end)?)?;

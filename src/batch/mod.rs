@@ -20,13 +20,16 @@
 //! next step before its current token is read (generate_step's pipelining); a batch reads every
 //! row's token at the end of each step, since its rows' next inputs are those tokens.
 
+mod greedy;
+mod shared;
+
 use std::ptr;
 use std::time::{Duration, Instant};
 
-use mlx::{ops, Array, Dtype};
+use mlx::Dtype;
 
 use crate::bundle::ModelBundle;
-use crate::cache::{eval_state, quantize_due, BatchKvCache, KvCache, LayerCache};
+use crate::cache::{quantize_due, LayerCache};
 use crate::decode::{Request, Start};
 use crate::generate::{
     logprobs_after, prefill_request, token_array, Control, GenerateParams, GeneratedToken,
@@ -34,9 +37,11 @@ use crate::generate::{
 };
 use crate::model::{lone_rows, LanguageModel};
 use crate::sample::StepSampler;
-use crate::speculative::draft_model::draft_together;
+use crate::speculative::draft_model::{draft_together, SharedDraftCaches};
 use crate::speculative::{DraftPrefix, DraftSource, Drafter, SpeculationStats, Speculator};
 use crate::{error::contract, Result};
+use greedy::GreedyRows;
+use shared::DraftGroup;
 
 /// A plain row between steps.
 struct Plain {
@@ -112,6 +117,8 @@ pub struct StepSplit {
     pub settle: Duration,
     /// The steps whose rows shared one KV cache per layer ([`BatchKvCache`]).
     pub shared: usize,
+    /// The steps some of whose rows drafted over shared draft caches.
+    pub shared_drafts: usize,
 }
 
 impl StepSplit {
@@ -125,6 +132,7 @@ impl StepSplit {
             eval: self.eval - earlier.eval,
             settle: self.settle - earlier.settle,
             shared: self.shared - earlier.shared,
+            shared_drafts: self.shared_drafts - earlier.shared_drafts,
         }
     }
 }
@@ -137,6 +145,9 @@ pub struct Batch<'m> {
     /// and the model's attention reads a [`BatchKvCache`], their caches gathered into one per
     /// layer: row r of `rows` is row r of each, and the rows' own caches are empty meanwhile.
     shared: Option<Vec<LayerCache>>,
+    /// The rows drafting with one draft model whose draft caches share one buffer per layer,
+    /// per draft model.
+    draft_groups: Vec<DraftGroup<'m>>,
     /// Whether rows may share their caches at all ([`Batch::share_caches`]).
     may_share: bool,
     split: StepSplit,
@@ -148,6 +159,7 @@ impl<'m> Batch<'m> {
             model,
             rows: Vec::new(),
             shared: None,
+            draft_groups: Vec::new(),
             may_share: true,
             split: StepSplit::default(),
         }
@@ -254,116 +266,6 @@ impl<'m> Batch<'m> {
         Ok(true)
     }
 
-    /// The rows already in the shared caches (the first ones; later rows joined since).
-    fn shared_rows(&self) -> usize {
-        match self.shared.as_deref() {
-            Some([LayerCache::Batch(c), ..]) => c.rows(),
-            _ => 0,
-        }
-    }
-
-    /// Whether the next step's rows can share one KV cache per layer: two or more, none
-    /// quantizing its KV cache and none drafting from the target's caches, on a model whose
-    /// attention reads a batch cache, every row not yet shared holding filled plain KV caches,
-    /// and their lengths close enough for one buffer ([`BatchKvCache::fits`]).
-    fn can_share(&self) -> bool {
-        let shared = self.shared_rows();
-        let mut lens = match self.shared.as_deref() {
-            Some([LayerCache::Batch(c), ..]) => c.offsets(),
-            _ => Vec::new(),
-        };
-        let own_kv = |c: &LayerCache| matches!(c, LayerCache::Kv(kv) if kv.kv.is_some());
-        for row in &self.rows[shared..] {
-            let caches = row.decoder.caches();
-            if !caches.iter().all(own_kv) {
-                return false;
-            }
-            lens.push(caches.first().map_or(0, LayerCache::offset));
-        }
-        let shareable = self.rows.iter().all(|row| match &row.decoder {
-            Decoder::Plain(p) => p.params.kv_quantization.is_none(),
-            Decoder::Speculative {
-                speculator, source, ..
-            } => !speculator.quantizes_kv() && !source.reads_target_caches(),
-        });
-        self.may_share
-            && self.model.attends_batch_caches()
-            && self.rows.len() > 1
-            && shareable
-            && BatchKvCache::fits(&lens)
-    }
-
-    /// Before a step: the rows that joined since move into the shared caches (gathered when
-    /// there are none yet), or every row takes its caches back when they can no longer share.
-    fn arrange_shared(&mut self) -> Result<()> {
-        let outgrown =
-            matches!(self.shared.as_deref(), Some([LayerCache::Batch(c), ..]) if c.outgrown());
-        if outgrown || !self.can_share() {
-            for at in (0..self.shared_rows()).rev() {
-                self.take_shared(at)?;
-            }
-            if !self.can_share() {
-                return Ok(());
-            }
-        }
-        let from = self.shared_rows();
-        let joining: Vec<Vec<LayerCache>> = self.rows[from..]
-            .iter_mut()
-            .map(|row| std::mem::take(row.decoder.caches_mut()))
-            .collect();
-        let layers = self.model.num_caches();
-        match &mut self.shared {
-            None => {
-                let mut gathered = Vec::with_capacity(layers);
-                for l in 0..layers {
-                    let rows = joining
-                        .iter()
-                        .map(|c| plain_kv(&c[l]))
-                        .collect::<Result<Vec<_>>>()?;
-                    gathered.push(LayerCache::Batch(BatchKvCache::gather(&rows)?));
-                }
-                self.shared = Some(gathered);
-            }
-            Some(shared) => {
-                for caches in &joining {
-                    for (layer, c) in shared.iter_mut().zip(caches) {
-                        let LayerCache::Batch(b) = layer else {
-                            return Err(contract("shared caches hold a batch cache per layer"));
-                        };
-                        b.join(plain_kv(c)?)?;
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Row `at` takes its own caches back out of the shared ones (when it is in them).
-    fn take_shared(&mut self, at: usize) -> Result<()> {
-        if at >= self.shared_rows() {
-            return Ok(());
-        }
-        let shared = self
-            .shared
-            .as_mut()
-            .expect("a shared row implies shared caches");
-        let caches = shared
-            .iter_mut()
-            .map(|layer| match layer {
-                LayerCache::Batch(b) => Ok(LayerCache::Kv(b.leave(at)?)),
-                _ => Err(contract("shared caches hold a batch cache per layer")),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        // Evaluated now, so that the copies hold none of the shared buffers the next step
-        // writes in place.
-        eval_state(&caches)?;
-        *self.rows[at].decoder.caches_mut() = caches;
-        if self.shared_rows() == 0 {
-            self.shared = None;
-        }
-        Ok(())
-    }
-
     /// The next round's drafts of every speculative row whose draft model another row drafts
     /// with too, each model's rows drafting together; None for the rows that draft alone.
     fn draft_shared(&mut self) -> Result<Vec<Option<Vec<u32>>>> {
@@ -378,7 +280,9 @@ impl<'m> Batch<'m> {
         let shared =
             |m: &ModelBundle| models.iter().flatten().filter(|o| ptr::eq(**o, m)).count() > 1;
         let mut out = vec![None; self.rows.len()];
-        let mut groups: Vec<(&'m ModelBundle, Vec<usize>, Vec<_>)> = Vec::new();
+        // Per draft model: the drafting rows' indices, their (source, context, drafts wanted),
+        // and their rows in the model's shared draft caches, if any.
+        let mut groups: Vec<(&'m ModelBundle, Vec<usize>, Vec<_>, Vec<usize>)> = Vec::new();
         for ((i, row), model) in self.rows.iter_mut().enumerate().zip(&models) {
             let (
                 Some(model),
@@ -402,17 +306,40 @@ impl<'m> Batch<'m> {
             let g = match groups.iter().position(|g| ptr::eq(g.0, model)) {
                 Some(g) => g,
                 None => {
-                    groups.push((model, Vec::new(), Vec::new()));
+                    groups.push((model, Vec::new(), Vec::new(), Vec::new()));
                     groups.len() - 1
                 }
             };
+            let in_buffer = self.draft_groups.iter().find_map(|g| g.row_of(row.id));
             groups[g].1.push(i);
             groups[g].2.push((stepped, ctx, want));
+            groups[g].3.extend(in_buffer);
         }
-        for (model, rows, mut members) in groups {
-            for (i, drafts) in rows
-                .into_iter()
-                .zip(draft_together(model.model(), &mut members)?)
+        for (model, rows, members, in_buffer) in groups {
+            let shared = self
+                .draft_groups
+                .iter_mut()
+                .find(|g| ptr::eq(g.model, model));
+            // Over shared caches the rows draft in the buffer's order.
+            let mut order: Vec<_> = rows.into_iter().zip(members).collect();
+            let shared = match shared {
+                Some(group) if in_buffer.len() == order.len() => {
+                    let mut keyed: Vec<_> = in_buffer.into_iter().zip(order).collect();
+                    keyed.sort_by_key(|(r, _)| *r);
+                    let (in_buffer, sorted): (Vec<usize>, Vec<_>) = keyed.into_iter().unzip();
+                    order = sorted;
+                    Some(SharedDraftCaches {
+                        len: group.ids.len(),
+                        caches: &mut group.caches,
+                        rows: in_buffer,
+                    })
+                }
+                _ => None,
+            };
+            let (rows, mut members): (Vec<usize>, Vec<_>) = order.into_iter().unzip();
+            for (i, drafts) in
+                rows.into_iter()
+                    .zip(draft_together(model.model(), &mut members, shared)?)
             {
                 out[i] = Some(drafts);
             }
@@ -535,11 +462,17 @@ impl<'m> Batch<'m> {
                 stopped |= control == Control::Stop;
                 control
             })?;
-            for layer in self.shared.iter_mut().flatten() {
-                let LayerCache::Batch(b) = layer else {
-                    return Err(contract("shared caches hold a batch cache per layer"));
-                };
-                b.trim(at, rejected)?;
+            if let Some(shared) = &mut self.shared {
+                shared::trim(shared, at, rejected)?;
+            }
+            let taken_back = source.stepped().map_or(0, |s| s.taken_back());
+            if let Some(group) = self
+                .draft_groups
+                .iter_mut()
+                .find(|g| g.row_of(row.id).is_some())
+            {
+                let r = group.row_of(row.id).expect("a member");
+                shared::trim(&mut group.caches, r, taken_back)?;
             }
             if stopped || speculator.is_done() {
                 leaving.push(row.id);
@@ -591,6 +524,7 @@ impl<'m> Batch<'m> {
         split.eval += evaluated_at - built_at;
         split.settle += evaluated_at.elapsed();
         split.shared += usize::from(self.shared.is_some());
+        split.shared_drafts += usize::from(!self.draft_groups.is_empty());
         for at in (0..self.rows.len()).rev() {
             if leaving.contains(&self.rows[at].id) {
                 self.take_shared(at)?;
@@ -615,71 +549,5 @@ impl<'m> Batch<'m> {
                 },
             })
             .collect())
-    }
-}
-
-/// The plain rows of a step that sample by argmax alone (greedy, without logits processors or a
-/// grammar), sampled together: one logsumexp and one argmax over their (n, V) logits in place
-/// of a handful of ops per row. Each row keeps its lone bits: both reduce each row on its own
-/// ([`crate::model::lone_rows`]).
-struct GreedyRows {
-    /// The rows' positions on the step's token axis, ascending.
-    at: Vec<i32>,
-    /// (n,) uint32 tokens, and each row's logprobs (V,): views of one (n, V) array, evaluated
-    /// with the step so that reading one later costs nothing.
-    tokens: Array,
-    logprobs: Vec<Array>,
-}
-
-impl GreedyRows {
-    /// The greedy plain rows of a step over rows of `lens` tokens with `logits` (1, T, V); None
-    /// when fewer than two.
-    fn sample(rows: &[Row<'_>], lens: &[usize], logits: &Array) -> Result<Option<GreedyRows>> {
-        let mut at = Vec::new();
-        let mut start = 0;
-        for (row, &len) in rows.iter().zip(lens) {
-            if matches!(&row.decoder, Decoder::Plain(p) if p.sampler.samples_by_argmax()) {
-                at.push(start);
-            }
-            start += len as i32;
-        }
-        if at.len() < 2 {
-            return Ok(None);
-        }
-        let logits = logits.squeeze(&[0])?;
-        let logits = if at.len() as i32 == start {
-            logits
-        } else {
-            logits.take(&Array::from_slice(&at, &[at.len() as i32])?, 0)?
-        };
-        let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
-        let tokens = ops::argmax(&logprobs, -1, false)?.astype(Dtype::Uint32)?;
-        let logprobs = (0..at.len() as i32)
-            .map(|i| logprobs.slice_axis(0, i, i + 1)?.squeeze(&[0]))
-            .collect::<mlx::Result<_>>()?;
-        Ok(Some(GreedyRows {
-            at,
-            tokens,
-            logprobs,
-        }))
-    }
-
-    /// Whether the row starting at `start` on the token axis is one of these.
-    fn holds(&self, start: i32) -> bool {
-        self.at.binary_search(&start).is_ok()
-    }
-
-    fn index(&self, start: i32) -> usize {
-        self.at.binary_search(&start).expect("a greedy row")
-    }
-}
-
-/// A row's cache of one layer as the plain KV cache a shared buffer takes in.
-fn plain_kv(c: &LayerCache) -> Result<&KvCache> {
-    match c {
-        LayerCache::Kv(kv) => Ok(kv),
-        _ => Err(contract(
-            "a row joins shared caches with a cache other than plain KV",
-        )),
     }
 }

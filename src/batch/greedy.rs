@@ -1,0 +1,66 @@
+//! Greedy rows sampled together.
+
+use mlx::{ops, Array, Dtype};
+
+use super::{Decoder, Row};
+use crate::Result;
+
+/// The plain rows of a step that sample by argmax alone (greedy, without logits processors or a
+/// grammar), sampled together: one logsumexp and one argmax over their (n, V) logits in place
+/// of a handful of ops per row. Each row keeps its lone bits: both reduce each row on its own
+/// ([`crate::model::lone_rows`]).
+pub(super) struct GreedyRows {
+    /// The rows' positions on the step's token axis, ascending.
+    at: Vec<i32>,
+    /// (n,) uint32 tokens, and each row's logprobs (V,): views of one (n, V) array, evaluated
+    /// with the step so that reading one later costs nothing.
+    pub(super) tokens: Array,
+    pub(super) logprobs: Vec<Array>,
+}
+
+impl GreedyRows {
+    /// The greedy plain rows of a step over rows of `lens` tokens with `logits` (1, T, V); None
+    /// when fewer than two.
+    pub(super) fn sample(
+        rows: &[Row<'_>],
+        lens: &[usize],
+        logits: &Array,
+    ) -> Result<Option<GreedyRows>> {
+        let mut at = Vec::new();
+        let mut start = 0;
+        for (row, &len) in rows.iter().zip(lens) {
+            if matches!(&row.decoder, Decoder::Plain(p) if p.sampler.samples_by_argmax()) {
+                at.push(start);
+            }
+            start += len as i32;
+        }
+        if at.len() < 2 {
+            return Ok(None);
+        }
+        let logits = logits.squeeze(&[0])?;
+        let logits = if at.len() as i32 == start {
+            logits
+        } else {
+            logits.take(&Array::from_slice(&at, &[at.len() as i32])?, 0)?
+        };
+        let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
+        let tokens = ops::argmax(&logprobs, -1, false)?.astype(Dtype::Uint32)?;
+        let logprobs = (0..at.len() as i32)
+            .map(|i| logprobs.slice_axis(0, i, i + 1)?.squeeze(&[0]))
+            .collect::<mlx::Result<_>>()?;
+        Ok(Some(GreedyRows {
+            at,
+            tokens,
+            logprobs,
+        }))
+    }
+
+    /// Whether the row starting at `start` on the token axis is one of these.
+    pub(super) fn holds(&self, start: i32) -> bool {
+        self.at.binary_search(&start).is_ok()
+    }
+
+    pub(super) fn index(&self, start: i32) -> usize {
+        self.at.binary_search(&start).expect("a greedy row")
+    }
+}

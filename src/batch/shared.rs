@@ -1,0 +1,333 @@
+//! The batch's shared caches: while its rows' caches are plain KV caches, one buffer per layer
+//! holds every row's ([`BatchKvCache`]), and the draft caches of the rows that draft with one
+//! draft model one buffer per layer of that model. Rows join between steps and take their
+//! caches back out when they leave or when the rows can no longer share.
+
+use std::ptr;
+
+use super::{Batch, Decoder, Row};
+use crate::bundle::ModelBundle;
+use crate::cache::{eval_state, BatchKvCache, KvCache, LayerCache};
+use crate::{error::contract, Result};
+
+/// The rows that draft with one draft model, their draft caches in one buffer per layer.
+pub(super) struct DraftGroup<'m> {
+    pub(super) model: &'m ModelBundle,
+    /// The rows' ids, in the buffer's row order (the batch's row order).
+    pub(super) ids: Vec<usize>,
+    pub(super) caches: Vec<LayerCache>,
+}
+
+impl DraftGroup<'_> {
+    /// Row `id`'s row in the buffers.
+    pub(super) fn row_of(&self, id: usize) -> Option<usize> {
+        self.ids.iter().position(|&i| i == id)
+    }
+}
+
+/// Whether every cache of `caches` is a filled plain KV cache.
+fn filled_kv(caches: &[LayerCache]) -> bool {
+    caches
+        .iter()
+        .all(|c| matches!(c, LayerCache::Kv(kv) if kv.kv.is_some()))
+}
+
+/// A row's cache of one layer as the plain KV cache a shared buffer takes in.
+fn plain_kv(c: &LayerCache) -> Result<&KvCache> {
+    match c {
+        LayerCache::Kv(kv) => Ok(kv),
+        _ => Err(contract(
+            "a row joins shared caches with a cache other than plain KV",
+        )),
+    }
+}
+
+/// One buffer per layer holding `rows`' caches, in order.
+fn gather(rows: &[Vec<LayerCache>]) -> Result<Vec<LayerCache>> {
+    let layers = rows.first().map_or(0, Vec::len);
+    (0..layers)
+        .map(|l| {
+            let own = rows
+                .iter()
+                .map(|c| plain_kv(&c[l]))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(LayerCache::Batch(BatchKvCache::gather(&own)?))
+        })
+        .collect()
+}
+
+/// `caches`' batch cache of every layer.
+fn batch_caches(caches: &mut [LayerCache]) -> impl Iterator<Item = Result<&mut BatchKvCache>> {
+    caches.iter_mut().map(|layer| match layer {
+        LayerCache::Batch(b) => Ok(b),
+        _ => Err(contract("shared caches hold a batch cache per layer")),
+    })
+}
+
+/// Row `row`'s own caches, taken back out of `shared`, evaluated now so that the copies hold
+/// none of the shared buffers the next step writes in place.
+fn leave(shared: &mut [LayerCache], row: usize) -> Result<Vec<LayerCache>> {
+    let caches = batch_caches(shared)
+        .map(|b| Ok(LayerCache::Kv(b?.leave(row)?)))
+        .collect::<Result<Vec<_>>>()?;
+    eval_state(&caches)?;
+    Ok(caches)
+}
+
+/// Adds `row`'s caches to `shared` as its last row.
+fn join(shared: &mut [LayerCache], row: &[LayerCache]) -> Result<()> {
+    for (b, c) in batch_caches(shared).zip(row) {
+        b?.join(plain_kv(c)?)?;
+    }
+    Ok(())
+}
+
+/// Takes back the last `n` tokens of row `row` in `shared`.
+pub(super) fn trim(shared: &mut [LayerCache], row: usize, n: usize) -> Result<()> {
+    for b in batch_caches(shared) {
+        b?.trim(row, n)?;
+    }
+    Ok(())
+}
+
+/// Whether a buffer outgrew its rows (a long row left): gathering them afresh pads less.
+fn outgrown(shared: &[LayerCache]) -> bool {
+    matches!(shared.first(), Some(LayerCache::Batch(c)) if c.outgrown())
+}
+
+/// The rows' offsets in a shared buffer.
+fn offsets(shared: &[LayerCache]) -> Vec<usize> {
+    match shared.first() {
+        Some(LayerCache::Batch(c)) => c.offsets(),
+        _ => Vec::new(),
+    }
+}
+
+impl<'m> Row<'m> {
+    /// The draft model this row drafts with through a draft model's rounds, if any.
+    fn draft_model(&self) -> Option<&'m ModelBundle> {
+        match &self.decoder {
+            Decoder::Speculative { drafter, .. } => drafter.draft_model(),
+            Decoder::Plain(_) => None,
+        }
+    }
+
+    /// The row's own draft caches (a draft model's rounds), if any.
+    fn draft_caches(&mut self) -> Option<&mut Vec<LayerCache>> {
+        match &mut self.decoder {
+            Decoder::Speculative { source, .. } => Some(source.stepped()?.caches_mut()),
+            Decoder::Plain(_) => None,
+        }
+    }
+
+    /// Whether the row's caches may sit in a shared buffer: it quantizes no KV cache and its
+    /// draft source does not read the target's caches.
+    fn may_share(&self) -> bool {
+        match &self.decoder {
+            Decoder::Plain(p) => p.params.kv_quantization.is_none(),
+            Decoder::Speculative {
+                speculator, source, ..
+            } => !speculator.quantizes_kv() && !source.reads_target_caches(),
+        }
+    }
+}
+
+impl<'m> Batch<'m> {
+    /// The rows already in the shared caches (the first ones; later rows joined since).
+    pub(super) fn shared_rows(&self) -> usize {
+        self.shared.as_deref().map_or(0, |s| offsets(s).len())
+    }
+
+    /// Whether the next step's rows can share one KV cache per layer: two or more, every one
+    /// that may share ([`Row::may_share`]), on a model whose attention reads a batch cache,
+    /// every row not yet shared holding filled plain KV caches, and their lengths close enough
+    /// for one buffer ([`BatchKvCache::fits`]).
+    fn can_share(&self) -> bool {
+        let shared = self.shared_rows();
+        let mut lens = self.shared.as_deref().map(offsets).unwrap_or_default();
+        for row in &self.rows[shared..] {
+            let caches = row.decoder.caches();
+            if !filled_kv(caches) {
+                return false;
+            }
+            lens.push(caches.first().map_or(0, LayerCache::offset));
+        }
+        self.may_share
+            && self.model.attends_batch_caches()
+            && self.rows.len() > 1
+            && self.rows.iter().all(Row::may_share)
+            && BatchKvCache::fits(&lens)
+    }
+
+    /// Before a step: the rows that joined since move into the shared caches (gathered when
+    /// there are none yet), or every row takes its caches back when they can no longer share;
+    /// likewise the draft caches of each draft model's rows.
+    pub(super) fn arrange_shared(&mut self) -> Result<()> {
+        self.arrange_drafts()?;
+        let outgrown = self.shared.as_deref().is_some_and(outgrown);
+        if outgrown || !self.can_share() {
+            for at in (0..self.shared_rows()).rev() {
+                self.take_shared(at)?;
+            }
+            if !self.can_share() {
+                return Ok(());
+            }
+        }
+        let from = self.shared_rows();
+        let joining: Vec<Vec<LayerCache>> = self.rows[from..]
+            .iter_mut()
+            .map(|row| std::mem::take(row.decoder.caches_mut()))
+            .collect();
+        match &mut self.shared {
+            None => self.shared = Some(gather(&joining)?),
+            Some(shared) => {
+                for caches in &joining {
+                    join(shared, caches)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Row `at` takes its own caches (and its draft caches) back out of the shared ones.
+    pub(super) fn take_shared(&mut self, at: usize) -> Result<()> {
+        self.take_shared_draft(at)?;
+        if at >= self.shared_rows() {
+            return Ok(());
+        }
+        let shared = self
+            .shared
+            .as_mut()
+            .expect("a shared row implies shared caches");
+        *self.rows[at].decoder.caches_mut() = leave(shared, at)?;
+        if self.shared_rows() == 0 {
+            self.shared = None;
+        }
+        Ok(())
+    }
+
+    /// Whether the rows drafting with `model` can share its caches: two or more, every one
+    /// that may share, on a model whose attention reads a batch cache, every row not yet in
+    /// its group holding filled plain KV draft caches, their lengths close enough for one
+    /// buffer.
+    fn can_share_drafts(&mut self, model: &ModelBundle) -> bool {
+        let group = self.draft_groups.iter().find(|g| ptr::eq(g.model, model));
+        let mut lens = group.map(|g| offsets(&g.caches)).unwrap_or_default();
+        let (mut rows, mut shareable) = (0, true);
+        for row in self.rows.iter_mut() {
+            if !row.draft_model().is_some_and(|m| ptr::eq(m, model)) {
+                continue;
+            }
+            rows += 1;
+            shareable &= row.may_share();
+            if group.is_some_and(|g| g.row_of(row.id).is_some()) {
+                continue;
+            }
+            match row.draft_caches() {
+                Some(c) if filled_kv(c) => lens.push(c.first().map_or(0, LayerCache::offset)),
+                _ => shareable = false,
+            }
+        }
+        self.may_share
+            && shareable
+            && rows > 1
+            && model.model().attends_batch_caches()
+            && BatchKvCache::fits(&lens)
+    }
+
+    /// Each draft model's rows that can share its caches move into its group (gathered when
+    /// there is none yet); a group whose rows can no longer share hands their caches back.
+    fn arrange_drafts(&mut self) -> Result<()> {
+        for g in (0..self.draft_groups.len()).rev() {
+            let model = self.draft_groups[g].model;
+            if outgrown(&self.draft_groups[g].caches) || !self.can_share_drafts(model) {
+                self.dissolve_draft_group(g)?;
+            }
+        }
+        let mut models: Vec<&'m ModelBundle> = Vec::new();
+        for m in self.rows.iter().filter_map(Row::draft_model) {
+            if !models.iter().any(|known| ptr::eq(*known, m)) {
+                models.push(m);
+            }
+        }
+        for model in models {
+            if !self.can_share_drafts(model) {
+                continue;
+            }
+            let group = self
+                .draft_groups
+                .iter()
+                .position(|g| ptr::eq(g.model, model));
+            let in_group =
+                |id: usize| group.is_some_and(|g| self.draft_groups[g].row_of(id).is_some());
+            let joining: Vec<usize> = self
+                .rows
+                .iter()
+                .filter(|r| r.draft_model().is_some_and(|m| ptr::eq(m, model)) && !in_group(r.id))
+                .map(|r| r.id)
+                .collect();
+            let mut caches = Vec::with_capacity(joining.len());
+            for row in self.rows.iter_mut().filter(|r| joining.contains(&r.id)) {
+                let own = row
+                    .draft_caches()
+                    .expect("a row drafting with a draft model");
+                caches.push(std::mem::take(own));
+            }
+            match group {
+                Some(g) => {
+                    let group = &mut self.draft_groups[g];
+                    for c in &caches {
+                        join(&mut group.caches, c)?;
+                    }
+                    group.ids.extend(joining);
+                }
+                None => self.draft_groups.push(DraftGroup {
+                    model,
+                    ids: joining,
+                    caches: gather(&caches)?,
+                }),
+            }
+        }
+        Ok(())
+    }
+
+    /// Every row of draft group `g` takes its draft caches back; the group is gone.
+    fn dissolve_draft_group(&mut self, g: usize) -> Result<()> {
+        let DraftGroup {
+            ids, mut caches, ..
+        } = self.draft_groups.remove(g);
+        for (r, id) in ids.iter().enumerate().rev() {
+            let own = leave(&mut caches, r)?;
+            if let Some(row) = self.rows.iter_mut().find(|row| row.id == *id) {
+                *row.draft_caches()
+                    .expect("a row drafting with a draft model") = own;
+            }
+        }
+        Ok(())
+    }
+
+    /// Row `at` takes its draft caches back out of its draft group, if it is in one (a group
+    /// left with one row is dissolved: a lone row drafts alone, over caches of its own).
+    fn take_shared_draft(&mut self, at: usize) -> Result<()> {
+        let id = self.rows[at].id;
+        let Some(g) = self
+            .draft_groups
+            .iter()
+            .position(|g| g.row_of(id).is_some())
+        else {
+            return Ok(());
+        };
+        let group = &mut self.draft_groups[g];
+        let r = group.row_of(id).expect("a member");
+        let own = leave(&mut group.caches, r)?;
+        group.ids.remove(r);
+        let left = group.ids.len();
+        *self.rows[at]
+            .draft_caches()
+            .expect("a row drafting with a draft model") = own;
+        if left < 2 {
+            self.dissolve_draft_group(g)?;
+        }
+        Ok(())
+    }
+}
