@@ -346,3 +346,36 @@ fn plain_requests_decoding_together_share_their_kv_caches() {
         after.get("verity_batch_shared_cache_steps_total") <= after.get("verity_batch_steps_total")
     );
 }
+
+/// Speculative requests decoding together share the target's KV caches and their draft
+/// model's: a draft-model request beside a speculative stream runs its steps on both.
+#[test]
+fn speculative_requests_decoding_together_share_target_and_draft_caches() {
+    let draft = model_dir("qwen3-draft");
+    let s = Server::start(
+        &model_dir(TARGET),
+        &["--draft-model", draft.to_str().unwrap()],
+    );
+    let mut long = chat("Write a long story.", 4000);
+    long["stream"] = json!(true);
+    long["logit_bias"] = json!({"2": -100, "0": -100});
+    let lines = s.open_stream("/v1/chat/completions", &long, 2);
+    scrape_when(&s, |m| m.get("verity_running_requests") == 1.0);
+    let before = Scrape::of(&s);
+    let v = s.ok("/v1/chat/completions", &chat("Count to ten.", 24));
+    let after = Scrape::of(&s);
+    drop(lines);
+    let rounds = v["verity_stats"]["speculation"]["rounds"].as_f64().unwrap();
+    assert!(rounds > 1.0, "{rounds} rounds");
+    for counter in [
+        "verity_batch_shared_cache_steps_total",
+        "verity_batch_shared_draft_cache_steps_total",
+    ] {
+        // Every round of the short request but its joining one ran beside the stream.
+        let shared = after.get(counter) - before.get(counter);
+        assert!(
+            shared >= rounds - 1.0,
+            "{counter}: {rounds} rounds beside a stream, {shared} steps on shared caches"
+        );
+    }
+}

@@ -65,6 +65,7 @@ pub struct Metrics {
     steps: Counter,
     step_rows: Counter,
     shared_steps: Counter,
+    shared_draft_steps: Counter,
     step_seconds: Family<PhaseLabels, Counter<f64, AtomicU64>>,
     rounds: Family<LaneLabels, Counter>,
     drafted: Family<DraftPositionLabels, Counter>,
@@ -164,8 +165,13 @@ impl Metrics {
             shared_steps: registered(
                 r,
                 "batch_shared_cache_steps",
-                "Batch steps whose rows shared one KV cache per layer (every row plain over plain \
-                 KV caches)",
+                "Batch steps whose rows shared one KV cache per layer (every row over plain KV \
+                 caches)",
+            ),
+            shared_draft_steps: registered(
+                r,
+                "batch_shared_draft_cache_steps",
+                "Batch steps whose rows drafting with one draft model shared its KV caches",
             ),
             step_seconds: registered(
                 r,
@@ -240,6 +246,7 @@ impl Metrics {
         self.steps.inc_by(count(step.steps));
         self.step_rows.inc_by(count(step.rows));
         self.shared_steps.inc_by(count(step.shared));
+        self.shared_draft_steps.inc_by(count(step.shared_drafts));
         for (phase, spent) in [
             ("draft", step.draft),
             ("build", step.build),
