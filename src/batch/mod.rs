@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use mlx::Dtype;
 
 use crate::bundle::ModelBundle;
-use crate::cache::{quantize_due, LayerCache};
+use crate::cache::{plan_step, quantize_due, LayerCache};
 use crate::decode::{Request, Start};
 use crate::generate::{
     logprobs_after, prefill_request, token_array, Control, GenerateParams, GeneratedToken,
@@ -394,7 +394,10 @@ impl<'m> Batch<'m> {
         let ids = token_array(&inputs.concat())?;
         let out = {
             let mut caches: Vec<&mut [LayerCache]> = match &mut self.shared {
-                Some(shared) => vec![&mut shared[..]],
+                Some(shared) => {
+                    plan_step(shared, &lens)?;
+                    vec![&mut shared[..]]
+                }
                 None => self
                     .rows
                     .iter_mut()

@@ -14,7 +14,7 @@
 use mlx::{ops, Array};
 
 use super::kv::seq;
-use super::{KvCache, STEP};
+use super::{KvCache, LayerCache, STEP};
 use crate::error::contract;
 use crate::Result;
 
@@ -34,6 +34,8 @@ pub struct BatchKvCache {
     extents: Vec<usize>,
     /// The slots of the rows, in the order of the rows a step carries.
     active: Vec<usize>,
+    /// The next step's layout, built once for every layer ([`plan_step`]).
+    planned: Option<StepLayout>,
 }
 
 /// The positions a lone KV cache of `len` tokens allocates for its next one.
@@ -62,6 +64,7 @@ impl BatchKvCache {
             values: Array::zeros(&[slots, v.dim(1), capacity, v.dim(3)], v.dtype())?,
             extents: vec![0; slots as usize],
             active: Vec::new(),
+            planned: None,
         };
         for row in rows {
             cache.join(row)?;
@@ -175,78 +178,83 @@ impl BatchKvCache {
         Ok(())
     }
 
-    /// The position of every new token of a step whose rows take `lens` tokens each (row r's
-    /// `lens[r]` tokens, from its offset on; a row may take none), as an int32 array: each token's RoPE offset and
-    /// where [`BatchKvCache::append`] writes it (one array serves both).
-    pub fn positions(&self, lens: &[usize]) -> Result<Array> {
-        self.check_lens(lens)?;
-        let positions: Vec<i32> = self
-            .offsets()
-            .into_iter()
-            .zip(lens)
-            .flat_map(|(o, &n)| (o..o + n).map(|p| p as i32))
-            .collect();
-        Ok(Array::from_slice(&positions, &[positions.len() as i32])?)
-    }
-
-    fn check_lens(&self, lens: &[usize]) -> Result<()> {
+    /// Where a step whose rows take `lens` tokens each (row r's `lens[r]` tokens, from its
+    /// offset on; a row may take none) puts them and what their queries read. Every layer of a
+    /// batch's caches holds the same rows, so the batch builds it once per step
+    /// ([`plan_step`]).
+    pub fn layout(&self, lens: &[usize]) -> Result<StepLayout> {
         if lens.len() != self.rows() || lens.iter().all(|&n| n == 0) {
             return Err(contract(format!(
                 "a batch cache of {} rows given row lengths {lens:?}",
                 self.rows()
             )));
         }
-        Ok(())
-    }
-
-    /// Writes the rows' new keys and values (T, H, 1, D), row r's `lens[r]` tokens in turn, at
-    /// their `positions` (from [`BatchKvCache::positions`]), in one scatter per buffer, and
-    /// returns the buffers with what each token's query reads: its row's slot and the keys up
-    /// to its own (as a one-token step at its position reads them).
-    pub fn append(
-        &mut self,
-        keys: &Array,
-        values: &Array,
-        positions: &Array,
-        lens: &[usize],
-    ) -> Result<RowsKv> {
-        self.check_lens(lens)?;
-        let before = self.offsets();
-        let longest = before.iter().zip(lens).map(|(o, n)| o + n).max();
-        let needed = longest.unwrap_or(0) as i32;
-        if needed > self.capacity() {
-            self.add_capacity(round_up(needed - self.capacity(), STEP))?;
-        }
-        let mut slots = Vec::with_capacity(keys.dim(0) as usize);
-        let mut query_extents = Vec::with_capacity(slots.capacity());
-        for ((&slot, &o), &n) in self.active.iter().zip(&before).zip(lens) {
+        let offsets = self.offsets();
+        let (mut positions, mut slots, mut query_extents) = (Vec::new(), Vec::new(), Vec::new());
+        for ((&slot, &o), &n) in self.active.iter().zip(&offsets).zip(lens) {
+            positions.extend((o..o + n).map(|p| p as i32));
             slots.extend(std::iter::repeat_n(slot as i32, n));
             query_extents.extend(o + 1..=o + n);
         }
-        let t = slots.len() as i32;
-        let slots = Array::from_slice(&slots, &[t])?;
+        let int32 = |v: &[i32]| Array::from_slice(v, &[v.len() as i32]);
+        let extents: Vec<i32> = query_extents.iter().map(|&e| e as i32).collect();
+        Ok(StepLayout {
+            lens: lens.to_vec(),
+            offsets,
+            positions: int32(&positions)?,
+            slots: int32(&slots)?,
+            extents: int32(&extents)?,
+            query_extents,
+        })
+    }
+
+    /// The layout of this step's `lens`: the one [`plan_step`] left, else built now.
+    pub fn step_layout(&mut self, lens: &[usize]) -> Result<StepLayout> {
+        match self.planned.take() {
+            Some(planned) if planned.lens == lens && planned.offsets == self.offsets() => {
+                Ok(planned)
+            }
+            _ => self.layout(lens),
+        }
+    }
+
+    /// Writes the rows' new keys and values (T, H, 1, D), row r's `lens[r]` tokens in turn,
+    /// where `layout` says, in one scatter per buffer, and returns the buffers with what each
+    /// token's query reads: its row's slot and the keys up to its own (as a one-token step at
+    /// its position reads them).
+    pub fn append(&mut self, keys: &Array, values: &Array, layout: &StepLayout) -> Result<RowsKv> {
+        if layout.offsets != self.offsets() {
+            return Err(contract(
+                "a step layout built for other rows of a batch cache",
+            ));
+        }
+        let longest = layout.offsets.iter().zip(&layout.lens).map(|(o, n)| o + n);
+        let needed = longest.max().unwrap_or(0) as i32;
+        if needed > self.capacity() {
+            self.add_capacity(round_up(needed - self.capacity(), STEP))?;
+        }
+        let t = layout.query_extents.len() as i32;
         let write = |buffer: &Array, new: &Array| -> Result<Array> {
             let s = new.shape();
             let updates = new.reshape(&[t, 1, s[1], 1, s[3]])?;
             Ok(ops::scatter(
                 buffer,
-                &[&slots, positions],
+                &[&layout.slots, &layout.positions],
                 &updates,
                 &[0, 2],
             )?)
         };
         self.keys = write(&self.keys, keys)?;
         self.values = write(&self.values, values)?;
-        for (&s, &n) in self.active.iter().zip(lens) {
+        for (&s, &n) in self.active.iter().zip(&layout.lens) {
             self.extents[s] += n;
         }
-        let extents: Vec<i32> = query_extents.iter().map(|&e| e as i32).collect();
         Ok(RowsKv {
             keys: self.keys.clone(),
             values: self.values.clone(),
-            slots,
-            extents: Array::from_slice(&extents, &[t])?,
-            query_extents,
+            slots: layout.slots.clone(),
+            extents: layout.extents.clone(),
+            query_extents: layout.query_extents.clone(),
             slot_of: self.active.clone(),
             row_extents: self.offsets(),
         })
@@ -272,6 +280,36 @@ impl BatchKvCache {
     pub fn state(&self) -> Vec<&Array> {
         vec![&self.keys, &self.values]
     }
+}
+
+/// Where a batch step's tokens go and what their queries read ([`BatchKvCache::layout`]).
+#[derive(Clone)]
+pub struct StepLayout {
+    lens: Vec<usize>,
+    /// The rows' offsets before the step.
+    offsets: Vec<usize>,
+    /// Each token's position: its RoPE offset and where it is written.
+    pub positions: Array,
+    /// Each token's slot, and the keys its query reads (its row's up to its own).
+    slots: Array,
+    extents: Array,
+    query_extents: Vec<usize>,
+}
+
+/// Builds the layout of a step whose rows take `lens` tokens once and leaves it with every
+/// layer's batch cache of `caches` (each would build the same arrays again). Nothing happens
+/// for caches other than batch caches.
+pub fn plan_step(caches: &mut [LayerCache], lens: &[usize]) -> Result<()> {
+    let layout = match caches.first() {
+        Some(LayerCache::Batch(first)) => first.layout(lens)?,
+        _ => return Ok(()),
+    };
+    for cache in caches {
+        if let LayerCache::Batch(b) = cache {
+            b.planned = Some(layout.clone());
+        }
+    }
+    Ok(())
 }
 
 /// What a batch step's attention reads after [`BatchKvCache::append`]: per query (every new

@@ -10,7 +10,9 @@
 use mlx::{Array, Dtype};
 
 use super::{DraftContext, DraftPrefix, DraftSource, Verified};
-use crate::cache::{begin_round, end_round, quantize_due, rollback_plan, LayerCache, Rollback};
+use crate::cache::{
+    begin_round, end_round, plan_step, quantize_due, rollback_plan, LayerCache, Rollback,
+};
 use crate::generate::{forward_tokens, last_logits, prefill, token_array};
 use crate::model::{lone_rows, LanguageModel};
 use crate::{Error, Result};
@@ -161,6 +163,7 @@ pub fn draft_together(
                 for (&r, &len) in live.iter().zip(&lens) {
                     all[shared.rows[r]] = len;
                 }
+                plan_step(shared.caches, &all)?;
                 let mut caches = [&mut shared.caches[..]];
                 lone_rows::decode_rows(|| model.forward_rows(&ids, &mut caches, &all, &[]))?
             }

@@ -156,10 +156,10 @@ fn attend_batch(
     lens: &[usize],
 ) -> crate::Result<Array> {
     let per_query = |y: &Array| y.transpose(&[2, 1, 0, 3]);
-    let positions = cache.positions(lens)?;
-    let q = rope.forward_at(&per_query(q)?, &positions)?;
-    let k = rope.forward_at(&per_query(k)?, &positions)?;
-    let kv = cache.append(&k, &per_query(v)?, &positions, lens)?;
+    let layout = cache.step_layout(lens)?;
+    let q = rope.forward_at(&per_query(q)?, &layout.positions)?;
+    let k = rope.forward_at(&per_query(k)?, &layout.positions)?;
+    let kv = cache.append(&k, &per_query(v)?, &layout)?;
     let out = if let Some(call) = rows_kernel::one_call(&q, scale, &kv) {
         fast::rows_attention(
             &q,
