@@ -126,7 +126,15 @@ fn check(d: i32, dtype: Dtype) {
     }
     let rope = Rope::new(d, 10000.0, false, None).unwrap();
     let shape = (d, dtype);
-    let mut lone: Vec<LayerCache> = [1, 31, 1000, 1022, 300]
+    // Rows past 1024 keys where a shared buffer keeps every row's lone attention; on CUDA in
+    // half precision only rows below cuDNN's decode kernel (256 keys) share one.
+    let long = BatchKvCache::keeps_lone_attention(dtype, 1400);
+    let (lens, joining) = if long {
+        ([1, 31, 1000, 1022, 300], [1300, 7, 64, 2, 90])
+    } else {
+        ([1, 31, 100, 230, 150], [220, 7, 64, 2, 90])
+    };
+    let mut lone: Vec<LayerCache> = lens
         .iter()
         .enumerate()
         .map(|(i, &len)| filled(len, d, dtype, 100 + 10 * i as u64))
@@ -159,7 +167,7 @@ fn check(d: i32, dtype: Dtype) {
         visible(&own),
         "a row that left kept other keys"
     );
-    for (i, len) in [1300, 7, 64, 2, 90].into_iter().enumerate() {
+    for (i, len) in joining.into_iter().enumerate() {
         let joining = filled(len, d, dtype, 500 + 10 * i as u64);
         shared.join(kv(&joining)).unwrap();
         lone.push(joining);
@@ -194,6 +202,20 @@ fn head_dim_96_rows_equal_their_lone_steps() {
 fn head_dim_128_rows_equal_their_lone_steps() {
     check(128, Dtype::Float32);
     check(128, Dtype::Bfloat16);
+}
+
+/// On CUDA a lone step in half precision over 256 keys or more runs cuDNN's decode kernel over
+/// its own cache's buffer, which no call over a shared buffer repeats; everywhere else, and in
+/// float32, rows of any length keep their lone attention in one buffer.
+#[test]
+fn half_precision_rows_share_a_buffer_on_cuda_only_below_cudnns_decode_kernel() {
+    support::on_invariant_device();
+    let cuda = mlx::default_device() == mlx::Device::Gpu && mlx::Device::Gpu.name() == "cuda";
+    for dtype in [Dtype::Float16, Dtype::Bfloat16] {
+        assert!(BatchKvCache::keeps_lone_attention(dtype, 255));
+        assert_eq!(BatchKvCache::keeps_lone_attention(dtype, 256), !cuda);
+    }
+    assert!(BatchKvCache::keeps_lone_attention(Dtype::Float32, 100_000));
 }
 
 #[test]

@@ -5,6 +5,8 @@
 
 use std::ptr;
 
+use mlx::Dtype;
+
 use super::{Batch, Decoder, Row};
 use crate::bundle::ModelBundle;
 use crate::cache::{eval_state, BatchKvCache, KvCache, LayerCache};
@@ -95,6 +97,22 @@ fn outgrown(shared: &[LayerCache]) -> bool {
     matches!(shared.first(), Some(LayerCache::Batch(c)) if c.outgrown())
 }
 
+/// The element type of the keys of `caches` (shared or a row's own), if it holds any.
+fn key_dtype(caches: &[LayerCache]) -> Option<Dtype> {
+    match caches.first()? {
+        LayerCache::Batch(c) => Some(c.dtype()),
+        LayerCache::Kv(c) => c.kv.as_ref().map(|(k, _)| k.dtype()),
+        _ => None,
+    }
+}
+
+/// Whether rows of `offsets` whose next step feeds up to `rounds` tokens each keep their lone
+/// attention in one buffer of `dtype` keys ([`BatchKvCache::keeps_lone_attention`]).
+fn keeps_lone_attention(dtype: Option<Dtype>, offsets: &[usize], rounds: &[usize]) -> bool {
+    let keys = offsets.iter().zip(rounds).map(|(o, r)| o + r).max();
+    dtype.is_none_or(|d| BatchKvCache::keeps_lone_attention(d, keys.unwrap_or(0)))
+}
+
 /// The rows' offsets in a shared buffer.
 fn offsets(shared: &[LayerCache]) -> Vec<usize> {
     match shared.first() {
@@ -120,6 +138,14 @@ impl<'m> Row<'m> {
         }
     }
 
+    /// The most tokens the row's next step feeds.
+    fn max_round(&self) -> usize {
+        match &self.decoder {
+            Decoder::Plain(_) => 1,
+            Decoder::Speculative { speculator, .. } => speculator.max_round(),
+        }
+    }
+
     /// Whether the row's caches may sit in a shared buffer: it quantizes no KV cache and its
     /// draft source does not read the target's caches.
     fn may_share(&self) -> bool {
@@ -140,23 +166,27 @@ impl<'m> Batch<'m> {
 
     /// Whether the next step's rows can share one KV cache per layer: two or more, every one
     /// that may share ([`Row::may_share`]), on a model whose attention reads a batch cache,
-    /// every row not yet shared holding filled plain KV caches, and their lengths close enough
-    /// for one buffer ([`BatchKvCache::fits`]).
+    /// every row not yet shared holding filled plain KV caches, their lengths close enough for
+    /// one buffer ([`BatchKvCache::fits`]) and short enough that each keeps its lone attention.
     fn can_share(&self) -> bool {
         let shared = self.shared_rows();
         let mut lens = self.shared.as_deref().map(offsets).unwrap_or_default();
+        let mut dtype = self.shared.as_deref().and_then(key_dtype);
         for row in &self.rows[shared..] {
             let caches = row.decoder.caches();
             if !filled_kv(caches) {
                 return false;
             }
             lens.push(caches.first().map_or(0, LayerCache::offset));
+            dtype = dtype.or(key_dtype(caches));
         }
+        let rounds: Vec<usize> = self.rows.iter().map(Row::max_round).collect();
         self.may_share
             && self.model.attends_batch_caches()
             && self.rows.len() > 1
             && self.rows.iter().all(Row::may_share)
             && BatchKvCache::fits(&lens)
+            && keeps_lone_attention(dtype, &lens, &rounds)
     }
 
     /// Before a step: the rows that joined since move into the shared caches (gathered when
@@ -209,30 +239,41 @@ impl<'m> Batch<'m> {
     /// Whether the rows drafting with `model` can share its caches: two or more, every one
     /// that may share, on a model whose attention reads a batch cache, every row not yet in
     /// its group holding filled plain KV draft caches, their lengths close enough for one
-    /// buffer.
+    /// buffer and short enough that each keeps its lone attention.
     fn can_share_drafts(&mut self, model: &ModelBundle) -> bool {
         let group = self.draft_groups.iter().find(|g| ptr::eq(g.model, model));
         let mut lens = group.map(|g| offsets(&g.caches)).unwrap_or_default();
-        let (mut rows, mut shareable) = (0, true);
+        let mut dtype = group.and_then(|g| key_dtype(&g.caches));
+        let (mut rounds, mut shareable) = (Vec::new(), true);
+        // The group's rows first, in its order, as `lens` has them.
+        let members = group.map(|g| g.ids.clone()).unwrap_or_default();
+        for id in &members {
+            let row = self.rows.iter().find(|r| r.id == *id);
+            rounds.push(row.map_or(1, Row::max_round));
+        }
         for row in self.rows.iter_mut() {
             if !row.draft_model().is_some_and(|m| ptr::eq(m, model)) {
                 continue;
             }
-            rows += 1;
             shareable &= row.may_share();
-            if group.is_some_and(|g| g.row_of(row.id).is_some()) {
+            if members.contains(&row.id) {
                 continue;
             }
+            rounds.push(row.max_round());
             match row.draft_caches() {
-                Some(c) if filled_kv(c) => lens.push(c.first().map_or(0, LayerCache::offset)),
+                Some(c) if filled_kv(c) => {
+                    lens.push(c.first().map_or(0, LayerCache::offset));
+                    dtype = dtype.or(key_dtype(c));
+                }
                 _ => shareable = false,
             }
         }
         self.may_share
             && shareable
-            && rows > 1
+            && rounds.len() > 1
             && model.model().attends_batch_caches()
             && BatchKvCache::fits(&lens)
+            && keeps_lone_attention(dtype, &lens, &rounds)
     }
 
     /// Each draft model's rows that can share its caches move into its group (gathered when

@@ -11,12 +11,20 @@
 //! and keeps its own extent, so its keys sit where its lone cache keeps them, and a speculative
 //! row's rejected drafts are taken back by setting its extent back, as its lone cache trims.
 
-use mlx::{ops, Array};
+use mlx::{ops, Array, Device, Dtype};
 
 use super::kv::seq;
 use super::{KvCache, LayerCache, STEP};
 use crate::error::contract;
 use crate::Result;
+
+/// The keys from which a lone one-token step in half precision on CUDA leaves MLX's vector
+/// kernel for cuDNN's decode kernel (mlx/backend/cuda/scaled_dot_product_attention.cpp,
+/// `use_cudnn_for_decoding`: float16 or bfloat16 keys sliced out of a KV cache's own buffer of
+/// a multiple of 256 positions, at least 256 of them). That kernel reads the row's own buffer,
+/// its capacity included, which a row of a shared buffer has not: no call over a shared buffer
+/// gives its bits.
+const CUDNN_DECODE_KEYS: usize = 256;
 
 /// Slots are added this many at a time: a new slot copies the buffer.
 const SLOT_STEP: i32 = 8;
@@ -124,6 +132,20 @@ impl BatchKvCache {
             offset: len as usize,
             round_start: None,
         })
+    }
+
+    /// Whether rows of `dtype` keys whose steps read up to `keys` of them can share a buffer and
+    /// still each attend with its lone step's bits: everywhere but on CUDA in half precision
+    /// from [`CUDNN_DECODE_KEYS`] keys on.
+    pub fn keeps_lone_attention(dtype: Dtype, keys: usize) -> bool {
+        let cuda = mlx::default_device() == Device::Gpu && Device::Gpu.name() == "cuda";
+        let half = matches!(dtype, Dtype::Float16 | Dtype::Bfloat16);
+        !(cuda && half && keys >= CUDNN_DECODE_KEYS)
+    }
+
+    /// The element type of the keys.
+    pub fn dtype(&self) -> Dtype {
+        self.keys.dtype()
     }
 
     /// Whether rows of `lens` tokens fit one buffer without padding it past [`MAX_PADDING`]

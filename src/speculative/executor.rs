@@ -439,6 +439,12 @@ impl Speculator {
         (self.stats, sampler.take_constraint())
     }
 
+    /// The most tokens a round feeds the target (and the draft model): the last token and the
+    /// drafts.
+    pub(crate) fn max_round(&self) -> usize {
+        self.num_draft_tokens + 1
+    }
+
     /// Whether this request quantizes its KV caches as they grow.
     pub(crate) fn quantizes_kv(&self) -> bool {
         self.params.kv_quantization.is_some()
