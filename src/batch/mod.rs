@@ -9,10 +9,11 @@
 //! (crate::speculative::draft_model::draft_together).
 //!
 //! While every row's caches are plain KV caches (and no row's draft source reads them), the
-//! rows' caches are gathered into one [`BatchKvCache`] per layer (rows joining move in, rows
-//! leaving take theirs back out; a speculative row's rejected drafts are taken back there), so
-//! that a step writes every row's keys in one op and, on CUDA, attends every query, a verify's
-//! included, in one kernel: on a GPU a step's cost is the host's work per graph node.
+//! rows' caches are gathered into one [`crate::cache::BatchKvCache`] per layer (rows joining
+//! move in, rows leaving take theirs back out; a speculative row's rejected drafts are taken
+//! back there), so that a step writes every row's keys in one op and, on CUDA, attends every
+//! query, a verify's included, in one kernel: on a GPU a step's cost is the host's work per
+//! graph node ([`shared`]).
 //!
 //! A row emits what its request emits alone through [`crate::decode::decode`], token for token
 //! and logprob bit for bit, wherever the packed forward gives each row its lone bits (on the
@@ -115,7 +116,7 @@ pub struct StepSplit {
     pub eval: Duration,
     /// Reading each row's tokens back, acceptance, rollback, and the callbacks.
     pub settle: Duration,
-    /// The steps whose rows shared one KV cache per layer ([`BatchKvCache`]).
+    /// The steps whose rows shared one KV cache per layer ([`crate::cache::BatchKvCache`]).
     pub shared: usize,
     /// The steps some of whose rows drafted over shared draft caches.
     pub shared_drafts: usize,
@@ -142,8 +143,9 @@ pub struct Batch<'m> {
     model: &'m dyn LanguageModel,
     rows: Vec<Row<'m>>,
     /// While every row's caches are plain KV caches that may be shared ([`Batch::can_share`])
-    /// and the model's attention reads a [`BatchKvCache`], their caches gathered into one per
-    /// layer: row r of `rows` is row r of each, and the rows' own caches are empty meanwhile.
+    /// and the model's attention reads a [`crate::cache::BatchKvCache`], their caches gathered
+    /// into one per layer: row r of `rows` is row r of each, and the rows' own caches are empty
+    /// meanwhile.
     shared: Option<Vec<LayerCache>>,
     /// The rows drafting with one draft model whose draft caches share one buffer per layer,
     /// per draft model.

@@ -136,7 +136,7 @@ impl BatchKvCache {
 
     /// Whether rows of `dtype` keys whose steps read up to `keys` of them can share a buffer and
     /// still each attend with its lone step's bits: everywhere but on CUDA in half precision
-    /// from [`CUDNN_DECODE_KEYS`] keys on.
+    /// from 256 keys on (`CUDNN_DECODE_KEYS`).
     pub fn keeps_lone_attention(dtype: Dtype, keys: usize) -> bool {
         let cuda = mlx::default_device() == Device::Gpu && Device::Gpu.name() == "cuda";
         let half = matches!(dtype, Dtype::Float16 | Dtype::Bfloat16);
