@@ -13,7 +13,7 @@
 //! move in, rows leaving take theirs back out; a speculative row's rejected drafts are taken
 //! back there), so that a step writes every row's keys in one op and, on CUDA, attends every
 //! query, a verify's included, in one kernel: on a GPU a step's cost is the host's work per
-//! graph node ([`shared`]).
+//! graph node (`batch::shared`).
 //!
 //! A row emits what its request emits alone through [`crate::decode::decode`], token for token
 //! and logprob bit for bit, wherever the packed forward gives each row its lone bits (on the
