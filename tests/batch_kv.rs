@@ -118,7 +118,7 @@ fn check(d: i32, dtype: Dtype) {
     support::on_invariant_device();
     // On CUDA the one kernel must have passed its own check, or the rows below would only prove
     // the call per row it falls back to.
-    if mlx::default_device() == mlx::Device::Gpu && mlx::Device::Gpu.name() == "cuda" {
+    if mlx::default_is_cuda() {
         assert!(
             rows_kernel::verified(dtype, d),
             "head_dim {d}, {dtype:?}: the one-call batch attention differs from MLX's call"
@@ -210,7 +210,7 @@ fn head_dim_128_rows_equal_their_lone_steps() {
 #[test]
 fn half_precision_rows_share_a_buffer_on_cuda_only_below_cudnns_decode_kernel() {
     support::on_invariant_device();
-    let cuda = mlx::default_device() == mlx::Device::Gpu && mlx::Device::Gpu.name() == "cuda";
+    let cuda = mlx::default_is_cuda();
     for dtype in [Dtype::Float16, Dtype::Bfloat16] {
         assert!(BatchKvCache::keeps_lone_attention(dtype, 255));
         assert_eq!(BatchKvCache::keeps_lone_attention(dtype, 256), !cuda);

@@ -86,6 +86,12 @@ pub fn default_device() -> Device {
     }
 }
 
+/// Whether this process's MLX work runs on CUDA by default (where kernel choices that depend on
+/// shapes and buffer layouts decide a row's bits).
+pub fn default_is_cuda() -> bool {
+    default_device() == Device::Gpu && Device::Gpu.name() == "cuda"
+}
+
 /// Whether this libmlx's CPU matmul is the netlib reference BLAS that the Linux wheels (mlx-cpu
 /// and mlx-cuda) bundle, rather than Accelerate (macOS). Reference `sgemm` sums every output
 /// element over the inner dimension in order, from zero, without fused multiply-adds, whichever

@@ -471,12 +471,8 @@ impl<'m> Batch<'m> {
                 shared::trim(shared, at, rejected)?;
             }
             let taken_back = source.stepped().map_or(0, |s| s.taken_back());
-            if let Some(group) = self
-                .draft_groups
-                .iter_mut()
-                .find(|g| g.row_of(row.id).is_some())
-            {
-                let r = group.row_of(row.id).expect("a member");
+            let member = (self.draft_groups.iter_mut()).find_map(|g| Some((g.row_of(row.id)?, g)));
+            if let Some((r, group)) = member {
                 shared::trim(&mut group.caches, r, taken_back)?;
             }
             if stopped || speculator.is_done() {

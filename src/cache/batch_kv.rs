@@ -11,7 +11,7 @@
 //! and keeps its own extent, so its keys sit where its lone cache keeps them, and a speculative
 //! row's rejected drafts are taken back by setting its extent back, as its lone cache trims.
 
-use mlx::{ops, Array, Device, Dtype};
+use mlx::{ops, Array, Dtype};
 
 use super::kv::seq;
 use super::{KvCache, LayerCache, STEP};
@@ -138,9 +138,8 @@ impl BatchKvCache {
     /// still each attend with its lone step's bits: everywhere but on CUDA in half precision
     /// from 256 keys on (`CUDNN_DECODE_KEYS`).
     pub fn keeps_lone_attention(dtype: Dtype, keys: usize) -> bool {
-        let cuda = mlx::default_device() == Device::Gpu && Device::Gpu.name() == "cuda";
         let half = matches!(dtype, Dtype::Float16 | Dtype::Bfloat16);
-        !(cuda && half && keys >= CUDNN_DECODE_KEYS)
+        !(mlx::default_is_cuda() && half && keys >= CUDNN_DECODE_KEYS)
     }
 
     /// The element type of the keys.

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::f64::consts::LOG2_E;
 use std::sync::Mutex;
 
-use mlx::{fast, ops, random, Array, Device, Dtype, Result};
+use mlx::{fast, ops, random, Array, Dtype, Result};
 
 use crate::cache::RowsKv;
 
@@ -51,8 +51,7 @@ pub struct OneCall {
 /// step's write), where it gives each row its lone call's bits; None otherwise.
 pub fn one_call(q: &Array, scale: f32, kv: &RowsKv) -> Option<OneCall> {
     let (dtype, head_dim) = (q.dtype(), q.dim(3));
-    let fits = mlx::default_device() == Device::Gpu
-        && Device::Gpu.name() == "cuda"
+    let fits = mlx::default_is_cuda()
         && matches!(head_dim, 64 | 96 | 128)
         && kv.keys.dim(3) == head_dim
         && kv.values.dim(3) == head_dim
