@@ -17,7 +17,7 @@ use verity::parity::replay::{replay, replay_forced};
 use verity::parity::Models;
 use verity_harness::compare;
 use verity_harness::forced::{judge_forced, replayed_from_draft};
-use verity_harness::judge::scores_drafts;
+use verity_harness::judge::{plan, scores_drafts, Plan};
 use verity_harness::registry::{Limits, Registry};
 use verity_harness::report::Status;
 use verity_harness::trace::Draft;
@@ -140,13 +140,11 @@ fn a_rope_base_off_by_one_percent_fails_cross_backend_tier_b() {
     fs::remove_dir_all(&scratch).unwrap();
 }
 
-/// A registered engine gap lowers its backend's own traces to tier B, never excuses them: a
-/// hybrid trace of this backend under a gap for it is teacher-forced and reported as explained
-/// with the gap named, and the same trace corrupted beyond the tolerance still fails.
-#[test]
-fn an_engine_gap_judges_its_backends_traces_at_tier_b() {
-    support::on_cpu();
-    let golden_dir = std::env::temp_dir().join(format!("verity-gap-{}", std::process::id()));
+/// The golden registry with the engine gaps of `backend` moved onto this machine's CPU, so that
+/// the CPU's own traces show what they do to that backend's.
+fn registry_with_gaps_on_cpu(backend: &str) -> Registry {
+    let golden_dir =
+        std::env::temp_dir().join(format!("verity-gap-{backend}-{}", std::process::id()));
     fs::create_dir_all(&golden_dir).unwrap();
     for file in [
         "tolerances.toml",
@@ -159,11 +157,21 @@ fn an_engine_gap_judges_its_backends_traces_at_tier_b() {
     let gaps = fs::read_to_string(root().join("golden/known-engine-gaps.toml")).unwrap();
     fs::write(
         golden_dir.join("known-engine-gaps.toml"),
-        gaps.replace("backend = \"metal\"", "backend = \"cpu\""),
+        gaps.replace(&format!("backend = \"{backend}\""), "backend = \"cpu\""),
     )
     .unwrap();
     let registry = Registry::load(&golden_dir).unwrap();
     fs::remove_dir_all(&golden_dir).unwrap();
+    registry
+}
+
+/// A registered engine gap lowers its backend's own traces to tier B, never excuses them: a
+/// hybrid trace of this backend under a gap for it is teacher-forced and reported as explained
+/// with the gap named, and the same trace corrupted beyond the tolerance still fails.
+#[test]
+fn an_engine_gap_judges_its_backends_traces_at_tier_b() {
+    support::on_cpu();
+    let registry = registry_with_gaps_on_cpu("metal");
     let mut models = Models::new(root());
 
     let trace = golden("qwen3_next/greedy/code");
@@ -178,6 +186,51 @@ fn an_engine_gap_judges_its_backends_traces_at_tier_b() {
 
     let mut corrupted = trace.clone();
     corrupted.steps[3].logprob -= 0.5;
+    let judgement = judge(&corrupted, &mut models, "cpu", &registry).unwrap();
+    assert_eq!(judgement.status(), Status::Fail);
+}
+
+/// A trace of the CUDA set, recorded on the device.
+fn cuda_golden(id: &str) -> verity_harness::trace::Trace {
+    verity_harness::trace::Trace::load(&root().join(format!("golden/traces-cuda/{id}.json")))
+        .unwrap()
+}
+
+/// On CUDA mlx-lm's batch rows are not their requests alone and verity's are (known engine gap
+/// cuda-batch-rows-alone): there a batch trace is planned teacher-forced, a hybrid's not at all
+/// (its oracle rows are too far from their requests alone), and every other trace stays at
+/// tier A. With the gap moved onto the CPU, a batch trace's row is scored alone, passes with the
+/// gap named, and fails once corrupted.
+#[test]
+fn cuda_batch_traces_are_scored_row_by_row() {
+    support::on_cpu();
+    let registry = Registry::load(&root().join("golden")).unwrap();
+    let gap = "known engine gap cuda-batch-rows-alone";
+    match plan(&cuda_golden("gemma4/batch/chat"), "cuda", &registry) {
+        Plan::Score { lowered_by } => assert!(lowered_by.unwrap().starts_with(gap)),
+        other => panic!("a CUDA batch trace on CUDA is scored teacher-forced, not {other:?}"),
+    }
+    match plan(&cuda_golden("qwen3_5_moe/batch/chat"), "cuda", &registry) {
+        Plan::Skip(why) => assert!(why.contains("(hybrid-batch-rows, lowered"), "{why}"),
+        other => panic!("a hybrid's CUDA batch trace is not comparable, not {other:?}"),
+    }
+    let greedy = cuda_golden("qwen3_moe/greedy/code");
+    assert_eq!(plan(&greedy, "cuda", &registry), Plan::Generate);
+
+    let registry = registry_with_gaps_on_cpu("cuda");
+    let mut models = Models::new(root());
+    let trace = golden("qwen3_moe/batch/chat");
+    let judgement = judge(&trace, &mut models, "cpu", &registry).unwrap();
+    assert!(matches!(judgement.outcome, Outcome::Forced { .. }));
+    assert_eq!(judgement.status(), Status::Explained);
+    let report = judgement.report(&trace).unwrap();
+    assert!(
+        report.contains(&format!("tier B, not A: {gap}")),
+        "{report}"
+    );
+
+    let mut corrupted = trace.clone();
+    corrupted.steps[2].logprob -= 0.5;
     let judgement = judge(&corrupted, &mut models, "cpu", &registry).unwrap();
     assert_eq!(judgement.status(), Status::Fail);
 }
@@ -231,12 +284,8 @@ fn a_routed_trace_across_backends_is_judged_up_to_its_first_router_near_tie() {
     support::on_cpu();
     let registry = Registry::load(&root().join("golden")).unwrap();
     let mut models = Models::new(root());
-    let cuda = |id: &str| {
-        verity_harness::trace::Trace::load(&root().join(format!("golden/traces-cuda/{id}.json")))
-            .unwrap()
-    };
 
-    let trace = cuda("qwen3_moe/temp08/code");
+    let trace = cuda_golden("qwen3_moe/temp08/code");
     let judgement = judge(&trace, &mut models, "cpu", &registry).unwrap();
     let Outcome::Forced { cut, check, .. } = &judgement.outcome else {
         panic!("a routed trace across backends is teacher-forced");
@@ -269,7 +318,7 @@ fn a_routed_trace_across_backends_is_judged_up_to_its_first_router_near_tie() {
         ("gemma4/greedy/code", "gemma4-spikes"),
         ("qwen3_5_moe/batch/chat", "hybrid-batch-rows"),
     ] {
-        let trace = cuda(id);
+        let trace = cuda_golden(id);
         let judgement = judge(&trace, &mut models, "cpu", &registry).unwrap();
         assert_eq!(judgement.status(), Status::Explained, "{id}");
         let report = judgement.report(&trace).unwrap();
@@ -278,6 +327,12 @@ fn a_routed_trace_across_backends_is_judged_up_to_its_first_router_near_tie() {
             "{report}"
         );
     }
-    let dense = judge(&cuda("llama/greedy/code"), &mut models, "cpu", &registry).unwrap();
+    let dense = judge(
+        &cuda_golden("llama/greedy/code"),
+        &mut models,
+        "cpu",
+        &registry,
+    )
+    .unwrap();
     assert!(matches!(dense.outcome, Outcome::Forced { cut: None, .. }));
 }

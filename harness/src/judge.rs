@@ -44,19 +44,24 @@ pub fn plan(trace: &Trace, backend: &str, registry: &Registry) -> Plan {
         }
         return Plan::TierC { bug };
     }
-    if trace.oracle.device != backend {
-        if let Some(i) = registry.incomparable_for(trace) {
+    let own = trace.oracle.device == backend;
+    let gap = registry.gap_for(trace, backend).filter(|_| own);
+    if let Some(i) = registry.incomparable_for(trace) {
+        if !own {
             return Plan::Skip(format!(
                 "not comparable across backends ({}): {}",
                 i.id, i.summary
             ));
         }
+        if let Some(g) = gap.filter(|_| i.where_recorded) {
+            return Plan::Skip(format!(
+                "not comparable teacher-forced ({}, lowered from tier A by known engine gap {}): {}",
+                i.id, g.id, i.summary
+            ));
+        }
     }
-    let gap = registry
-        .gap_for(trace, backend)
-        .filter(|_| trace.oracle.device == backend);
     match gap {
-        None if trace.oracle.device == backend => Plan::Generate,
+        None if own => Plan::Generate,
         gap => Plan::Score {
             lowered_by: gap.map(|g| format!("known engine gap {}: {}", g.id, g.summary)),
         },

@@ -91,6 +91,10 @@ pub struct Incomparable {
     /// The manifest variants it concerns (the second component of a case id); all where absent.
     #[serde(default)]
     pub variants: Option<Vec<String>>,
+    /// Also on the backend that recorded them wherever a known engine gap lowers them to
+    /// teacher-forced scoring: the oracle's own rows there are what no tolerance holds.
+    #[serde(default)]
+    pub where_recorded: bool,
 }
 
 /// A backend bug that makes a trace fail, with the reproducer that tells when it is fixed.
@@ -119,6 +123,9 @@ pub struct EngineGap {
     pub summary: String,
     /// Repository-relative model folders whose traces it concerns.
     pub models: Vec<String>,
+    /// The manifest variants it concerns (the second component of a case id); all where absent.
+    #[serde(default)]
+    pub variants: Option<Vec<String>>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -333,15 +340,12 @@ impl Registry {
         })
     }
 
-    /// Why `trace`'s model is not judged on a backend other than its own, if it is not.
+    /// Why `trace`'s model is not judged teacher-forced (on a backend other than its own, or on
+    /// its own where [`Incomparable::where_recorded`]), if it is not.
     pub fn incomparable_for(&self, trace: &Trace) -> Option<&Incomparable> {
-        let variant = trace.id.split('/').nth(1).unwrap_or_default();
-        self.incomparable.iter().find(|i| {
-            i.models.contains(&trace.model)
-                && i.variants
-                    .as_ref()
-                    .is_none_or(|v| v.iter().any(|x| x == variant))
-        })
+        self.incomparable
+            .iter()
+            .find(|i| i.models.contains(&trace.model) && among(&i.variants, trace))
     }
 
     /// The known oracle bug whose conditions `trace` meets, if any.
@@ -353,9 +357,9 @@ impl Registry {
 
     /// The engine gap that keeps `trace`, recorded on `backend`, from tier A there, if any.
     pub fn gap_for(&self, trace: &Trace, backend: &str) -> Option<&EngineGap> {
-        self.gaps
-            .iter()
-            .find(|g| g.backend == backend && g.models.contains(&trace.model))
+        self.gaps.iter().find(|g| {
+            g.backend == backend && g.models.contains(&trace.model) && among(&g.variants, trace)
+        })
     }
 
     /// Why `backend` cannot run `trace`'s case, if the manifest says so.
@@ -366,4 +370,13 @@ impl Registry {
             .iter()
             .find(|u| u.backend == backend && u.matches(model, variant))
     }
+}
+
+/// Whether `trace`'s variant (the second component of its case id) is among `variants`, where
+/// absent meaning all.
+fn among(variants: &Option<Vec<String>>, trace: &Trace) -> bool {
+    let variant = trace.id.split('/').nth(1).unwrap_or_default();
+    variants
+        .as_ref()
+        .is_none_or(|v| v.iter().any(|x| x == variant))
 }

@@ -44,8 +44,8 @@ pub fn model_class(bundle: &ModelBundle) -> ModelClass {
     }
 }
 
-/// Where a teacher-forced judgement across backends stops: the first step whose forwards had
-/// an expert router within `least` of another choice (see [`crate::model::router_margin`]).
+/// Where a teacher-forced judgement stops: the first step whose forwards had an expert router
+/// within `least` of another choice (see [`crate::model::router_margin`]).
 pub fn router_cut(margins: &[Option<f32>], least: f32) -> Option<Cut> {
     let (step, margin) = margins
         .iter()
@@ -60,7 +60,8 @@ pub fn router_cut(margins: &[Option<f32>], least: f32) -> Option<Cut> {
         step,
         why: format!(
             "an expert router's margin at {at} is {margin:.2e}, below the {least:.1e} within \
-             which the other backend's rounding may pick another expert"
+             which the oracle's rounding (another backend's, or another path's) may pick \
+             another expert"
         ),
     })
 }
@@ -95,12 +96,11 @@ pub fn judge(
         Plan::Score { lowered_by } => {
             let (run, bundle) = replay_forced(trace, models, scores_drafts(trace))?;
             let class = model_class(&bundle);
-            let cut = match registry.router_margin(&trace.oracle.device, backend) {
-                Some(least) if trace.oracle.device != backend => {
-                    router_cut(&run.router_margins, least)
-                }
-                _ => None,
-            };
+            // Scored answers come from another backend's rounding or another path's (a gap's):
+            // either may pick another expert where a router's margin is within it.
+            let cut = registry
+                .router_margin(&trace.oracle.device, backend)
+                .and_then(|least| router_cut(&run.router_margins, least));
             let judged = Judged::scored(
                 trace,
                 backend,
