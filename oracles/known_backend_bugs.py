@@ -37,7 +37,52 @@ def cuda_qmm_k64():
     return seven_rows > 1e-3
 
 
-REPRODUCERS = {"cuda-qmm-k64": cuda_qmm_k64}
+def greedy_decodes(model, prompt, steps):
+    """The logits of `steps` greedy decode steps after prefilling `prompt`, through mlx-lm's
+    KV caches (their 256-position buffers), as mlx-lm's generate_step runs them."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(prompt[None], cache=cache)
+    out = []
+    for _ in range(steps):
+        token = mx.argmax(logits[0, -1]).reshape(1, 1)
+        logits = model(token, cache=cache)
+        mx.eval(logits)
+        out.append(logits)
+    return out
+
+
+def cuda_half_decode_nondeterministic():
+    """bfloat16, Qwen3-0.6B's layer shapes with random weights: greedy decoding after a prompt
+    of 270 tokens (every step reads at least 256 keys, cuDNN's decode kernel) repeated in one
+    process; the bug counts as fixed once every repetition gives the first one's bits. On an
+    H100 (2026-12-05) each repetition left them within 0-16 steps, after 120 tokens none did."""
+    if not mx.cuda.is_available():
+        raise RuntimeError("no CUDA backend in this MLX (install the mlx-cuda-13 wheel)")
+    from mlx_lm.models import qwen3
+
+    mx.set_default_device(mx.gpu)
+    mx.random.seed(0)
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
+                           intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                           head_dim=128, rms_norm_eps=1e-6, vocab_size=4096,
+                           max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True)
+    model = qwen3.Model(args)
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    prompt = mx.random.randint(0, args.vocab_size, (270,))
+    first = greedy_decodes(model, prompt, 20)
+    equal = [all(mx.array_equal(a, b).item() for a, b in zip(first, greedy_decodes(model, prompt, 20)))
+             for _ in range(4)]
+    print(f"  4 repetitions of 20 steps after 270 tokens: {equal.count(True)} equal the first")
+    return not all(equal)
+
+
+REPRODUCERS = {
+    "cuda-qmm-k64": cuda_qmm_k64,
+    "cuda-half-decode-nondeterministic": cuda_half_decode_nondeterministic,
+}
 
 
 def main():
