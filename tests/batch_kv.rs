@@ -204,18 +204,73 @@ fn head_dim_128_rows_equal_their_lone_steps() {
     check(128, Dtype::Bfloat16);
 }
 
-/// On CUDA a lone step in half precision over 256 keys or more runs cuDNN's decode kernel over
-/// its own cache's buffer, which no call over a shared buffer repeats; everywhere else, and in
-/// float32, rows of any length keep their lone attention in one buffer.
+/// On CUDA a lone step in half precision over 256 keys or more, sliced from a buffer of a
+/// multiple of 256 positions, runs cuDNN's decode kernel, which no call over a shared buffer
+/// repeats: golden replay (mlx-lm's buffers) keeps such rows apart, while verity's own decoding
+/// keeps its buffers off those capacities and shares rows of any length. Everywhere else, and
+/// in float32, rows of any length share.
 #[test]
-fn half_precision_rows_share_a_buffer_on_cuda_only_below_cudnns_decode_kernel() {
+fn half_precision_rows_share_past_256_keys_unless_replaying_mlx_lms_buffers_on_cuda() {
     support::on_invariant_device();
     let cuda = mlx::default_is_cuda();
     for dtype in [Dtype::Float16, Dtype::Bfloat16] {
         assert!(BatchKvCache::keeps_lone_attention(dtype, 255));
-        assert_eq!(BatchKvCache::keeps_lone_attention(dtype, 256), !cuda);
+        assert!(BatchKvCache::keeps_lone_attention(dtype, 256));
+        lone_rows::oracle_kernels(|| {
+            assert!(BatchKvCache::keeps_lone_attention(dtype, 255));
+            assert_eq!(BatchKvCache::keeps_lone_attention(dtype, 256), !cuda);
+        });
     }
     assert!(BatchKvCache::keeps_lone_attention(Dtype::Float32, 100_000));
+}
+
+/// The capacities a lone KV cache of `dtype` keys takes as it is fed `chunks` tokens at a time,
+/// and the keys it then holds.
+fn grown(dtype: Dtype, chunks: &[i32]) -> (Vec<i32>, Vec<u8>) {
+    let mut cache = LayerCache::Kv(KvCache::default());
+    let mut capacities = Vec::new();
+    for (i, &n) in chunks.iter().enumerate() {
+        let k = normal(&[1, KV_HEADS, n, 64], dtype, 700 + i as u64);
+        cache.update_and_fetch(&k, &k).unwrap();
+        capacities.push(kv(&cache).capacity());
+    }
+    let (keys, _) = cache.visible().unwrap().unwrap();
+    (capacities, support::bits(&keys))
+}
+
+/// Verity's own decoding keeps a half-precision KV buffer's capacity off multiples of 256 (one
+/// position more), so that its steps past 256 keys take MLX's vector kernel, which the shared
+/// buffer's one call repeats, never cuDNN's decode kernel, whose bits change from run to run:
+/// on CUDA, and on the CPU where the tests take CUDA's paths. Growth from every kind of offset
+/// keeps every key; golden replay and float32 keep mlx-lm's capacities.
+#[test]
+fn half_precision_buffers_keep_off_cudnns_decode_kernel() {
+    support::on_cpu();
+    let chunks = [255, 1, 1, 254, 3, 256, 1];
+    let (mlx_lm, keys) = lone_rows::oracle_kernels(|| grown(Dtype::Bfloat16, &chunks));
+    assert_eq!(mlx_lm, [256, 256, 512, 512, 767, 770, 1026]);
+    let (own, own_keys) = lone_rows::on_any_device(|| grown(Dtype::Bfloat16, &chunks));
+    assert_eq!(own, [257, 257, 257, 513, 767, 770, 1026]);
+    assert!(own.iter().all(|c| c % 256 != 0));
+    assert_eq!(
+        own_keys, keys,
+        "a buffer grown with a position more lost a key"
+    );
+    let (f32, _) = lone_rows::on_any_device(|| grown(Dtype::Float32, &chunks));
+    assert_eq!(f32, mlx_lm);
+    assert_eq!(
+        grown(Dtype::Bfloat16, &chunks).0,
+        mlx_lm,
+        "the CPU's own path"
+    );
+
+    // A row leaving a shared buffer takes the capacity its own cache would have.
+    lone_rows::on_any_device(|| {
+        let rows = [300, 40].map(|len| filled(len, 64, Dtype::Bfloat16, len as u64));
+        let own: Vec<&KvCache> = rows.iter().map(kv).collect();
+        let mut shared = BatchKvCache::gather(&own).unwrap();
+        assert_eq!(shared.leave(0).unwrap().capacity(), 513);
+    });
 }
 
 #[test]

@@ -14,7 +14,7 @@
 use mlx::{ops, Array, Dtype};
 
 use super::kv::seq;
-use super::{KvCache, LayerCache, STEP};
+use super::{buffer_positions, off_cudnn_decode, KvCache, LayerCache, STEP};
 use crate::error::contract;
 use crate::Result;
 
@@ -117,7 +117,7 @@ impl BatchKvCache {
     pub fn leave(&mut self, row: usize) -> Result<KvCache> {
         let slot = self.active.remove(row);
         let len = self.extents[slot] as i32;
-        let pad = round_up(len + 1, STEP) - len;
+        let pad = buffer_positions(round_up(len + 1, STEP), self.keys.dtype()) - len;
         let copy = |buffer: &Array| -> Result<Array> {
             let own = buffer.slice_axis(0, slot as i32, slot as i32 + 1)?;
             let own = seq(&own, 0, len)?;
@@ -136,10 +136,11 @@ impl BatchKvCache {
 
     /// Whether rows of `dtype` keys whose steps read up to `keys` of them can share a buffer and
     /// still each attend with its lone step's bits: everywhere but on CUDA in half precision
-    /// from 256 keys on (`CUDNN_DECODE_KEYS`).
+    /// from 256 keys on (`CUDNN_DECODE_KEYS`) where lone caches keep mlx-lm's buffers (golden
+    /// replay; verity's own keep off cuDNN's decode kernel, [`off_cudnn_decode`]).
     pub fn keeps_lone_attention(dtype: Dtype, keys: usize) -> bool {
         let half = matches!(dtype, Dtype::Float16 | Dtype::Bfloat16);
-        !(mlx::default_is_cuda() && half && keys >= CUDNN_DECODE_KEYS)
+        !(mlx::default_is_cuda() && half && keys >= CUDNN_DECODE_KEYS) || off_cudnn_decode(dtype)
     }
 
     /// The element type of the keys.

@@ -1,8 +1,9 @@
-//! mlx-lm's KVCache: a buffer grown in 256-slot steps, written in place, read up to `offset`.
+//! mlx-lm's KVCache: a buffer grown in 256-slot steps, written in place, read up to `offset`
+//! (on CUDA in half precision one slot more, [`super::off_cudnn_decode`]).
 
 use mlx::{ops, Array};
 
-use super::{QuantizedKvCache, STEP};
+use super::{buffer_positions, QuantizedKvCache, STEP};
 use crate::Result;
 
 #[derive(Clone, Default)]
@@ -50,7 +51,12 @@ impl KvCache {
         let s = keys.dim(2);
         if self.kv.is_none() || prev + s > self.capacity() {
             let n_steps = (STEP + s - 1) / STEP;
-            let (new_k, new_v) = zeros_like_steps(keys, values, n_steps * STEP)?;
+            let kept = match self.kv {
+                Some(_) if prev % STEP != 0 => prev,
+                _ => self.capacity(),
+            };
+            let grown = buffer_positions(kept + n_steps * STEP, keys.dtype()) - kept;
+            let (new_k, new_v) = zeros_like_steps(keys, values, grown)?;
             self.kv = Some(match self.kv.take() {
                 Some((mut k, mut v)) => {
                     if prev % STEP != 0 {

@@ -23,12 +23,30 @@ pub use recurrent::{RecurrentCache, RecurrentState};
 pub use rollback::{begin_round, end_round, rollback_plan, Rollback};
 pub use rotating::RotatingKvCache;
 
-use mlx::Array;
+use mlx::{Array, Dtype};
 
 use crate::{error::contract, Error, Result};
 
 /// Allocation granularity of the growable caches (mlx-lm's `step`).
 pub(crate) const STEP: i32 = 256;
+
+/// Whether KV buffers of `dtype` keys keep their capacity off multiples of [`STEP`]. On CUDA in
+/// half precision MLX runs a one-token step over at least 256 keys sliced out of a buffer of
+/// such a capacity through cuDNN's decode kernel (`use_cudnn_for_decoding`,
+/// mlx/backend/cuda/scaled_dot_product_attention.cpp), whose bits change from run to run
+/// inside a model (known backend bug cuda-half-decode-nondeterministic), and any other step
+/// through its vector kernel, which the shared batch cache repeats row by row. So verity's own
+/// decoding gives such a buffer one position more; golden replay keeps mlx-lm's buffers.
+pub(crate) fn off_cudnn_decode(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::Float16 | Dtype::Bfloat16)
+        && crate::model::lone_rows::exact_decode()
+        && crate::model::lone_rows::cuda_or_any_device()
+}
+
+/// The positions a KV buffer of `dtype` keys allocates to hold `needed` ([`off_cudnn_decode`]).
+pub(crate) fn buffer_positions(needed: i32, dtype: Dtype) -> i32 {
+    needed + i32::from(needed % STEP == 0 && off_cudnn_decode(dtype))
+}
 
 /// One layer's cache. Cloning is cheap: arrays share their (immutable) buffers.
 #[derive(Clone)]

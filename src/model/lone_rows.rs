@@ -82,6 +82,12 @@ pub fn exact_decode() -> bool {
     enabled() && !AS_ORACLE.get()
 }
 
+/// Whether what decoding does for CUDA's kernels applies here: on CUDA, or inside
+/// [`on_any_device`], where the tests check it on the CPU.
+pub(crate) fn cuda_or_any_device() -> bool {
+    mlx::default_is_cuda() || ON_ANY_DEVICE.get()
+}
+
 /// Runs `forward`, a decode forward over several rows, with the lone-row kernels when they are
 /// enabled and the default device is a GPU.
 pub fn decode_rows<T>(forward: impl FnOnce() -> T) -> T {
