@@ -317,6 +317,45 @@ fn generate_streams_the_same_tokens_as_the_golden_trace() {
     );
 }
 
+/// `bench rows` on the CPU: every case, both ways, keeps every row and step of plain decoding
+/// alone and repeats its bits on another run, and plain decoding repeats its own; it exits 0.
+#[test]
+fn bench_rows_reports_rows_and_repeats_on_the_cpu() {
+    let model = root().join("golden/models/qwen3-target");
+    let model = model.to_string_lossy();
+    let out = verity(&[
+        "bench",
+        "rows",
+        "--model",
+        &model,
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "4",
+        "--draft-tokens",
+        "1",
+        "--runs",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["plain_repeats"], true);
+    let cases = report["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 10, "5 cases, each with both kernels");
+    for case in cases {
+        assert_eq!(case["rows_equal"], case["rows"], "{case}");
+        assert_eq!(case["bits_equal"], case["steps"], "{case}");
+        assert_eq!(case["repeats"], 1, "{case}");
+        assert_eq!(case["runs"], 1, "{case}");
+    }
+}
+
 /// `verity bench speed` on `model` alone with the shortest rows and `extra` flags; its JSON.
 fn bench_speed_json(model: &Path, extra: &[&str]) -> Value {
     let model = model.to_string_lossy();

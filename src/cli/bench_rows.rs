@@ -84,6 +84,9 @@ struct Outcome {
     steps: usize,
     /// The earliest step at which a row's token differs.
     first_token_difference: Option<usize>,
+    /// Timed runs whose rows gave the untimed first run's tokens and logprob bits, of `runs`.
+    repeats: usize,
+    runs: usize,
     /// Wall time per target forward (a round or a batch step).
     ms_per_forward: f64,
     /// A batch case's step split in the median run: ms per step drafting, building, evaluating
@@ -106,6 +109,7 @@ impl Outcome {
         kernels: &'static str,
         got: &[Steps],
         want: &[Steps],
+        (repeats, runs): (usize, usize),
         timed: Timed,
     ) -> Self {
         let mut o = Outcome {
@@ -116,6 +120,8 @@ impl Outcome {
             bits_equal: 0,
             steps: 0,
             first_token_difference: None,
+            repeats,
+            runs,
             ms_per_forward: timed.ms,
             split: timed.split.as_ref().map(ms_per_step),
             shared: timed
@@ -212,10 +218,17 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         let split = Some(batch.split().clone());
         anyhow::Ok((out, Timed { ms, split }))
     };
-    let reference: Vec<Steps> = prompts
-        .iter()
-        .map(|p| alone(None, None, p).map(|(s, _)| s))
-        .collect::<anyhow::Result<_>>()?;
+    let plain = || -> anyhow::Result<Vec<Steps>> {
+        prompts
+            .iter()
+            .map(|p| alone(None, None, p).map(|(s, _)| s))
+            .collect()
+    };
+    let reference = plain()?;
+    // Plain decoding is the reference only if it repeats its own bits (on CUDA in half
+    // precision past 256 keys, mlx-lm's does not: known backend bug
+    // cuda-half-decode-nondeterministic).
+    let plain_repeats = plain()? == reference;
     let k_batch = *a.draft_tokens.iter().max().expect("checked non-empty");
     // (case, drafts per round, how the rows decode)
     let mut cases: Vec<(String, Option<usize>, Rows)> = a
@@ -262,13 +275,10 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             // The first run compiles the GPU's kernels for these shapes and is not timed.
             let (got, _) = run(*k, *rows)?;
             bar.inc(1);
-            let mut ms = Vec::with_capacity(a.runs);
+            let (mut ms, mut repeats) = (Vec::with_capacity(a.runs), 0);
             for _ in 0..a.runs {
                 let (again, t) = run(*k, *rows)?;
-                anyhow::ensure!(
-                    again == got,
-                    "{case} ({kernels}) gave other bits on a second run"
-                );
+                repeats += usize::from(again == got);
                 ms.push(t);
                 bar.inc(1);
             }
@@ -279,6 +289,7 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
                 kernels,
                 &got,
                 &reference,
+                (repeats, a.runs),
                 median,
             ));
         }
@@ -296,6 +307,7 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             .map(|o| {
                 json!({"case": o.case, "kernels": o.kernels, "rows_equal": o.rows_equal,
                        "rows": o.rows, "bits_equal": o.bits_equal, "steps": o.steps,
+                       "repeats": o.repeats, "runs": o.runs,
                        "first_token_difference": o.first_token_difference,
                        "ms_per_forward": o.ms_per_forward,
                        "step_split_ms": o.split.map(|[d, b, e, s]| json!({
@@ -307,31 +319,44 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         println!(
             "{}",
             json!({"device": device.name(), "model": a.model, "plain_ms_per_token": plain_ms,
-                   "cases": rows})
+                   "plain_repeats": plain_repeats, "cases": rows})
         );
     } else {
         println!(
-            "{} on {}, {} prompts x {} tokens, greedy; plain decoding alone: {plain_ms:.2} ms per token",
+            "{} on {}, {} prompts x {} tokens, greedy; plain decoding alone: {plain_ms:.2} ms per \
+             token, {} its bits on a second run",
             a.model.display(),
             device.name(),
             a.prompts,
-            a.max_tokens
+            a.max_tokens,
+            if plain_repeats {
+                "repeats"
+            } else {
+                "DOES NOT repeat"
+            }
         );
         println!(
-            "{:<40} {:<9} {:>11} {:>17} {:>11} {:>11}",
-            "case", "kernels", "rows equal", "logprob bits eq.", "first diff", "ms/forward"
+            "{:<40} {:<9} {:>11} {:>17} {:>11} {:>8} {:>11}",
+            "case",
+            "kernels",
+            "rows equal",
+            "logprob bits eq.",
+            "first diff",
+            "repeats",
+            "ms/forward"
         );
         for o in &outcomes {
             let first = o
                 .first_token_difference
                 .map_or("-".into(), |f| f.to_string());
             println!(
-                "{:<40} {:<9} {:>11} {:>17} {:>11} {:>11.2}",
+                "{:<40} {:<9} {:>11} {:>17} {:>11} {:>8} {:>11.2}",
                 o.case,
                 o.kernels,
                 format!("{}/{}", o.rows_equal, o.rows),
                 format!("{}/{}", o.bits_equal, o.steps),
                 first,
+                format!("{}/{}", o.repeats, o.runs),
                 o.ms_per_forward
             );
         }
@@ -348,10 +373,11 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    let exact = outcomes
-        .iter()
-        .filter(|o| o.kernels == "lone-row")
-        .all(|o| o.rows_equal == o.rows && o.bits_equal == o.steps);
+    let exact = plain_repeats
+        && outcomes
+            .iter()
+            .filter(|o| o.kernels == "lone-row")
+            .all(|o| o.rows_equal == o.rows && o.bits_equal == o.steps && o.repeats == o.runs);
     Ok(if exact {
         ExitCode::SUCCESS
     } else {
