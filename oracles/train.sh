@@ -10,6 +10,8 @@
 # Usage: oracles/train.sh [STEPS [OUT_ROOT]]   (defaults: 1500, golden/models)
 #        oracles/train.sh --dflash-only [STEPS [OUT_ROOT]]  (only the two DFlash drafters, ~14 min, 1 core)
 #        oracles/train.sh --mtp-only [STEPS [OUT_ROOT]]     (only qwen3_5-trained, ~20 min, 1 core)
+#        oracles/train.sh --bench-pair [STEPS [OUT_ROOT]]   (only the head_dim-64 pair for GPU benches,
+#                                                            default OUT_ROOT target/bench-models)
 # STEPS is train_tiny.py's step count; the drafters and qwen3_5-trained train their own fixed counts.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -19,12 +21,15 @@ blas=/usr/lib/x86_64-linux-gnu/openblas-serial/libopenblas.so.0
 [ -f "$blas" ] || { echo "error: $blas missing (apt-get install libopenblas0-serial)" >&2; exit 2; }
 dflash_only=0
 mtp_only=0
+suffix=""
+default_root="$here/../golden/models"
 case "${1:-}" in
   --dflash-only) dflash_only=1; shift ;;
   --mtp-only) mtp_only=1; shift ;;
+  --bench-pair) suffix="-hd64"; default_root="$here/../target/bench-models"; shift ;;
 esac
 steps="${1:-1500}"
-root="$(realpath -m "${2:-$here/../golden/models}")"
+root="$(realpath -m "${2:-$default_root}")"
 export HF_HUB_OFFLINE=1 OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 export TRANSFORMERS_VERBOSITY=error PYTHONDONTWRITEBYTECODE=1
 export HF_HUB_CACHE="$(mktemp -d)"
@@ -34,11 +39,15 @@ pids=()
 status=0
 if [ $dflash_only = 0 ] && [ $mtp_only = 0 ]; then
   for which in target draft; do
-    LD_PRELOAD="$blas" "$py" "$here/train_tiny.py" "$which" --steps "$steps" \
-      --out "$root/qwen3-$which" > >(sed -u "s/^/[$which] /") 2>&1 &
+    LD_PRELOAD="$blas" "$py" "$here/train_tiny.py" "$which$suffix" --steps "$steps" \
+      --out "$root/qwen3-$which$suffix" > >(sed -u "s/^/[$which$suffix] /") 2>&1 &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+fi
+if [ -n "$suffix" ]; then
+  echo "training finished in $((SECONDS - start)) s (status $status)"
+  exit $status
 fi
 # train_mtp.py takes its config and vision tower from the committed golden/models/qwen3_5 whatever
 # OUT_ROOT is; it runs in the background, beside the drafters.

@@ -13,7 +13,11 @@ grad-norm clip 1.0, batch 16 x 128, fixed step count.
 Reproducible bit for bit when run through train.sh (serial OpenBLAS, one thread): same command,
 same weights and training_log.json.
 
-Usage: train_tiny.py {target,draft} [--steps N] [--out DIR]
+The -hd64 pair is the same two models at head_dim 64, which MLX's one-query attention kernels take
+on CUDA (32 is not among 64/96/128, so the committed pair's GPU rows attend one call each): built
+for `verity bench` on a GPU into target/bench-models, not committed (golden/ stays small).
+
+Usage: train_tiny.py {target,draft,target-hd64,draft-hd64} [--steps N] [--out DIR]
 """
 
 import common  # noqa: F401  (offline guard first)
@@ -32,7 +36,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 import corpus
-from common import MODELS, TOKENIZER, copy_tokenizer, die, fresh_dir, log, write_json
+from common import MODELS, REPO, TOKENIZER, copy_tokenizer, die, fresh_dir, log, write_json
 
 BASE = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=1024, head_dim=32,
@@ -47,6 +51,10 @@ SPECS = {  # name -> (folder, seed, config)
                                  "intermediate_size": 192, "num_attention_heads": 2,
                                  "num_key_value_heads": 1}),
 }
+SPECS.update({  # the bench pair: same models, head_dim 64, trained the same way
+    f"{which}-hd64": (f"{folder}-hd64", seed, {**cfg, "head_dim": 64})
+    for which, (folder, seed, cfg) in list(SPECS.items())
+})
 STEPS, BATCH, SEQ = 1500, 16, 128
 LR, LR_END, WARMUP, WD, CLIP = 3e-3, 1.5e-4, 50, 0.01, 1.0
 CHAT_COPIES = 4
@@ -169,13 +177,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("which", choices=sorted(SPECS))
     ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--out", type=Path, help="output folder (default golden/models/<name>)")
+    ap.add_argument("--out", type=Path,
+                    help="output folder (default golden/models/<name>, target/bench-models/<name> for -hd64)")
     args = ap.parse_args()
     if args.steps < 1:
         die("--steps must be positive")
     if not os.environ.get("LD_PRELOAD"):
         log("warning: no OpenBLAS preloaded (use train.sh); training will be ~6x slower")
-    train(args.which, args.steps, (args.out or MODELS / SPECS[args.which][0]).resolve())
+    folder = SPECS[args.which][0]
+    default = (REPO / "target" / "bench-models" if args.which.endswith("-hd64") else MODELS) / folder
+    train(args.which, args.steps, (args.out or default).resolve())
 
 
 if __name__ == "__main__":
