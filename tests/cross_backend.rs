@@ -172,21 +172,31 @@ fn registry_with_gaps_on_cpu(backend: &str) -> Registry {
 fn an_engine_gap_judges_its_backends_traces_at_tier_b() {
     support::on_cpu();
     let registry = registry_with_gaps_on_cpu("metal");
-    let mut models = Models::new(root());
-
     let trace = golden("qwen3_next/greedy/code");
-    let judgement = judge(&trace, &mut models, "cpu", &registry).unwrap();
+    assert_lowered_by(&trace, &registry, "metal-gated-delta-kernel", 3);
+}
+
+/// `trace`, judged on this CPU under `registry`, is teacher-forced and explained by the known
+/// engine gap `gap`, and fails once its step `corrupt` is moved beyond the tolerance.
+fn assert_lowered_by(
+    trace: &verity_harness::trace::Trace,
+    registry: &Registry,
+    gap: &str,
+    corrupt: usize,
+) {
+    let mut models = Models::new(root());
+    let judgement = judge(trace, &mut models, "cpu", registry).unwrap();
     assert!(matches!(judgement.outcome, Outcome::Forced { .. }));
     assert_eq!(judgement.status(), Status::Explained);
-    let report = judgement.report(&trace).unwrap();
+    let report = judgement.report(trace).unwrap();
     assert!(
-        report.contains("tier B, not A: known engine gap metal-gated-delta-kernel"),
+        report.contains(&format!("tier B, not A: known engine gap {gap}")),
         "{report}"
     );
 
     let mut corrupted = trace.clone();
-    corrupted.steps[3].logprob -= 0.5;
-    let judgement = judge(&corrupted, &mut models, "cpu", &registry).unwrap();
+    corrupted.steps[corrupt].logprob -= 0.5;
+    let judgement = judge(&corrupted, &mut models, "cpu", registry).unwrap();
     assert_eq!(judgement.status(), Status::Fail);
 }
 
@@ -205,9 +215,10 @@ fn cuda_golden(id: &str) -> verity_harness::trace::Trace {
 fn cuda_batch_traces_are_scored_row_by_row() {
     support::on_cpu();
     let registry = Registry::load(&root().join("golden")).unwrap();
-    let gap = "known engine gap cuda-batch-rows-alone";
     match plan(&cuda_golden("gemma4/batch/chat"), "cuda", &registry) {
-        Plan::Score { lowered_by } => assert!(lowered_by.unwrap().starts_with(gap)),
+        Plan::Score { lowered_by } => assert!(lowered_by
+            .unwrap()
+            .starts_with("known engine gap cuda-batch-rows-alone")),
         other => panic!("a CUDA batch trace on CUDA is scored teacher-forced, not {other:?}"),
     }
     match plan(&cuda_golden("qwen3_5_moe/batch/chat"), "cuda", &registry) {
@@ -218,21 +229,8 @@ fn cuda_batch_traces_are_scored_row_by_row() {
     assert_eq!(plan(&greedy, "cuda", &registry), Plan::Generate);
 
     let registry = registry_with_gaps_on_cpu("cuda");
-    let mut models = Models::new(root());
     let trace = golden("qwen3_moe/batch/chat");
-    let judgement = judge(&trace, &mut models, "cpu", &registry).unwrap();
-    assert!(matches!(judgement.outcome, Outcome::Forced { .. }));
-    assert_eq!(judgement.status(), Status::Explained);
-    let report = judgement.report(&trace).unwrap();
-    assert!(
-        report.contains(&format!("tier B, not A: {gap}")),
-        "{report}"
-    );
-
-    let mut corrupted = trace.clone();
-    corrupted.steps[2].logprob -= 0.5;
-    let judgement = judge(&corrupted, &mut models, "cpu", &registry).unwrap();
-    assert_eq!(judgement.status(), Status::Fail);
+    assert_lowered_by(&trace, &registry, "cuda-batch-rows-alone", 2);
 }
 
 /// The draft-model traces with a repetition penalty record mlx-lm's wrong output (its
