@@ -143,26 +143,59 @@ fn a_rope_base_off_by_one_percent_fails_cross_backend_tier_b() {
 /// The golden registry with the engine gaps of `backend` moved onto this machine's CPU, so that
 /// the CPU's own traces show what they do to that backend's.
 fn registry_with_gaps_on_cpu(backend: &str) -> Registry {
-    let golden_dir =
-        std::env::temp_dir().join(format!("verity-gap-{backend}-{}", std::process::id()));
+    load_edited_registry("known-engine-gaps.toml", |gaps| {
+        gaps.replace(&format!("backend = \"{backend}\""), "backend = \"cpu\"")
+    })
+    .unwrap()
+}
+
+/// The golden registry loaded with `file`'s text passed through `edit`.
+fn load_edited_registry(
+    file: &str,
+    edit: impl Fn(&str) -> String,
+) -> Result<Registry, verity_harness::registry::RegistryError> {
+    let golden_dir = std::env::temp_dir().join(format!(
+        "verity-registry-{}-{}",
+        file.replace('.', "-"),
+        std::process::id()
+    ));
     fs::create_dir_all(&golden_dir).unwrap();
-    for file in [
+    for name in [
         "tolerances.toml",
         "known-backend-bugs.toml",
+        "known-engine-gaps.toml",
         "known-oracle-bugs.toml",
         "MANIFEST.toml",
     ] {
-        fs::copy(root().join("golden").join(file), golden_dir.join(file)).unwrap();
+        let text = fs::read_to_string(root().join("golden").join(name)).unwrap();
+        let text = if name == file { edit(&text) } else { text };
+        fs::write(golden_dir.join(name), text).unwrap();
     }
-    let gaps = fs::read_to_string(root().join("golden/known-engine-gaps.toml")).unwrap();
-    fs::write(
-        golden_dir.join("known-engine-gaps.toml"),
-        gaps.replace(&format!("backend = \"{backend}\""), "backend = \"cpu\""),
-    )
-    .unwrap();
-    let registry = Registry::load(&golden_dir).unwrap();
+    let registry = Registry::load(&golden_dir);
     fs::remove_dir_all(&golden_dir).unwrap();
     registry
+}
+
+/// A registry entry with a key the registry does not know is an error naming the file and the
+/// key, never an entry read without it (a misspelt `variants` would widen the entry to every
+/// variant).
+#[test]
+fn a_registry_entry_with_an_unknown_key_is_refused() {
+    for (file, entry) in [
+        ("tolerances.toml", "[[incomparable]]"),
+        ("known-engine-gaps.toml", "[[gap]]"),
+        ("known-backend-bugs.toml", "[[bug]]"),
+    ] {
+        let error = load_edited_registry(file, |text| {
+            text.replacen(entry, &format!("{entry}\nvariant = [\"batch\"]"), 1)
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.contains(file) && error.contains("unknown field `variant`"),
+            "{file}: {error}"
+        );
+    }
 }
 
 /// A registered engine gap lowers its backend's own traces to tier B, never excuses them: a
@@ -207,24 +240,38 @@ fn cuda_golden(id: &str) -> verity_harness::trace::Trace {
 }
 
 /// On CUDA mlx-lm's batch rows are not their requests alone and verity's are (known engine gap
-/// cuda-batch-rows-alone): there a batch trace is planned teacher-forced, a hybrid's not at all
-/// (its oracle rows are too far from their requests alone), and every other trace stays at
-/// tier A. With the gap moved onto the CPU, a batch trace's row is scored alone, passes with the
-/// gap named, and fails once corrupted.
+/// cuda-batch-rows-alone): there a batch trace is planned teacher-forced, one of a model no
+/// tolerance holds off the oracle's path (`[[incomparable]]`: the hybrid, Gemma 4) not at all,
+/// and every other trace stays at tier A. With the gap moved onto the CPU, a batch trace's row
+/// is scored alone, passes with the gap named, and fails once corrupted.
 #[test]
 fn cuda_batch_traces_are_scored_row_by_row() {
     support::on_cpu();
     let registry = Registry::load(&root().join("golden")).unwrap();
-    match plan(&cuda_golden("gemma4/batch/chat"), "cuda", &registry) {
+    match plan(&cuda_golden("qwen3_moe/batch/chat"), "cuda", &registry) {
         Plan::Score { lowered_by } => assert!(lowered_by
             .unwrap()
             .starts_with("known engine gap cuda-batch-rows-alone")),
         other => panic!("a CUDA batch trace on CUDA is scored teacher-forced, not {other:?}"),
     }
-    match plan(&cuda_golden("qwen3_5_moe/batch/chat"), "cuda", &registry) {
-        Plan::Skip(why) => assert!(why.contains("(hybrid-batch-rows, lowered"), "{why}"),
-        other => panic!("a hybrid's CUDA batch trace is not comparable, not {other:?}"),
+    for (id, entry) in [
+        ("qwen3_5_moe/batch/chat", "hybrid-batch-rows"),
+        ("gemma4/batch/chat", "gemma4-spikes"),
+    ] {
+        match plan(&cuda_golden(id), "cuda", &registry) {
+            Plan::Skip(why) => assert!(
+                why.contains(&format!(
+                    "({entry}, lowered from tier A by known engine gap cuda-batch-rows-alone)"
+                )),
+                "{why}"
+            ),
+            other => panic!("{id} on CUDA is not comparable teacher-forced, not {other:?}"),
+        }
     }
+    assert_eq!(
+        plan(&cuda_golden("gemma4/greedy/code"), "cuda", &registry),
+        Plan::Generate
+    );
     let greedy = cuda_golden("qwen3_moe/greedy/code");
     assert_eq!(plan(&greedy, "cuda", &registry), Plan::Generate);
 

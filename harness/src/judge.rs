@@ -9,7 +9,8 @@
 //! tolerance golden/tolerances.toml gives for the pair and the model's class. A case the backend
 //! cannot run is reported with the manifest's reason, and a failure a known backend bug explains
 //! is reported as explained. A trace of this backend that a known engine gap keeps from tier A
-//! is teacher-forced too, and reported as explained when it holds there. A trace under a known
+//! is teacher-forced too, and reported as explained when it holds there, unless its model is one
+//! no tolerance holds off the oracle's path (`[[incomparable]]`). A trace under a known
 //! oracle bug is judged at tier C: the engine's speculative run against its own plain run.
 
 use crate::compare::{compare, Generation, Verdict};
@@ -53,7 +54,7 @@ pub fn plan(trace: &Trace, backend: &str, registry: &Registry) -> Plan {
                 i.id, i.summary
             ));
         }
-        if let Some(g) = gap.filter(|_| i.where_recorded) {
+        if let Some(g) = gap {
             return Plan::Skip(format!(
                 "not comparable teacher-forced ({}, lowered from tier A by known engine gap {}): {}",
                 i.id, g.id, i.summary

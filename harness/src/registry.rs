@@ -79,10 +79,12 @@ struct TolerancesFile {
     incomparable: Vec<Incomparable>,
 }
 
-/// Models whose rounding on one backend no tolerance bounds usefully on another: their traces
-/// are judged only on the backend that recorded them (tier A there), and reported as not
-/// comparable on any other, with why.
+/// Models whose rounding on one path no tolerance bounds usefully on another: their traces are
+/// judged only where verity takes the oracle's path (tier A on the backend that recorded them),
+/// and reported as not comparable on any other backend, or on their own where a known engine gap
+/// lowers them to teacher-forced scoring, with why.
 #[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Incomparable {
     pub id: String,
     pub summary: String,
@@ -91,14 +93,11 @@ pub struct Incomparable {
     /// The manifest variants it concerns (the second component of a case id); all where absent.
     #[serde(default)]
     pub variants: Option<Vec<String>>,
-    /// Also on the backend that recorded them wherever a known engine gap lowers them to
-    /// teacher-forced scoring: the oracle's own rows there are what no tolerance holds.
-    #[serde(default)]
-    pub where_recorded: bool,
 }
 
 /// A backend bug that makes a trace fail, with the reproducer that tells when it is fixed.
 #[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct BackendBug {
     pub id: String,
     pub backend: String,
@@ -117,6 +116,7 @@ struct BugsFile {
 /// for the same math), so that backend's own traces of these models cannot be bit-exact: they
 /// are judged teacher-forced (tier B) instead, and the report names the gap.
 #[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct EngineGap {
     pub id: String,
     pub backend: String,
@@ -341,7 +341,7 @@ impl Registry {
     }
 
     /// Why `trace`'s model is not judged teacher-forced (on a backend other than its own, or on
-    /// its own where [`Incomparable::where_recorded`]), if it is not.
+    /// its own under a known engine gap), if it is not.
     pub fn incomparable_for(&self, trace: &Trace) -> Option<&Incomparable> {
         self.incomparable
             .iter()
