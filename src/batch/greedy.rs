@@ -1,14 +1,13 @@
 //! Greedy rows sampled together.
 
-use mlx::{ops, Array, Dtype};
+use mlx::Array;
 
 use super::{Decoder, Row};
+use crate::sample::argmax_rows;
 use crate::Result;
 
 /// The plain rows of a step that sample by argmax alone (greedy, without logits processors or a
-/// grammar), sampled together: one logsumexp and one argmax over their (n, V) logits in place
-/// of a handful of ops per row. Each row keeps its lone bits: both reduce each row on its own
-/// ([`crate::model::lone_rows`]).
+/// grammar), sampled together ([`argmax_rows`]).
 pub(super) struct GreedyRows {
     /// The rows' positions on the step's token axis, ascending.
     at: Vec<i32>,
@@ -37,14 +36,7 @@ impl GreedyRows {
         if at.len() < 2 {
             return Ok(None);
         }
-        let logits = logits.squeeze(&[0])?;
-        let logits = if at.len() as i32 == start {
-            logits
-        } else {
-            logits.take(&Array::from_slice(&at, &[at.len() as i32])?, 0)?
-        };
-        let logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
-        let tokens = ops::argmax(&logprobs, -1, false)?.astype(Dtype::Uint32)?;
+        let (tokens, logprobs) = argmax_rows(&logits.squeeze(&[0])?, &at)?;
         let logprobs = (0..at.len() as i32)
             .map(|i| logprobs.slice_axis(0, i, i + 1)?.squeeze(&[0]))
             .collect::<mlx::Result<_>>()?;

@@ -5,11 +5,13 @@
 mod keys;
 mod params;
 mod processors;
+mod rows;
 mod sampler;
 mod step;
 
 pub use keys::{position_seed, KeySchedule};
 pub use params::{ProcessorParams, SamplerParams};
 pub use processors::LogitsProcessors;
+pub use rows::argmax_rows;
 pub use sampler::Sampler;
 pub use step::{Masking, StepSampler};

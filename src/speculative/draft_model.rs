@@ -15,6 +15,7 @@ use crate::cache::{
 };
 use crate::generate::{forward_tokens, last_logits, prefill, token_array};
 use crate::model::{lone_rows, LanguageModel};
+use crate::sample::argmax_rows;
 use crate::{Error, Result};
 
 pub struct DraftModel<'m> {
@@ -124,39 +125,39 @@ pub struct SharedDraftCaches<'a> {
 /// Drafts for several requests that draft with the same `model`, each row `(source, its
 /// context, drafts wanted)`: one packed forward per draft step over the rows still drafting
 /// (crate::model::rows, the lone-row kernels on a GPU), each row sampling its draft from its
-/// own logits with its own sampler; over the rows' own caches, or over `shared` ones (the other
-/// rows there take no token). Wherever the packed forward gives each row its lone bits (the
-/// CPU), every row drafts what it drafts alone.
+/// own logits with its own sampler (the greedy rows without processors together,
+/// [`argmax_rows`]); over the rows' own caches, or over `shared` ones (the other rows there
+/// take no token). Wherever the packed forward gives each row its lone bits (the CPU), every
+/// row drafts what it drafts alone. The host waits once per round, for every row's drafts,
+/// unless a row's processors read its drafts as they come.
 pub fn draft_together(
     model: &dyn LanguageModel,
     rows: &mut [(&mut dyn SteppedDraft, DraftContext<'_>, usize)],
     mut shared: Option<SharedDraftCaches<'_>>,
 ) -> Result<Vec<Vec<u32>>> {
     // Each row's next input: its pending tokens first, then its last draft.
-    let mut inputs: Vec<Option<Array>> = rows
+    let mut next: Vec<Option<Next>> = rows
         .iter_mut()
-        .map(|(source, _, n)| source.open_round(*n).map(|t| token_array(&t)).transpose())
+        .map(|(source, _, n)| {
+            let pending = source.open_round(*n)?;
+            Some(token_array(&pending).map(Next::Own))
+        })
+        .map(Option::transpose)
         .collect::<mlx::Result<_>>()?;
-    let mut sampled: Vec<Vec<Array>> = vec![Vec::new(); rows.len()];
+    // The last step's tokens of the rows sampled together, which their `Next::Together` index.
+    let mut together: Option<Array> = None;
+    // Every step's sampled tokens (uint32), each with the rows it holds, in order.
+    let mut steps: Vec<(Vec<usize>, Array)> = Vec::new();
+    let mut drafted = vec![0; rows.len()];
     let mut read: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];
     loop {
         let live: Vec<usize> = (0..rows.len())
-            .filter(|&r| inputs[r].is_some() && sampled[r].len() < rows[r].2)
+            .filter(|&r| next[r].is_some() && drafted[r] < rows[r].2)
             .collect();
         if live.is_empty() {
             break;
         }
-        let fed: Vec<Array> = live
-            .iter()
-            .map(|&r| {
-                inputs[r]
-                    .as_ref()
-                    .expect("a live row has an input")
-                    .astype(Dtype::Int32)
-            })
-            .collect::<mlx::Result<_>>()?;
-        let lens: Vec<usize> = fed.iter().map(|a| a.dim(0) as usize).collect();
-        let ids = mlx::ops::concatenate(&fed.iter().collect::<Vec<_>>(), 0)?.expand_dims(&[0])?;
+        let (ids, lens) = inputs(&live, &next, together.as_ref())?;
         let logits = match &mut shared {
             Some(shared) => {
                 let mut all = vec![0; shared.len];
@@ -177,46 +178,112 @@ pub fn draft_together(
                 lone_rows::decode_rows(|| model.forward_rows(&ids, &mut caches, &lens, &[]))?
             }
         }
-        .logits;
+        .logits
+        .squeeze(&[0])?;
+        let mut ends = Vec::with_capacity(live.len());
         let mut end = 0;
-        let mut step = Vec::with_capacity(live.len());
         for (&r, &len) in live.iter().zip(&lens) {
             end += len as i32;
+            ends.push(end - 1);
             let (source, ctx, _) = &mut rows[r];
             quantize_due(source.caches_mut(), ctx.params.kv_quantization.as_ref())?;
-            let last = logits.slice_axis(1, end - 1, end)?.squeeze(&[1])?;
-            let token = ctx.sample(&last, &read[r])?;
-            sampled[r].push(token.clone());
-            inputs[r] = Some(token.clone());
-            step.push(token);
+            drafted[r] += 1;
         }
-        // One enqueue per draft step for every row's draft; the rows whose processors read the
-        // drafts read theirs after one wait for all.
+        let (by_argmax, alone): (Vec<usize>, Vec<usize>) =
+            (0..live.len()).partition(|&i| rows[live[i]].1.samples_by_argmax());
+        let (by_argmax, alone) = if by_argmax.len() < 2 {
+            (Vec::new(), (0..live.len()).collect())
+        } else {
+            (by_argmax, alone)
+        };
+        let first = steps.len();
+        together = None;
+        if !by_argmax.is_empty() {
+            let at: Vec<i32> = by_argmax.iter().map(|&i| ends[i]).collect();
+            let (tokens, _) = argmax_rows(&logits, &at)?;
+            for (j, &i) in by_argmax.iter().enumerate() {
+                next[live[i]] = Some(Next::Together(j));
+            }
+            steps.push((by_argmax.iter().map(|&i| live[i]).collect(), tokens.clone()));
+            together = Some(tokens);
+        }
+        for i in alone {
+            let r = live[i];
+            let last = logits.slice_axis(0, ends[i], ends[i] + 1)?;
+            let token = rows[r].1.sample(&last, &read[r])?;
+            next[r] = Some(Next::Own(token.clone()));
+            steps.push((vec![r], token.astype(Dtype::Uint32)?));
+        }
+        let step: Vec<&Array> = steps[first..].iter().map(|(_, t)| t).collect();
+        // The rows whose processors read the drafts read theirs after one wait for all.
         if live.iter().any(|&r| rows[r].1.needs_draft_ids()) {
-            mlx::eval(&step)?;
-            for (&r, token) in live.iter().zip(&step) {
-                if rows[r].1.needs_draft_ids() {
-                    read[r].push(token.astype(Dtype::Uint32)?.item::<u32>()?);
+            mlx::eval(step)?;
+            for (held, token) in &steps[first..] {
+                if let [r] = held[..] {
+                    if rows[r].1.needs_draft_ids() {
+                        read[r].push(token.item::<u32>()?);
+                    }
                 }
             }
         } else {
-            mlx::async_eval(&step)?;
+            mlx::async_eval(step)?;
         }
     }
-    let mut drafts = Vec::with_capacity(rows.len());
-    for ((source, ctx, _), (sampled, read)) in rows.iter_mut().zip(sampled.into_iter().zip(read)) {
-        let row = if ctx.needs_draft_ids() || sampled.is_empty() {
-            read
-        } else {
-            let sampled: Vec<&Array> = sampled.iter().collect();
-            mlx::ops::concatenate(&sampled, 0)?
-                .astype(Dtype::Uint32)?
-                .to_vec::<u32>()?
-        };
-        source.close_round(&row);
-        drafts.push(row);
+    mlx::eval(steps.iter().map(|(_, t)| t))?;
+    let mut out = vec![Vec::new(); rows.len()];
+    for (held, tokens) in &steps {
+        for (&r, token) in held.iter().zip(tokens.to_vec::<u32>()?) {
+            out[r].push(token);
+        }
     }
-    Ok(drafts)
+    for ((source, _, _), drafts) in rows.iter_mut().zip(&out) {
+        source.close_round(drafts);
+    }
+    Ok(out)
+}
+
+/// A drafting row's next input.
+enum Next {
+    /// Its own tokens (1-D).
+    Own(Array),
+    /// Token `j` of the rows sampled together last step.
+    Together(usize),
+}
+
+/// The packed (1, T) input of the `live` rows and each one's token count: the tokens sampled
+/// together last step as they are when those rows alone, in order, are live.
+fn inputs(
+    live: &[usize],
+    next: &[Option<Next>],
+    together: Option<&Array>,
+) -> Result<(Array, Vec<usize>)> {
+    let fed = |r: usize| next[r].as_ref().expect("a live row has an input");
+    let whole = together.filter(|t| {
+        t.dim(0) as usize == live.len()
+            && live
+                .iter()
+                .enumerate()
+                .all(|(j, &r)| matches!(fed(r), Next::Together(i) if *i == j))
+    });
+    if let Some(tokens) = whole {
+        let ids = tokens.astype(Dtype::Int32)?.expand_dims(&[0])?;
+        return Ok((ids, vec![1; live.len()]));
+    }
+    let fed: Vec<Array> = live
+        .iter()
+        .map(|&r| match fed(r) {
+            Next::Own(tokens) => tokens.astype(Dtype::Int32),
+            Next::Together(j) => {
+                let tokens = together.expect("rows sampled together last step");
+                tokens
+                    .slice_axis(0, *j as i32, *j as i32 + 1)?
+                    .astype(Dtype::Int32)
+            }
+        })
+        .collect::<mlx::Result<_>>()?;
+    let lens = fed.iter().map(|a| a.dim(0) as usize).collect();
+    let ids = mlx::ops::concatenate(&fed.iter().collect::<Vec<_>>(), 0)?.expand_dims(&[0])?;
+    Ok((ids, lens))
 }
 
 impl DraftSource for DraftModel<'_> {

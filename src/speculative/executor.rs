@@ -101,9 +101,10 @@ struct Seeding {
 
 /// A round's verdict as enqueued, before the host reads it.
 enum Verdict {
-    /// No processors and no grammar: every position sampled in one draw, (n,) tokens and
-    /// (n, V) logprobs.
-    Whole(Array, Array),
+    /// No processors and no grammar: every position sampled in one draw, (n,) tokens and each
+    /// position's (V,) logprobs, views of one (n, V) array evaluated with the tokens, so that
+    /// reading one later costs nothing.
+    Whole(Array, Vec<Array>),
     /// Greedy with logits processors: each position processed with the history it has when
     /// the walk reaches it (the drafts before it, which the walk has accepted by then), one
     /// token and (V,) logprobs per position; the walk stops where plain judging would.
@@ -303,8 +304,11 @@ impl Speculator {
         if !processors {
             let lp = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
             let sampled = self.sampler.sample(&lp)?.astype(Dtype::Uint32)?;
-            let pending = vec![sampled.clone(), lp.clone()];
-            self.verdict = Some(Verdict::Whole(sampled, lp));
+            let rows = (0..lp.dim(0))
+                .map(|i| lp.slice_axis(0, i, i + 1)?.squeeze(&[0]))
+                .collect::<mlx::Result<Vec<_>>>()?;
+            let pending = std::iter::once(&sampled).chain(&rows).cloned().collect();
+            self.verdict = Some(Verdict::Whole(sampled, rows));
             return Ok(pending);
         }
         let mut walk = Vec::with_capacity(self.input.len());
@@ -464,11 +468,8 @@ impl Speculator {
     fn judge(&mut self, input: &[u32], logits: &Array) -> Result<(Vec<u32>, Vec<Array>)> {
         let positions = input.len() as i32;
         match self.verdict.take() {
-            Some(Verdict::Whole(sampled, lp)) => {
-                mlx::eval([&sampled, &lp])?;
-                let rows = (0..positions)
-                    .map(|i| lp.slice_axis(0, i, i + 1).and_then(|r| r.squeeze(&[0])))
-                    .collect::<mlx::Result<Vec<_>>>()?;
+            Some(Verdict::Whole(sampled, rows)) => {
+                mlx::eval(std::iter::once(&sampled).chain(&rows))?;
                 return Ok((sampled.to_vec::<u32>()?, rows));
             }
             Some(Verdict::Walk(walk)) => {

@@ -79,6 +79,13 @@ impl<'a> DraftContext<'a> {
         self.sampler.has_processors()
     }
 
+    /// Whether a draft is the argmax of its logprobs and nothing else (greedy, without
+    /// processors; drafts are never masked), so that rows may draft together
+    /// ([`crate::sample::argmax_rows`]).
+    pub fn samples_by_argmax(&self) -> bool {
+        self.sampler.is_greedy() && !self.sampler.has_processors()
+    }
+
     /// Samples one token from a draft model's (1, V) logits as the target would sample after
     /// the last emitted token and `drafted`: processors, logprobs, sampler (greedy under
     /// positioned keys, StepSampler::sample_draft). Drafts are not constrained by a grammar;
