@@ -453,6 +453,26 @@ fn bench_speeds_floor_counts_the_experts_a_token_reads() {
     );
 }
 
+/// `verity bench serve`'s bad counts are refused before any server starts, naming the flag.
+#[test]
+fn bench_serve_refuses_bad_counts() {
+    let model = root().join("golden/models/qwen3-target");
+    let draft = root().join("golden/models/qwen3-draft");
+    let (model, draft) = (model.to_string_lossy(), draft.to_string_lossy());
+    for (flags, needle) in [
+        (&["--clients", "1,0"][..], "--clients is [1, 0]"),
+        (&["--requests", "0"], "--requests is 0"),
+        (
+            &["--draft-model", &draft, "--num-draft-tokens", "0"],
+            "--num-draft-tokens is 0",
+        ),
+    ] {
+        let mut args = vec!["bench", "serve", "--model", &model, "--no-mlx-lm"];
+        args.extend(flags);
+        assert_one_error_line(&verity(&args), &[needle, "at least 1"]);
+    }
+}
+
 /// `verity bench serve` against verity alone: a server child on loopback, the client driver
 /// (stdlib Python) at each level, one report per level with every request answered.
 #[test]

@@ -34,6 +34,9 @@ pub struct ServeBenchArgs {
     /// request at a time; verity keeps batching).
     #[arg(long)]
     draft_model: Option<PathBuf>,
+    /// Drafts per round for both servers (default: each server's own, 3 for verity).
+    #[arg(long, requires = "draft_model")]
+    num_draft_tokens: Option<usize>,
     /// Python of the oracle venv (mlx_lm.server and the client driver).
     #[arg(long, default_value = "oracles/.venv/bin/python")]
     python: PathBuf,
@@ -61,6 +64,16 @@ impl Drop for Server {
     }
 }
 
+/// The draft flags both servers take alike.
+fn draft_flags(a: &ServeBenchArgs, command: &mut Command) {
+    if let Some(draft) = &a.draft_model {
+        command.arg("--draft-model").arg(draft);
+    }
+    if let Some(k) = a.num_draft_tokens {
+        command.args(["--num-draft-tokens", &k.to_string()]);
+    }
+}
+
 /// Starts `verity serve` (this binary) on a free loopback port and waits for its
 /// "listening" line.
 fn start_verity(a: &ServeBenchArgs, device: mlx::Device, queue: usize) -> anyhow::Result<Server> {
@@ -71,9 +84,7 @@ fn start_verity(a: &ServeBenchArgs, device: mlx::Device, queue: usize) -> anyhow
         command.arg("--batched-kernels");
     }
     command.args(["serve", "--model"]).arg(&a.model);
-    if let Some(draft) = &a.draft_model {
-        command.arg("--draft-model").arg(draft);
-    }
+    draft_flags(a, &mut command);
     let mut child = command
         .args(["--port", "0", "--queue-size", &queue.to_string()])
         .stdout(Stdio::piped())
@@ -103,9 +114,7 @@ fn start_mlx_lm(a: &ServeBenchArgs) -> anyhow::Result<Server> {
     command
         .args(["-m", "mlx_lm.server", "--model"])
         .arg(&a.model);
-    if let Some(draft) = &a.draft_model {
-        command.arg("--draft-model").arg(draft);
-    }
+    draft_flags(a, &mut command);
     let child = command
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .env("HF_HUB_OFFLINE", "1")
@@ -184,6 +193,10 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
     );
     anyhow::ensure!(a.requests >= 1, "--requests is 0, must be at least 1");
     anyhow::ensure!(a.max_tokens >= 1, "--max-tokens is 0, must be at least 1");
+    anyhow::ensure!(
+        a.num_draft_tokens != Some(0),
+        "--num-draft-tokens is 0, must be at least 1"
+    );
     // The model is loaded here only to check the folder and read its EOS set.
     let eos = ModelBundle::load(&a.model)?.eos_token_ids;
     // A bare name (python3) is looked up on PATH by the spawn; a path must exist.
