@@ -1,8 +1,9 @@
 //! Batch ≡ single: every row of a batch emits, token for token and logprob bit for bit, what
 //! the same request emits alone, on the CPU (and, under the nextest `gpu` profile, on the GPU
 //! through the lone-row kernels). A property over random schedules (prompts of
-//! different lengths, greedy and seeded rows, rows joining between steps, finishing at
-//! different times and being cancelled), for every fixture architecture and cache kind: KV,
+//! different lengths, greedy and seeded rows, grammar-constrained rows, rows joining between
+//! steps, finishing at different times and being cancelled), for every fixture architecture and
+//! cache kind: KV,
 //! rotating (a sliding window, and --max-kv-size), quantized KV, recurrent, 4-bit weights;
 //! and with speculative rows beside plain ones, each with its own drafter kind (draft model,
 //! n-gram, MTP, DFlash) and drafts per round, whose greedy rows also equal plain decoding alone.
@@ -54,6 +55,27 @@ struct Row {
     /// Speculative with the fixture's drafter of this index, and these drafts per round (None:
     /// the drafter's default); plain when None.
     drafter: Option<(usize, Option<usize>)>,
+    /// Constrained to [`GRAMMAR`].
+    grammar: bool,
+}
+
+/// The grammar of a schedule's constrained rows: short, so that rows finish it and their mask
+/// then leaves only EOS.
+const GRAMMAR: &str = "(yes|no), [a-z]{1,6}\\.";
+
+impl Row {
+    /// The row's request with `params`: its prompt, a fresh matcher of its grammar if it has
+    /// one, and its drafts per round.
+    fn request<'a>(&'a self, b: &ModelBundle, params: &'a GenerateParams) -> Request<'a> {
+        Request {
+            prompt: &self.prompt,
+            params,
+            constraint: self
+                .grammar
+                .then(|| b.constraint(&Grammar::Regex(GRAMMAR.into())).unwrap()),
+            num_draft_tokens: self.drafter.and_then(|(_, k)| k),
+        }
+    }
 }
 
 /// Schedules over a vocabulary of `vocab` tokens with `drafters` drafter kinds to pick from.
@@ -67,16 +89,26 @@ fn rows(vocab: u32, drafters: usize) -> impl Strategy<Value = Vec<Row>> {
         0usize..=6,
         prop::option::of(1usize..=8),
         drafter,
+        prop::bool::weighted(0.3),
     )
-        .prop_map(|(prompt, max_tokens, seed, joins, cancel, drafter)| Row {
-            prompt,
-            max_tokens,
-            seed,
-            joins,
-            cancelled: cancel.map(|c| joins + c),
-            drafter,
-        });
-    prop::collection::vec(row, 1..=4)
+        .prop_map(
+            |(prompt, max_tokens, seed, joins, cancel, drafter, grammar)| Row {
+                prompt,
+                max_tokens,
+                seed,
+                joins,
+                cancelled: cancel.map(|c| joins + c),
+                drafter,
+                grammar,
+            },
+        );
+    // Every schedule of several rows has a constrained row (the first), beside the others'.
+    prop::collection::vec(row, 1..=4).prop_map(|mut rows| {
+        if rows.len() > 1 {
+            rows[0].grammar = true;
+        }
+        rows
+    })
 }
 
 /// How the fixture's requests set their caches.
@@ -116,27 +148,25 @@ fn alone(
     prompt: &[u32],
     params: &GenerateParams,
 ) -> Steps {
-    alone_with_stats(model, drafter, k, prompt, params).0
-}
-
-/// [`alone`] with the speculation counters.
-fn alone_with_stats(
-    model: &dyn LanguageModel,
-    drafter: Option<&Drafter>,
-    k: Option<usize>,
-    prompt: &[u32],
-    params: &GenerateParams,
-) -> (Steps, Option<SpeculationStats>) {
-    let mut steps = Steps::new();
-    let mut on_token = |t: &GeneratedToken| {
-        record(&mut steps, t);
-        Control::Continue
-    };
     let request = Request {
         prompt,
         params,
         constraint: None,
         num_draft_tokens: k,
+    };
+    alone_with_stats(model, drafter, request).0
+}
+
+/// [`alone`] for any request (a grammar's included), with the speculation counters.
+fn alone_with_stats(
+    model: &dyn LanguageModel,
+    drafter: Option<&Drafter>,
+    request: Request<'_>,
+) -> (Steps, Option<SpeculationStats>) {
+    let mut steps = Steps::new();
+    let mut on_token = |t: &GeneratedToken| {
+        record(&mut steps, t);
+        Control::Continue
     };
     let decoded = decode(
         model,
@@ -161,27 +191,28 @@ struct Batched {
 }
 
 fn batched<'m>(
-    model: &'m dyn LanguageModel,
+    b: &'m ModelBundle,
     drafters: &'m [Drafter],
     rows: &[Row],
     params: &[GenerateParams],
 ) -> Batched {
-    let mut batch = Batch::new(model);
+    let mut batch = Batch::new(b.model());
     let mut out: BTreeMap<usize, Steps> = BTreeMap::new();
     let mut speculation = BTreeMap::new();
     let mut widest = 0;
     let mut step = 0;
     while step <= rows.iter().map(|r| r.joins).max().unwrap() || !batch.is_empty() {
         for (i, row) in rows.iter().enumerate().filter(|(_, r)| r.joins == step) {
-            let request = Request {
-                prompt: &row.prompt,
-                params: &params[i],
-                constraint: None,
-                num_draft_tokens: row.drafter.and_then(|(_, k)| k),
-            };
             let drafter = row.drafter.map(|(d, _)| &drafters[d]);
             batch
-                .add(i, drafter, Start::Fresh, request, None, None)
+                .add(
+                    i,
+                    drafter,
+                    Start::Fresh,
+                    row.request(b, &params[i]),
+                    None,
+                    None,
+                )
                 .unwrap();
             out.insert(i, Steps::new());
         }
@@ -245,17 +276,14 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
                 widest,
                 shared_steps: cache_shared,
                 ..
-            } = batched(model, &drafters, &rows, &params);
+            } = batched(&b, &drafters, &rows, &params);
             shared_steps.set(shared_steps.get() + cache_shared);
             for (i, row) in rows.iter().enumerate() {
-                let (drafter, k) = match row.drafter {
-                    Some((d, k)) => (Some(&drafters[d]), k),
-                    None => (None, None),
-                };
+                let drafter = row.drafter.map(|(d, _)| &drafters[d]);
                 let (want, want_stats) =
-                    alone_with_stats(model, drafter, k, &row.prompt, &params[i]);
+                    alone_with_stats(model, drafter, row.request(&b, &params[i]));
                 if drafter.is_some() && row.seed.is_none() {
-                    let plain = alone(model, None, None, &row.prompt, &params[i]);
+                    let (plain, _) = alone_with_stats(model, None, row.request(&b, &params[i]));
                     prop_assert_eq!(
                         &want,
                         &plain,
@@ -445,6 +473,7 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
             joins: i / 2,
             cancelled: None,
             drafter: Some((0, Some(1 + i))),
+            grammar: false,
         })
         .collect();
     let mut params: Vec<GenerateParams> =
@@ -454,7 +483,7 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
         params[i].processors.repetition_penalty = Some(1.3);
         params[i].processors.repetition_context_size = 20;
     }
-    let got = batched(model, &drafters, &rows, &params);
+    let got = batched(&b, &drafters, &rows, &params);
     assert_eq!(got.widest, 4);
     assert!(
         got.shared_steps > 0,
@@ -465,8 +494,8 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
         "the rows never shared their draft model's KV caches"
     );
     for (i, row) in rows.iter().enumerate() {
-        let k = row.drafter.unwrap().1;
-        let (want, stats) = alone_with_stats(model, Some(&drafters[0]), k, &row.prompt, &params[i]);
+        let (want, stats) =
+            alone_with_stats(model, Some(&drafters[0]), row.request(&b, &params[i]));
         assert_eq!(got.steps[&i], want, "row {i}");
         assert_eq!(
             got.speculation.get(&i),
@@ -565,25 +594,13 @@ fn a_grammar_row_beside_a_plain_row_equals_both_alone() {
     let prompt = b.tokenizer.encode("The answer is", true).unwrap();
     let grammar = Grammar::Regex("(yes|no), because [a-z ]{1,40}\\.".into());
     let params = GenerateParams::greedy(24, b.eos_token_ids.clone());
-    let mut want_grammar = Steps::new();
     let request = Request {
         prompt: &prompt,
         params: &params,
         constraint: Some(b.constraint(&grammar).unwrap()),
         num_draft_tokens: None,
     };
-    let mut on_token = |t: &GeneratedToken| {
-        record(&mut want_grammar, t);
-        Control::Continue
-    };
-    decode(
-        model,
-        None,
-        Start::Fresh,
-        request,
-        Hooks::tokens(&mut on_token),
-    )
-    .unwrap();
+    let (want_grammar, _) = alone_with_stats(model, None, request);
     let want_plain = alone(model, None, None, &prompt[1..], &params);
 
     let drafter = Drafter::load(&DrafterSpec::Ngram { min: 1, max: 3 }, &b).unwrap();
