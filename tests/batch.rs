@@ -1,9 +1,9 @@
 //! Batch ≡ single: every row of a batch emits, token for token and logprob bit for bit, what
 //! the same request emits alone, on the CPU (and, under the nextest `gpu` profile, on the GPU
 //! through the lone-row kernels). A property over random schedules (prompts of
-//! different lengths, greedy and seeded rows, grammar-constrained rows, rows joining between
-//! steps, finishing at different times and being cancelled), for every fixture architecture and
-//! cache kind: KV,
+//! different lengths, greedy and seeded rows, grammar-constrained rows, rows starting from a
+//! prefix-cache hit, rows joining between steps, finishing at different times and being
+//! cancelled), for every fixture architecture and cache kind: KV,
 //! rotating (a sliding window, and --max-kv-size), quantized KV, recurrent, 4-bit weights;
 //! and with speculative rows beside plain ones, each with its own drafter kind (draft model,
 //! n-gram, MTP, DFlash) and drafts per round, whose greedy rows also equal plain decoding alone.
@@ -17,12 +17,12 @@ use proptest::test_runner::{Config, TestRunner};
 use support::{bundle, proptest_cases};
 use verity::batch::Batch;
 use verity::bundle::ModelBundle;
-use verity::cache::KvQuantization;
+use verity::cache::{KvQuantization, LayerCache};
 use verity::decode::{decode, Hooks, Request, Start};
 use verity::generate::{Control, FinishReason, GenerateParams, GeneratedToken};
 use verity::grammar::Grammar;
 use verity::model::LanguageModel;
-use verity::speculative::{Drafter, DrafterSpec, SpeculationStats};
+use verity::speculative::{DraftPrefix, Drafter, DrafterSpec, SpeculationStats};
 
 /// (token, logprob bits, finish) of each emitted token.
 type Steps = Vec<(u32, Vec<u8>, Option<FinishReason>)>;
@@ -57,6 +57,8 @@ struct Row {
     drafter: Option<(usize, Option<usize>)>,
     /// Constrained to [`GRAMMAR`].
     grammar: bool,
+    /// A prefix-cache hit: it starts from caches that hold this many of its prompt tokens.
+    prefix: Option<usize>,
 }
 
 /// The grammar of a schedule's constrained rows: short, so that rows finish it and their mask
@@ -76,6 +78,47 @@ impl Row {
             num_draft_tokens: self.drafter.and_then(|(_, k)| k),
         }
     }
+
+    /// Where the row starts with `drafter` and `params`: fresh, or from its prefix as a prefix
+    /// cache keeps it (the caches and draft side of a request for the prefix and one more
+    /// token, once prefilled), where those resume exactly (the server's rule).
+    fn start(&self, b: &ModelBundle, drafter: Option<&Drafter>, params: &GenerateParams) -> Start {
+        let Some(cached) = self.prefix else {
+            return Start::Fresh;
+        };
+        let mut kept = None;
+        let mut keep = |target: &[LayerCache], draft: Option<&DraftPrefix>| {
+            kept = Some((target.to_vec(), draft.cloned()));
+        };
+        let mut on_token = |_: &GeneratedToken| Control::Stop;
+        let hooks = Hooks {
+            on_token: &mut on_token,
+            on_chunk: None,
+            on_prefilled: Some(&mut keep),
+        };
+        let request = Request {
+            prompt: &self.prompt[..=cached],
+            ..self.request(b, params)
+        };
+        decode(b.model(), drafter, Start::Fresh, request, hooks).unwrap();
+        let (caches, draft) = kept.expect("a decode calls on_prefilled");
+        let draft_caches = match &draft {
+            Some(DraftPrefix::Caches(caches)) => &caches[..],
+            _ => &[],
+        };
+        if !caches
+            .iter()
+            .chain(draft_caches)
+            .all(LayerCache::resumes_exactly)
+        {
+            return Start::Fresh;
+        }
+        Start::Prefix {
+            caches,
+            draft,
+            cached,
+        }
+    }
 }
 
 /// Schedules over a vocabulary of `vocab` tokens with `drafters` drafter kinds to pick from.
@@ -90,9 +133,13 @@ fn rows(vocab: u32, drafters: usize) -> impl Strategy<Value = Vec<Row>> {
         prop::option::of(1usize..=8),
         drafter,
         prop::bool::weighted(0.3),
+        prop::option::weighted(0.3, any::<prop::sample::Index>()),
     )
         .prop_map(
-            |(prompt, max_tokens, seed, joins, cancel, drafter, grammar)| Row {
+            |(prompt, max_tokens, seed, joins, cancel, drafter, grammar, prefix)| Row {
+                prefix: prefix
+                    .map(|at| at.index(prompt.len()))
+                    .filter(|&cached| cached > 0),
                 prompt,
                 max_tokens,
                 seed,
@@ -154,13 +201,14 @@ fn alone(
         constraint: None,
         num_draft_tokens: k,
     };
-    alone_with_stats(model, drafter, request).0
+    alone_with_stats(model, drafter, Start::Fresh, request).0
 }
 
 /// [`alone`] for any request (a grammar's included), with the speculation counters.
 fn alone_with_stats(
     model: &dyn LanguageModel,
     drafter: Option<&Drafter>,
+    start: Start,
     request: Request<'_>,
 ) -> (Steps, Option<SpeculationStats>) {
     let mut steps = Steps::new();
@@ -168,14 +216,7 @@ fn alone_with_stats(
         record(&mut steps, t);
         Control::Continue
     };
-    let decoded = decode(
-        model,
-        drafter,
-        Start::Fresh,
-        request,
-        Hooks::tokens(&mut on_token),
-    )
-    .unwrap();
+    let decoded = decode(model, drafter, start, request, Hooks::tokens(&mut on_token)).unwrap();
     (steps, decoded.speculation)
 }
 
@@ -208,7 +249,7 @@ fn batched<'m>(
                 .add(
                     i,
                     drafter,
-                    Start::Fresh,
+                    row.start(b, drafter, &params[i]),
                     row.request(b, &params[i]),
                     None,
                     None,
@@ -280,10 +321,13 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
             shared_steps.set(shared_steps.get() + cache_shared);
             for (i, row) in rows.iter().enumerate() {
                 let drafter = row.drafter.map(|(d, _)| &drafters[d]);
+                let start = row.start(&b, drafter, &params[i]);
                 let (want, want_stats) =
-                    alone_with_stats(model, drafter, row.request(&b, &params[i]));
+                    alone_with_stats(model, drafter, start, row.request(&b, &params[i]));
                 if drafter.is_some() && row.seed.is_none() {
-                    let (plain, _) = alone_with_stats(model, None, row.request(&b, &params[i]));
+                    let start = row.start(&b, None, &params[i]);
+                    let (plain, _) =
+                        alone_with_stats(model, None, start, row.request(&b, &params[i]));
                     prop_assert_eq!(
                         &want,
                         &plain,
@@ -474,6 +518,7 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
             cancelled: None,
             drafter: Some((0, Some(1 + i))),
             grammar: false,
+            prefix: None,
         })
         .collect();
     let mut params: Vec<GenerateParams> =
@@ -494,8 +539,12 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
         "the rows never shared their draft model's KV caches"
     );
     for (i, row) in rows.iter().enumerate() {
-        let (want, stats) =
-            alone_with_stats(model, Some(&drafters[0]), row.request(&b, &params[i]));
+        let (want, stats) = alone_with_stats(
+            model,
+            Some(&drafters[0]),
+            Start::Fresh,
+            row.request(&b, &params[i]),
+        );
         assert_eq!(got.steps[&i], want, "row {i}");
         assert_eq!(
             got.speculation.get(&i),
@@ -600,7 +649,7 @@ fn a_grammar_row_beside_a_plain_row_equals_both_alone() {
         constraint: Some(b.constraint(&grammar).unwrap()),
         num_draft_tokens: None,
     };
-    let (want_grammar, _) = alone_with_stats(model, None, request);
+    let (want_grammar, _) = alone_with_stats(model, None, Start::Fresh, request);
     let want_plain = alone(model, None, None, &prompt[1..], &params);
 
     let drafter = Drafter::load(&DrafterSpec::Ngram { min: 1, max: 3 }, &b).unwrap();
