@@ -12,6 +12,9 @@
 #        oracles/train.sh --mtp-only [STEPS [OUT_ROOT]]     (only qwen3_5-trained, ~20 min, 1 core)
 #        oracles/train.sh --bench-pair [STEPS [OUT_ROOT]]   (only the head_dim-64 pair for GPU benches,
 #                                                            default OUT_ROOT target/bench-models)
+#        oracles/train.sh --deep-pair [STEPS [OUT_ROOT]]    (the 16-layer target-deep, default 600 steps,
+#                                                            then draft-hd64 distilled from it, 1500 steps,
+#                                                            into target/bench-models; ~35 min, 1 core)
 # STEPS is train_tiny.py's step count; the drafters and qwen3_5-trained train their own fixed counts.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -21,14 +24,16 @@ blas=/usr/lib/x86_64-linux-gnu/openblas-serial/libopenblas.so.0
 [ -f "$blas" ] || { echo "error: $blas missing (apt-get install libopenblas0-serial)" >&2; exit 2; }
 dflash_only=0
 mtp_only=0
+deep_pair=0
 suffix=""
 default_root="$here/../golden/models"
 case "${1:-}" in
   --dflash-only) dflash_only=1; shift ;;
   --mtp-only) mtp_only=1; shift ;;
   --bench-pair) suffix="-hd64"; default_root="$here/../target/bench-models"; shift ;;
+  --deep-pair) deep_pair=1; default_root="$here/../target/bench-models"; shift ;;
 esac
-steps="${1:-1500}"
+steps="${1:-$([ $deep_pair = 1 ] && echo 600 || echo 1500)}"
 root="$(realpath -m "${2:-$default_root}")"
 export HF_HUB_OFFLINE=1 OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 export TRANSFORMERS_VERBOSITY=error PYTHONDONTWRITEBYTECODE=1
@@ -37,6 +42,16 @@ trap 'rm -rf "$HF_HUB_CACHE"' EXIT
 start=$SECONDS
 pids=()
 status=0
+if [ $deep_pair = 1 ]; then
+  LD_PRELOAD="$blas" "$py" "$here/train_tiny.py" target-deep --steps "$steps" \
+    --out "$root/qwen3-target-deep" 2>&1 | sed -u "s/^/[target-deep] /" || status=1
+  if [ $status = 0 ]; then
+    LD_PRELOAD="$blas" "$py" "$here/train_tiny.py" draft-hd64 --distil-from "$root/qwen3-target-deep" \
+      --out "$root/qwen3-draft-deep" 2>&1 | sed -u "s/^/[draft-deep] /" || status=1
+  fi
+  echo "training finished in $((SECONDS - start)) s (status $status)"
+  exit $status
+fi
 if [ $dflash_only = 0 ] && [ $mtp_only = 0 ]; then
   for which in target draft; do
     LD_PRELOAD="$blas" "$py" "$here/train_tiny.py" "$which$suffix" --steps "$steps" \

@@ -39,7 +39,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from common import GOLDEN, MODELS, die, fresh_dir, log, model_dir, write_json
-from train_tiny import clipped_step, token_streams
+from train_tiny import clipped_step, prompts_from, token_streams
 
 BLOCK, TAPS, MASK_ID = 8, [1, 3], 1
 # model_type "qwen3" + dflash_config, as the published Qwen3 DFlash checkpoints: mlx_vlm's loader
@@ -137,16 +137,6 @@ class Target:
             parts.append(self.forward_taps(mx.array(seqs[i:i + chunk]))[1])
             mx.eval(parts[-1])
         return mx.concatenate(parts, axis=0)
-
-
-def prompts_from(stream: np.ndarray, n: int, length: int, header: list[int], rng) -> np.ndarray:
-    """n windows of `length` tokens: half end right after the assistant header, half anywhere."""
-    h = len(header)
-    ends = [i + h for i in range(length, len(stream) - h)
-            if stream[i] == header[0] and list(stream[i:i + h]) == header]
-    chat = rng.choice(np.array(ends), size=n // 2, replace=len(ends) < n // 2)
-    anywhere = rng.integers(length, len(stream), size=n - n // 2)
-    return np.stack([stream[e - length:e] for e in np.concatenate([chat, anywhere])])
 
 
 class PassThrough:

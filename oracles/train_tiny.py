@@ -17,7 +17,12 @@ The -hd64 pair is the same two models at head_dim 64, which MLX's one-query atte
 on CUDA (32 is not among 64/96/128, so the committed pair's GPU rows attend one call each): built
 for `verity bench` on a GPU into target/bench-models, not committed (golden/ stays small).
 
-Usage: train_tiny.py {target,draft,target-hd64,draft-hd64} [--steps N] [--out DIR]
+target-deep is target-hd64 at 16 layers, and with --distil-from it draft-hd64 learns its greedy
+output: a pair where speculation can pay on a GPU, whose step costs its launches (a 2-layer
+draft step there costs nearly what the 4-layer target's does, docs/gpu-rows.md).
+
+Usage: train_tiny.py {target,draft,target-hd64,draft-hd64,target-deep} [--steps N] [--out DIR]
+                     [--distil-from DIR]
 """
 
 import common  # noqa: F401  (offline guard first)
@@ -55,7 +60,12 @@ SPECS.update({  # the bench pair: same models, head_dim 64, trained the same way
     f"{which}-hd64": (f"{folder}-hd64", seed, {**cfg, "head_dim": 64})
     for which, (folder, seed, cfg) in list(SPECS.items())
 })
+# A target deep enough that a draft step costs a fraction of its step where a step's cost is its
+# kernel launches (a GPU), for the draft-hd64 config distilled from it (--distil-from).
+SPECS["target-deep"] = ("qwen3-target-deep", 0, {**SPECS["target-hd64"][2], "num_hidden_layers": 16})
+BENCH = {"target-hd64", "draft-hd64", "target-deep"}
 STEPS, BATCH, SEQ = 1500, 16, 128
+DISTIL_PROMPT, DISTIL_SEQS, DISTIL_BATCH = 32, 4096, 256
 LR, LR_END, WARMUP, WD, CLIP = 3e-3, 1.5e-4, 50, 0.01, 1.0
 CHAT_COPIES = 4
 EVAL_EVERY, EVAL_WINDOWS = 250, 64
@@ -86,6 +96,38 @@ def token_streams():
     return stream(docs(train, CHAT_COPIES)), stream(docs(held, 1))
 
 
+def prompts_from(stream: np.ndarray, n: int, length: int, header: list[int], rng) -> np.ndarray:
+    """n windows of `length` tokens: half end right after the assistant header, half anywhere."""
+    h = len(header)
+    ends = [i + h for i in range(length, len(stream) - h)
+            if stream[i] == header[0] and list(stream[i:i + h]) == header]
+    chat = rng.choice(np.array(ends), size=n // 2, replace=len(ends) < n // 2)
+    anywhere = rng.integers(length, len(stream), size=n - n // 2)
+    return np.stack([stream[e - length:e] for e in np.concatenate([chat, anywhere])])
+
+
+def distilled(teacher: Path, train_ids: np.ndarray, seed: int) -> np.ndarray:
+    """(DISTIL_SEQS, SEQ + 1) windows: prompts of DISTIL_PROMPT tokens from the training stream
+    continued by `teacher`'s greedy output, which a draft trained on them learns to propose."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tok = load(str(teacher))
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    prompts = prompts_from(train_ids, DISTIL_SEQS, DISTIL_PROMPT, header, np.random.default_rng(seed))
+    out = []
+    for i in range(0, len(prompts), DISTIL_BATCH):
+        cache = make_prompt_cache(model)
+        y = mx.argmax(model(mx.array(prompts[i:i + DISTIL_BATCH]), cache=cache)[:, -1], axis=-1)
+        made = [y]
+        for _ in range(SEQ - DISTIL_PROMPT):
+            y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+            made.append(y)
+            mx.eval(y)
+        out.append(np.concatenate([prompts[i:i + DISTIL_BATCH], np.array(mx.stack(made, axis=1))], axis=1))
+    return np.concatenate(out).astype(np.int32)
+
+
 def clipped_step(grad_fn, model, opt, clip: float, batch: tuple, where: str) -> float:
     """One optimiser step of `model` on `batch` (grad_fn's arguments after the model), gradients
     clipped to norm `clip`, evaluated at once: the loss as the logs keep it (5 decimals). A
@@ -113,11 +155,15 @@ def loss_fn(model, x, y):
     return nn.losses.cross_entropy(model(x), y, reduction="mean")
 
 
-def train(name: str, steps: int, out: Path):
+def train(name: str, steps: int, out: Path, teacher: Path | None = None):
     folder, seed, cfg = SPECS[name]
     log(f"{name}: tokenizing the corpus")
     train_ids, val_ids = token_streams()
     log(f"{name}: {len(train_ids)} train / {len(val_ids)} val tokens")
+    windows = None
+    if teacher is not None:
+        log(f"{name}: {DISTIL_SEQS} greedy continuations by {teacher.name}")
+        windows = distilled(teacher, train_ids, seed)
     model = build(cfg, seed)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     schedule = optim.join_schedules(
@@ -144,9 +190,12 @@ def train(name: str, steps: int, out: Path):
     losses, evals = [], []
     log(f"{name}: {n_params / 1e3:.0f}k params, {steps} steps of {BATCH}x{SEQ}")
     for i in range(1, steps + 1):
-        starts = rng.integers(0, len(train_ids) - SEQ - 1, size=BATCH)
-        x = mx.array(np.stack([train_ids[s:s + SEQ] for s in starts]))
-        y = mx.array(np.stack([train_ids[s + 1:s + SEQ + 1] for s in starts]))
+        if windows is None:
+            starts = rng.integers(0, len(train_ids) - SEQ - 1, size=BATCH)
+            batch = np.stack([train_ids[s:s + SEQ + 1] for s in starts])
+        else:
+            batch = windows[rng.integers(0, len(windows), size=BATCH)]
+        x, y = mx.array(batch[:, :-1]), mx.array(batch[:, 1:])
         loss = step(x, y)
         mx.eval(state)
         losses.append(round(float(loss), 5))
@@ -163,6 +212,7 @@ def train(name: str, steps: int, out: Path):
     copy_tokenizer(out)
     write_json(out / "training_log.json", {
         "model": folder, "params": n_params, "seed": seed, "steps": steps, "batch": BATCH,
+        "distilled_from": teacher.name if teacher else None,
         "seq": SEQ, "train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids)),
         "optimizer": {"name": "AdamW", "lr": LR, "lr_end": LR_END, "warmup": WARMUP,
                       "schedule": "linear warmup then cosine", "weight_decay": WD, "grad_clip": CLIP},
@@ -178,15 +228,21 @@ def main():
     ap.add_argument("which", choices=sorted(SPECS))
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--out", type=Path,
-                    help="output folder (default golden/models/<name>, target/bench-models/<name> for -hd64)")
+                    help="output folder (default golden/models/<name>, target/bench-models/<name> "
+                         "for the bench models: -hd64, target-deep)")
+    ap.add_argument("--distil-from", type=Path, metavar="DIR",
+                    help="train on this model's greedy continuations of corpus prompts instead of "
+                         "the corpus (a draft that proposes what its target writes)")
     args = ap.parse_args()
     if args.steps < 1:
         die("--steps must be positive")
+    if args.distil_from and not (args.distil_from / "config.json").is_file():
+        die(f"--distil-from {args.distil_from} is not a model folder (no config.json)")
     if not os.environ.get("LD_PRELOAD"):
         log("warning: no OpenBLAS preloaded (use train.sh); training will be ~6x slower")
     folder = SPECS[args.which][0]
-    default = (REPO / "target" / "bench-models" if args.which.endswith("-hd64") else MODELS) / folder
-    train(args.which, args.steps, (args.out or default).resolve())
+    default = (REPO / "target" / "bench-models" if args.which in BENCH else MODELS) / folder
+    train(args.which, args.steps, (args.out or default).resolve(), args.distil_from)
 
 
 if __name__ == "__main__":
