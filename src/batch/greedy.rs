@@ -3,7 +3,7 @@
 use mlx::Array;
 
 use super::{Decoder, Row};
-use crate::sample::argmax_rows;
+use crate::sample::{argmax_rows, row_views};
 use crate::Result;
 
 /// The plain rows of a step that sample by argmax alone (greedy, without logits processors or a
@@ -37,9 +37,7 @@ impl GreedyRows {
             return Ok(None);
         }
         let (tokens, logprobs) = argmax_rows(&logits.squeeze(&[0])?, &at)?;
-        let logprobs = (0..at.len() as i32)
-            .map(|i| logprobs.slice_axis(0, i, i + 1)?.squeeze(&[0]))
-            .collect::<mlx::Result<_>>()?;
+        let logprobs = row_views(&logprobs)?;
         Ok(Some(GreedyRows {
             at,
             tokens,

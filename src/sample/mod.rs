@@ -12,6 +12,6 @@ mod step;
 pub use keys::{position_seed, KeySchedule};
 pub use params::{ProcessorParams, SamplerParams};
 pub use processors::LogitsProcessors;
-pub use rows::argmax_rows;
+pub use rows::{argmax_rows, row_views};
 pub use sampler::Sampler;
 pub use step::{Masking, StepSampler};

@@ -18,3 +18,11 @@ pub fn argmax_rows(logits: &Array, at: &[i32]) -> Result<(Array, Array)> {
     let tokens = ops::argmax(&logprobs, -1, false)?.astype(Dtype::Uint32)?;
     Ok((tokens, logprobs))
 }
+
+/// Each row of `a` (n, ...) as its own view (...), to hand out one row at a time: views of one
+/// array evaluated once.
+pub fn row_views(a: &Array) -> mlx::Result<Vec<Array>> {
+    (0..a.dim(0))
+        .map(|i| a.slice_axis(0, i, i + 1)?.squeeze(&[0]))
+        .collect()
+}

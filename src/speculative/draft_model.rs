@@ -191,11 +191,6 @@ pub fn draft_together(
         }
         let (by_argmax, alone): (Vec<usize>, Vec<usize>) =
             (0..live.len()).partition(|&i| rows[live[i]].1.samples_by_argmax());
-        let (by_argmax, alone) = if by_argmax.len() < 2 {
-            (Vec::new(), (0..live.len()).collect())
-        } else {
-            (by_argmax, alone)
-        };
         let first = steps.len();
         together = None;
         if !by_argmax.is_empty() {

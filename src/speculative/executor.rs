@@ -28,7 +28,7 @@ use crate::generate::{prefill_tapped, token_array, GenerateParams, GeneratedToke
 use crate::grammar::Constraint;
 use crate::model::{lone_rows, LanguageModel};
 use crate::request::Control;
-use crate::sample::{Masking, StepSampler};
+use crate::sample::{row_views, Masking, StepSampler};
 use crate::{validate, Result};
 
 /// Generates speculatively, calling `on_token` with every emitted token in order (the last one
@@ -304,9 +304,7 @@ impl Speculator {
         if !processors {
             let lp = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
             let sampled = self.sampler.sample(&lp)?.astype(Dtype::Uint32)?;
-            let rows = (0..lp.dim(0))
-                .map(|i| lp.slice_axis(0, i, i + 1)?.squeeze(&[0]))
-                .collect::<mlx::Result<Vec<_>>>()?;
+            let rows = row_views(&lp)?;
             let pending = std::iter::once(&sampled).chain(&rows).cloned().collect();
             self.verdict = Some(Verdict::Whole(sampled, rows));
             return Ok(pending);
