@@ -474,7 +474,8 @@ fn bench_serve_refuses_bad_counts() {
 }
 
 /// `verity bench serve` against verity alone: a server child on loopback, the client driver
-/// (stdlib Python) at each level, one report per level with every request answered.
+/// (stdlib Python) at each level, one report per level with every request answered and the
+/// engine's step counters over it.
 #[test]
 fn bench_serve_reports_every_level() {
     let model = root().join("golden/models/qwen3-target");
@@ -513,5 +514,16 @@ fn bench_serve_reports_every_level() {
         assert!(v["errors"].as_array().unwrap().is_empty(), "{l}");
         assert!(v["tok_s"].as_f64().unwrap() > 0.0, "{l}");
         assert!(l["mlx_lm"].is_null() && l["ratio"].is_null(), "{l}");
+        // The engine's counters over the level: one row-step per token, inside the wall time.
+        let e = &v["engine"];
+        let steps = e["steps"].as_f64().unwrap();
+        let row_steps = steps * e["rows_per_step"].as_f64().unwrap();
+        assert!((row_steps - 12.0).abs() < 1e-9, "{l}");
+        if l["clients"] == 1 {
+            assert_eq!(steps, 12.0, "{l}");
+        }
+        let in_steps = e["seconds_in_steps"].as_f64().unwrap();
+        assert!(in_steps > 0.0 && in_steps <= e["wall_s"].as_f64().unwrap(), "{l}");
+        assert!(e["accepted_per_round"].is_null(), "{l}");
     }
 }

@@ -1,7 +1,8 @@
 //! `verity bench rows`: whether a verified or batched row is the one-token step on this
 //! device, and what the lone-row kernels ([`verity::model::lone_rows`]) cost. Greedy decoding
 //! of random prompts: each prompt decoded plainly alone is the reference; speculative decoding
-//! with the model as its own draft (every verify is k + 1 rows), a batch of all the prompts,
+//! (every verify is k + 1 rows) with the model as its own draft or with `--draft-model` (whose
+//! step split shows what a trained pair's rounds cost), a batch of all the prompts,
 //! and a batch of them speculating must each emit the reference's tokens with the same logprob
 //! bits at every step, once with the lone-row kernels and once with MLX's batched ones.
 
@@ -24,9 +25,12 @@ use super::bench::random_prompt;
 
 #[derive(Args)]
 pub struct RowsArgs {
-    /// Model folder (also its own draft model).
+    /// Model folder (also its own draft model, unless --draft-model is given).
     #[arg(long)]
     model: PathBuf,
+    /// Speculate with this draft model folder instead of the model itself.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
     /// Random prompts, decoded alone and as one batch.
     #[arg(long, default_value_t = 4)]
     prompts: usize,
@@ -164,7 +168,8 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         anyhow::bail!("--draft-tokens holds {k}, each must be 1 to 32");
     }
     let bundle = ModelBundle::load(&a.model)?;
-    let own = Drafter::load(&DrafterSpec::Model(a.model.clone()), &bundle)?;
+    let draft = a.draft_model.clone().unwrap_or_else(|| a.model.clone());
+    let drafter = Drafter::load(&DrafterSpec::Model(draft), &bundle)?;
     let model = bundle.model();
     let vocab = bundle.tokenizer.vocab_size().min(model.vocab_size());
     let prompts: Vec<Vec<u32>> = (0..a.prompts)
@@ -203,7 +208,7 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
                 constraint: None,
                 num_draft_tokens: k,
             };
-            batch.add(i, k.map(|_| &own), Start::Fresh, request, None, None)?;
+            batch.add(i, k.map(|_| &drafter), Start::Fresh, request, None, None)?;
         }
         let (mut out, mut failed) = (vec![Steps::new(); prompts.len()], None);
         let (mut forwards, start) = (0, Instant::now());
@@ -259,7 +264,7 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         let start = Instant::now();
         let (mut got, mut forwards) = (Vec::new(), 0);
         for p in &prompts {
-            let (steps, n) = alone(Some(&own), k, p)?;
+            let (steps, n) = alone(Some(&drafter), k, p)?;
             got.push(steps);
             forwards += n;
         }
@@ -318,13 +323,18 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             .collect();
         println!(
             "{}",
-            json!({"device": device.name(), "model": a.model, "plain_ms_per_token": plain_ms,
+            json!({"device": device.name(), "model": a.model, "draft_model": a.draft_model,
+                   "plain_ms_per_token": plain_ms,
                    "plain_repeats": plain_repeats, "cases": rows})
         );
     } else {
+        let drafting = a
+            .draft_model
+            .as_ref()
+            .map_or(String::new(), |d| format!(" drafting with {}", d.display()));
         println!(
-            "{} on {}, {} prompts x {} tokens, greedy; plain decoding alone: {plain_ms:.2} ms per \
-             token, {} its bits on a second run",
+            "{}{drafting} on {}, {} prompts x {} tokens, greedy; plain decoding alone: \
+             {plain_ms:.2} ms per token, {} its bits on a second run",
             a.model.display(),
             device.name(),
             a.prompts,

@@ -2,9 +2,11 @@
 //! servers run as child processes on loopback ports; at each level of concurrent clients the
 //! client driver (oracles/bench_serve.py, the oracle venv's Python) sends the same requests to
 //! one server, then to the other, each after a warm-up round, and reports throughput (completion
-//! tokens per second of wall time) and p50/p99 request latency.
+//! tokens per second of wall time) and p50/p99 request latency; and, from verity's /metrics,
+//! where its engine spent each level: its batch steps by phase, and what a speculative round
+//! gave.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -148,6 +150,111 @@ fn device_arg(device: mlx::Device) -> &'static str {
     }
 }
 
+/// The counters of verity's /metrics that say where its engine's time went.
+#[derive(Clone, Copy, Default)]
+struct EngineCounters {
+    steps: f64,
+    rows: f64,
+    /// Seconds in the steps' phases: draft, build, eval, settle.
+    phases: [f64; 4],
+    rounds: f64,
+    drafted: f64,
+    accepted: f64,
+}
+
+const PHASES: [&str; 4] = ["draft", "build", "eval", "settle"];
+
+impl EngineCounters {
+    /// The counters in verity serve's /metrics text (OpenMetrics, one sample per line).
+    fn parse(text: &str) -> EngineCounters {
+        let mut c = EngineCounters::default();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((name, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let Ok(value) = value.parse::<f64>() else {
+                continue;
+            };
+            let base = name.split('{').next().unwrap_or(name);
+            match base {
+                "verity_batch_steps_total" => c.steps += value,
+                "verity_batch_step_rows_total" => c.rows += value,
+                "verity_speculative_rounds_total" => c.rounds += value,
+                "verity_speculative_drafted_total" => c.drafted += value,
+                "verity_speculative_accepted_total" => c.accepted += value,
+                "verity_batch_step_seconds_total" => {
+                    if let Some(i) = PHASES
+                        .iter()
+                        .position(|p| name.contains(&format!("phase=\"{p}\"")))
+                    {
+                        c.phases[i] += value;
+                    }
+                }
+                _ => {}
+            }
+        }
+        c
+    }
+
+    /// What moved between `earlier` and these counters.
+    fn since(&self, earlier: &EngineCounters) -> EngineCounters {
+        let mut phases = self.phases;
+        for (p, e) in phases.iter_mut().zip(earlier.phases) {
+            *p -= e;
+        }
+        EngineCounters {
+            steps: self.steps - earlier.steps,
+            rows: self.rows - earlier.rows,
+            phases,
+            rounds: self.rounds - earlier.rounds,
+            drafted: self.drafted - earlier.drafted,
+            accepted: self.accepted - earlier.accepted,
+        }
+    }
+
+    fn json(&self, wall_s: f64) -> Value {
+        let per_step = |s: f64| s * 1e3 / self.steps.max(1.0);
+        json!({
+            "steps": self.steps,
+            "rows_per_step": self.rows / self.steps.max(1.0),
+            "ms_per_step": PHASES.iter().zip(self.phases)
+                .map(|(p, s)| (p.to_string(), json!(per_step(s))))
+                .collect::<serde_json::Map<_, _>>(),
+            "seconds_in_steps": self.phases.iter().sum::<f64>(),
+            "wall_s": wall_s,
+            "rounds": self.rounds,
+            "accepted_per_round": (self.rounds > 0.0).then(|| self.accepted / self.rounds),
+            "drafted_per_round": (self.rounds > 0.0).then(|| self.drafted / self.rounds),
+        })
+    }
+}
+
+/// verity serve's counters now, read from its /metrics over loopback.
+fn scrape(server: &Server) -> anyhow::Result<EngineCounters> {
+    let addr = server
+        .url
+        .strip_prefix("http://")
+        .context("verity serve's URL")?;
+    let mut stream = TcpStream::connect(addr).context("connecting to verity serve's /metrics")?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .context("verity serve's /metrics response has no body")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!(
+            "verity serve's /metrics answered {}",
+            head.lines().next().unwrap_or("")
+        );
+    }
+    Ok(EngineCounters::parse(body))
+}
+
 /// One level on one server: the driver's report. Failed requests (mlx_lm.server resets
 /// connections past its listen backlog) are counted in it and warned about, not fatal.
 fn drive(
@@ -222,10 +329,17 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
     let mut levels = Vec::new();
     for &clients in &a.clients {
         let mut reports = Vec::new();
-        for server in &servers {
+        for (i, server) in servers.iter().enumerate() {
             bar.set_message(format!("{} at {clients} clients", server.name));
             drive(&a, server, clients, clients, &eos)?;
-            reports.push(drive(&a, server, clients, a.requests, &eos)?);
+            // servers[0] is verity: its engine's counters over the timed requests.
+            let before = (i == 0).then(|| scrape(server)).transpose()?;
+            let mut report = drive(&a, server, clients, a.requests, &eos)?;
+            if let Some(before) = before {
+                let wall = report["wall_s"].as_f64().unwrap_or(0.0);
+                report["engine"] = scrape(server)?.since(&before).json(wall);
+            }
+            reports.push(report);
             bar.inc(1);
         }
         levels.push((clients, reports));
@@ -288,6 +402,35 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
             pair(r.first()),
             pair(r.get(1)),
             format!("{} / {}", failed(r.first()), failed(r.get(1))),
+        );
+    }
+    println!(
+        "\nverity's engine over each level (/metrics): batch steps, their mean rows, ms per step \
+         drafting / building / evaluating / settling, the steps' share of the wall time, and \
+         drafts accepted of drafted per round"
+    );
+    for (clients, r) in &levels {
+        let e = &r[0]["engine"];
+        let ms = |p: &str| e["ms_per_step"][p].as_f64().unwrap_or(0.0);
+        let share = e["seconds_in_steps"].as_f64().unwrap_or(0.0)
+            / e["wall_s"].as_f64().unwrap_or(0.0).max(1e-9);
+        let rounds = match (
+            e["accepted_per_round"].as_f64(),
+            e["drafted_per_round"].as_f64(),
+        ) {
+            (Some(acc), Some(drafted)) => format!("{acc:.2} of {drafted:.2}"),
+            _ => "-".into(),
+        };
+        println!(
+            "{clients:>7}  {:>6} steps  {:>5.2} rows  {:.2} / {:.2} / {:.2} / {:.2} ms  {:>5.1}% of \
+             wall  {rounds}",
+            e["steps"].as_f64().unwrap_or(0.0),
+            e["rows_per_step"].as_f64().unwrap_or(0.0),
+            ms("draft"),
+            ms("build"),
+            ms("eval"),
+            ms("settle"),
+            100.0 * share
         );
     }
     Ok(ExitCode::SUCCESS)
