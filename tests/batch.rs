@@ -2,8 +2,8 @@
 //! the same request emits alone, on the CPU (and, under the nextest `gpu` profile, on the GPU
 //! through the lone-row kernels). A property over random schedules (prompts of
 //! different lengths, greedy and seeded rows, grammar-constrained rows, rows starting from a
-//! prefix-cache hit, rows joining between steps, finishing at different times and being
-//! cancelled), for every fixture architecture and cache kind: KV,
+//! prefix-cache hit, rows with a logit bias, rows joining between steps, finishing at different
+//! times and being cancelled), for every fixture architecture and cache kind: KV,
 //! rotating (a sliding window, and --max-kv-size), quantized KV, recurrent, 4-bit weights;
 //! and with speculative rows beside plain ones, each with its own drafter kind (draft model,
 //! n-gram, MTP, DFlash) and drafts per round, whose greedy rows also equal plain decoding alone.
@@ -59,6 +59,8 @@ struct Row {
     grammar: bool,
     /// A prefix-cache hit: it starts from caches that hold this many of its prompt tokens.
     prefix: Option<usize>,
+    /// A logit bias (token id, bias), its ids not always distinct.
+    bias: Vec<(u32, f64)>,
 }
 
 /// The grammar of a schedule's constrained rows: short, so that rows finish it and their mask
@@ -134,9 +136,13 @@ fn rows(vocab: u32, drafters: usize) -> impl Strategy<Value = Vec<Row>> {
         drafter,
         prop::bool::weighted(0.3),
         prop::option::weighted(0.3, any::<prop::sample::Index>()),
+        prop::option::weighted(
+            0.4,
+            prop::collection::vec((3..vocab.min(40), -3.0..6.0f64), 1..=3),
+        ),
     )
         .prop_map(
-            |(prompt, max_tokens, seed, joins, cancel, drafter, grammar, prefix)| Row {
+            |(prompt, max_tokens, seed, joins, cancel, drafter, grammar, prefix, bias)| Row {
                 prefix: prefix
                     .map(|at| at.index(prompt.len()))
                     .filter(|&cached| cached > 0),
@@ -147,6 +153,7 @@ fn rows(vocab: u32, drafters: usize) -> impl Strategy<Value = Vec<Row>> {
                 cancelled: cancel.map(|c| joins + c),
                 drafter,
                 grammar,
+                bias: bias.unwrap_or_default(),
             },
         );
     // Every schedule of several rows has a constrained row (the first), beside the others'.
@@ -168,6 +175,7 @@ enum Caches {
 
 fn params(model: &ModelBundle, row: &Row, caches: Caches) -> GenerateParams {
     let mut p = GenerateParams::greedy(row.max_tokens, model.eos_token_ids.clone());
+    p.processors.logit_bias = row.bias.clone();
     if let Some(seed) = row.seed {
         p.sampler.temp = 0.8;
         p.seed = Some(seed);
@@ -519,6 +527,12 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
             drafter: Some((0, Some(1 + i))),
             grammar: false,
             prefix: None,
+            // A bias alone reads no history: the first row drafts together with the unbiased.
+            bias: if i == 0 {
+                vec![(5, 2.5), (11, -1.5)]
+            } else {
+                Vec::new()
+            },
         })
         .collect();
     let mut params: Vec<GenerateParams> =

@@ -420,7 +420,7 @@ impl<'m> Batch<'m> {
             match &mut row.decoder {
                 Decoder::Plain(p) => {
                     quantize_due(&mut p.caches, p.params.kv_quantization.as_ref())?;
-                    if !greedy.as_ref().is_some_and(|g| g.holds(start)) {
+                    if greedy.as_ref().and_then(|g| g.index(start)).is_none() {
                         let input = token_array(&[p.next])?;
                         let logits = logits.squeeze(&[1])?;
                         let logprobs = logprobs_after(&mut p.sampler, &input, &logits)?;
@@ -437,8 +437,11 @@ impl<'m> Batch<'m> {
                             out.hidden[at].slice_axis(1, start, end)
                         })
                         .collect::<mlx::Result<Vec<_>>>()?;
-                    pending.extend(speculator.enqueue_verdict(&logits)?);
-                    rounds.push((logits, hidden));
+                    let together = greedy.as_ref().and_then(|g| g.index(start));
+                    if together.is_none() {
+                        pending.extend(speculator.enqueue_verdict(&logits)?);
+                    }
+                    rounds.push((logits, hidden, together));
                 }
             }
             start = end;
@@ -451,16 +454,24 @@ impl<'m> Batch<'m> {
         let built_at = Instant::now();
         mlx::eval(sampled.iter().flat_map(|(y, lp)| [y, lp]).chain(&pending))?;
         let evaluated_at = Instant::now();
+        let greedy_tokens = greedy
+            .as_ref()
+            .map(|g| g.tokens.to_vec::<u32>())
+            .transpose()?;
         let mut leaving = Vec::new();
         let mut rounds = rounds.into_iter();
-        for (at, row) in self.rows.iter_mut().enumerate() {
+        for ((at, row), &len) in self.rows.iter_mut().enumerate().zip(&lens) {
             let Decoder::Speculative {
                 speculator, source, ..
             } = &mut row.decoder
             else {
                 continue;
             };
-            let (logits, hidden) = rounds.next().expect("one round per speculative row");
+            let (logits, hidden, together) = rounds.next().expect("one round per speculative row");
+            if let (Some(i), Some(g), Some(tokens)) = (together, &greedy, &greedy_tokens) {
+                let logprobs = g.logprobs[i..i + len].to_vec();
+                speculator.read_verdict(tokens[i..i + len].to_vec(), logprobs);
+            }
             let mut stopped = false;
             let rejected = speculator.settle(source.as_mut(), &logits, &hidden, &mut |t| {
                 let control = on_token(row.id, t);
@@ -480,10 +491,6 @@ impl<'m> Batch<'m> {
             }
         }
         let mut sampled = sampled.into_iter();
-        let greedy_tokens = greedy
-            .as_ref()
-            .map(|g| g.tokens.to_vec::<u32>())
-            .transpose()?;
         let mut start = 0;
         for (row, &len) in self.rows.iter_mut().zip(&lens) {
             let row_start = start;
@@ -491,11 +498,9 @@ impl<'m> Batch<'m> {
             let Decoder::Plain(p) = &mut row.decoder else {
                 continue;
             };
-            let (token, logprobs) = match (&greedy, &greedy_tokens) {
-                (Some(g), Some(tokens)) if g.holds(row_start as i32) => {
-                    let i = g.index(row_start as i32);
-                    (tokens[i], g.logprobs[i].clone())
-                }
+            let together = greedy.as_ref().and_then(|g| g.index(row_start as i32));
+            let (token, logprobs) = match (together, &greedy, &greedy_tokens) {
+                (Some(i), Some(g), Some(tokens)) => (tokens[i], g.logprobs[i].clone()),
                 _ => {
                     let (y, logprobs) = sampled.next().expect("one sample per plain row");
                     (y.item::<u32>()?, logprobs)

@@ -67,10 +67,29 @@ impl StepSampler {
         self.sampler.is_greedy()
     }
 
-    /// Whether a step's token is the argmax of its logprobs and nothing else: greedy, without
-    /// processors or a grammar (a batch samples such rows together).
+    /// Whether a processor reads the token history (a penalty): each draft must then be read
+    /// before the next is sampled.
+    pub fn reads_history(&self) -> bool {
+        self.processors.reads_history()
+    }
+
+    /// Whether a step's token is the argmax of its logits plus at most a fixed bias: greedy,
+    /// no grammar, and no processor but a logit bias over distinct ids (a batch samples such
+    /// rows together, [`StepSampler::argmax_bias`]).
     pub fn samples_by_argmax(&self) -> bool {
-        self.is_greedy() && !self.has_processors() && !self.is_constrained()
+        self.argmax_after_bias() && !self.is_constrained()
+    }
+
+    /// Whether a token is the argmax of its logits plus at most a fixed bias, the grammar aside
+    /// (a draft's, which no grammar masks).
+    pub fn argmax_after_bias(&self) -> bool {
+        self.is_greedy() && (!self.has_processors() || self.processors.is_bias())
+    }
+
+    /// The (1, V) row an argmax step adds to logits of V = `vocab` and `dtype` first
+    /// ([`LogitsProcessors::as_bias`]), None when it adds nothing.
+    pub fn argmax_bias(&self, vocab: i32, dtype: mlx::Dtype) -> Result<Option<Array>> {
+        self.processors.as_bias(vocab, dtype)
     }
 
     /// Whether the grammar is complete (only EOS may follow).

@@ -195,7 +195,11 @@ pub fn draft_together(
         together = None;
         if !by_argmax.is_empty() {
             let at: Vec<i32> = by_argmax.iter().map(|&i| ends[i]).collect();
-            let (tokens, _) = argmax_rows(&logits, &at)?;
+            let (vocab, dtype) = (logits.dim(1), logits.dtype());
+            let biases = (by_argmax.iter())
+                .map(|&i| rows[live[i]].1.argmax_bias(vocab, dtype))
+                .collect::<Result<Vec<_>>>()?;
+            let (tokens, _) = argmax_rows(&logits, &at, &biases)?;
             for (j, &i) in by_argmax.iter().enumerate() {
                 next[live[i]] = Some(Next::Together(j));
             }

@@ -101,11 +101,15 @@ struct Seeding {
 
 /// A round's verdict as enqueued, before the host reads it.
 enum Verdict {
-    /// No processors and no grammar: every position sampled in one draw, (n,) tokens and each
-    /// position's (V,) logprobs, views of one (n, V) array evaluated with the tokens, so that
-    /// reading one later costs nothing.
+    /// No grammar, and no processors or, greedy, a logit bias alone (which reads no history,
+    /// so every position takes the same one): every position sampled in one draw, (n,) tokens
+    /// and each position's (V,) logprobs, views of one (n, V) array evaluated with the tokens,
+    /// so that reading one later costs nothing.
     Whole(Array, Vec<Array>),
-    /// Greedy with logits processors: each position processed with the history it has when
+    /// As `Whole`, sampled by a batch together with other rows' positions
+    /// (crate::batch::greedy) and read back: the tokens and each position's (V,) logprobs.
+    Read(Vec<u32>, Vec<Array>),
+    /// Greedy with other logits processors: each position processed with the history it has when
     /// the walk reaches it (the drafts before it, which the walk has accepted by then), one
     /// token and (V,) logprobs per position; the walk stops where plain judging would.
     Walk(Vec<(Array, Array)>),
@@ -301,7 +305,11 @@ impl Speculator {
             return Ok(Vec::new());
         }
         let logits = logits.squeeze(&[0])?;
-        if !processors {
+        if !processors || self.sampler.samples_by_argmax() {
+            let logits = match self.sampler.argmax_bias(logits.dim(1), logits.dtype())? {
+                Some(bias) => logits.add(&bias)?,
+                None => logits,
+            };
             let lp = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
             let sampled = self.sampler.sample(&lp)?.astype(Dtype::Uint32)?;
             let rows = row_views(&lp)?;
@@ -325,6 +333,25 @@ impl Speculator {
             .collect();
         self.verdict = Some(Verdict::Walk(walk));
         Ok(pending)
+    }
+
+    /// Whether the round's verdict is every position's argmax after at most a fixed bias
+    /// (greedy, no grammar, no processor but a logit bias): a batch may then sample it with
+    /// other rows ([`Speculator::argmax_bias`], [`Speculator::read_verdict`]).
+    pub(crate) fn verdict_by_argmax(&self) -> bool {
+        self.sampler.samples_by_argmax()
+    }
+
+    /// The (1, V) row the verdict's logits of V = `vocab` and `dtype` take before the argmax,
+    /// None when none.
+    pub(crate) fn argmax_bias(&self, vocab: i32, dtype: Dtype) -> Result<Option<Array>> {
+        self.sampler.argmax_bias(vocab, dtype)
+    }
+
+    /// The round's verdict as a batch sampled and read it: each position's token and (V,)
+    /// logprobs, what [`Speculator::enqueue_verdict`] would give.
+    pub(crate) fn read_verdict(&mut self, tokens: Vec<u32>, logprobs: Vec<Array>) {
+        self.verdict = Some(Verdict::Read(tokens, logprobs));
     }
 
     /// Closes the round [`Speculator::next_input`] opened, given the target's `logits`
@@ -470,6 +497,7 @@ impl Speculator {
                 mlx::eval(std::iter::once(&sampled).chain(&rows))?;
                 return Ok((sampled.to_vec::<u32>()?, rows));
             }
+            Some(Verdict::Read(tokens, rows)) => return Ok((tokens, rows)),
             Some(Verdict::Walk(walk)) => {
                 mlx::eval(walk.iter().flat_map(|(t, lp)| [t, lp]))?;
                 let (mut tokens, mut rows) = (Vec::new(), Vec::new());

@@ -73,17 +73,23 @@ impl<'a> DraftContext<'a> {
         DraftContext { target, ..self }
     }
 
-    /// Whether sampling reads the drafted token ids (logits processors over the history): a
-    /// source must then read each draft before sampling the next.
+    /// Whether sampling reads the drafted token ids (a penalty over the history): a source
+    /// must then read each draft before sampling the next.
     pub fn needs_draft_ids(&self) -> bool {
-        self.sampler.has_processors()
+        self.sampler.reads_history()
     }
 
-    /// Whether a draft is the argmax of its logprobs and nothing else (greedy, without
-    /// processors; drafts are never masked), so that rows may draft together
+    /// Whether a draft is the argmax of its logits plus at most a fixed bias (greedy, no
+    /// processor but a logit bias; drafts are never masked), so that rows may draft together
     /// ([`crate::sample::argmax_rows`]).
     pub fn samples_by_argmax(&self) -> bool {
-        self.sampler.is_greedy() && !self.sampler.has_processors()
+        self.sampler.argmax_after_bias()
+    }
+
+    /// The (1, V) row a draft's logits of V = `vocab` and `dtype` take before the argmax, None
+    /// when none ([`StepSampler::argmax_bias`]).
+    pub fn argmax_bias(&self, vocab: i32, dtype: mlx::Dtype) -> Result<Option<Array>> {
+        self.sampler.argmax_bias(vocab, dtype)
     }
 
     /// Samples one token from a draft model's (1, V) logits as the target would sample after
