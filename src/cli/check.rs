@@ -3,8 +3,10 @@
 //! backend is replayed teacher-forced under tier B (verity::parity::judge).
 
 use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
@@ -239,7 +241,12 @@ impl Checked {
     }
 }
 
-/// Judges every trace in `paths`, with a progress bar unless `quiet`.
+/// How often a run whose stderr is not a terminal (a CI log, a remote job), where the progress
+/// bar is not drawn, says how far it got.
+const PROGRESS_LINE_EVERY: Duration = Duration::from_secs(30);
+
+/// Judges every trace in `paths`, with a progress bar unless `quiet` (on a stderr that is not a
+/// terminal, a line every [`PROGRESS_LINE_EVERY`] instead).
 fn run_traces(
     paths: &[PathBuf],
     root: &Path,
@@ -280,7 +287,18 @@ fn run_traces(
     );
     let mut models = Models::new(root);
     let mut checked = Vec::with_capacity(traces.len());
+    let total = traces.len();
+    let lines = !quiet && !std::io::stderr().is_terminal();
+    let mut said = Instant::now();
     for trace in traces {
+        if lines && said.elapsed() >= PROGRESS_LINE_EVERY {
+            eprintln!(
+                "replaying: {} of {total} traces, now {}",
+                checked.len(),
+                trace.id
+            );
+            said = Instant::now();
+        }
         bar.set_message(trace.id.clone());
         let judgement = match judge(&trace, &mut models, backend, &registry) {
             Err(e) if e.is_bad_input() => {
