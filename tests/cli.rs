@@ -523,7 +523,10 @@ fn bench_serve_reports_every_level() {
             assert_eq!(steps, 12.0, "{l}");
         }
         let in_steps = e["seconds_in_steps"].as_f64().unwrap();
-        assert!(in_steps > 0.0 && in_steps <= e["wall_s"].as_f64().unwrap(), "{l}");
+        assert!(
+            in_steps > 0.0 && in_steps <= e["wall_s"].as_f64().unwrap(),
+            "{l}"
+        );
         assert!(e["accepted_per_round"].is_null(), "{l}");
     }
 }
