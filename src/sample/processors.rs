@@ -224,8 +224,8 @@ mod tests {
     }
 
     /// A bias over distinct ids added as one row gives every logit the bits the scatter
-    /// gives, a negative zero and an infinity included, in f32 and bf16; duplicate ids or a
-    /// penalty beside it make no row.
+    /// gives, a negative zero and an infinity included, in f32 and bf16; a block of rows is
+    /// biased as each row alone; duplicate ids or a penalty beside it make no row.
     #[test]
     fn a_bias_row_adds_what_the_scatter_adds() {
         let bias = |ids: &[u32]| ProcessorParams {
@@ -261,6 +261,29 @@ mod tests {
                 );
             }
         }
+        // A block of rows is biased as each row alone.
+        let procs = LogitsProcessors::new(&bias(&[0, 3, 5])).unwrap();
+        let block: Vec<f32> = logits.iter().chain(logits.iter().rev()).copied().collect();
+        let block = Array::from_slice(&block, &[2, 6]).unwrap();
+        let rows: Vec<f32> = (0..2)
+            .flat_map(|r| {
+                let row = block.slice_axis(0, r, r + 1).unwrap();
+                procs
+                    .apply(&history, &row)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap()
+            })
+            .collect();
+        let whole = procs
+            .apply(&history, &block)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        assert_eq!(
+            whole.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            rows.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
         let doubled = LogitsProcessors::new(&bias(&[4, 4])).unwrap();
         assert!(!doubled.is_bias());
         assert!(doubled.as_bias(6, Dtype::Float32).unwrap().is_none());
