@@ -22,7 +22,9 @@ pub struct StepSampler {
     sampler: Sampler,
     processors: LogitsProcessors,
     keys: Option<SampleKeys>,
-    /// Every token fed to the model so far (generate_step's `tokens`), when processors need it.
+    /// Every token fed to the model so far (generate_step's `tokens`), when a processor reads
+    /// it; when none does (a logit bias), only the first tokens fed, which say that there is a
+    /// history: mlx-lm applies processors only once one is.
     history: Option<Array>,
     constraint: Option<Constraint>,
 }
@@ -123,6 +125,10 @@ impl StepSampler {
         if self.processors.is_empty() || tokens.size() == 0 {
             return Ok(());
         }
+        if !self.processors.reads_history() {
+            self.history.get_or_insert_with(|| tokens.clone());
+            return Ok(());
+        }
         self.history = Some(match &self.history {
             Some(h) => mlx::ops::concatenate(&[h, tokens], 0)?,
             None => tokens.clone(),
@@ -160,7 +166,8 @@ impl StepSampler {
         let ids: Vec<i32> = unrecorded.iter().map(|&t| t as i32).collect();
         let extra = Array::from_slice(&ids, &[ids.len() as i32])?;
         Ok(Some(match &self.history {
-            Some(h) => mlx::ops::concatenate(&[h, &extra], 0)?,
+            Some(h) if self.processors.reads_history() => mlx::ops::concatenate(&[h, &extra], 0)?,
+            Some(h) => h.clone(),
             None => extra,
         }))
     }
