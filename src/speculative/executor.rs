@@ -405,8 +405,11 @@ impl Speculator {
             };
             self.stats.generated += 1;
             self.stats.from_draft += usize::from(step.from_draft);
-            // Feed the token to the processors' history as plain decoding would.
-            self.sampler.extend_history(&token_array(&[input[i]])?)?;
+            // Feed the token to the processors' history as plain decoding would (no array for
+            // a sampler without processors: this runs per emitted token on the host).
+            if self.sampler.has_processors() {
+                self.sampler.extend_history(&token_array(&[input[i]])?)?;
+            }
             if on_token(&step) == Control::Stop || finish.is_some() {
                 stop = true;
                 break;
