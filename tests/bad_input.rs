@@ -2475,6 +2475,20 @@ fn other_cases() -> Vec<Case> {
             &["--max-num-seqs", "at least 1"],
             no_setup(),
         ),
+        case(
+            "serve/adaptive-drafts-without-drafter",
+            &[
+                "serve",
+                "--port",
+                "0",
+                "--model",
+                &model_arg("qwen3"),
+                "--adaptive-drafts",
+            ],
+            2,
+            &["--adaptive-drafts", "needs a drafter"],
+            no_setup(),
+        ),
         // The server's own flags are checked before it listens, as a request's would be.
         case(
             "serve/max-kv-size-zero",

@@ -237,15 +237,21 @@ struct Batched {
     widest: usize,
     shared_steps: usize,
     shared_draft_steps: usize,
+    /// Steps whose greedy speculative rows decoded plain ([`Batch::adapt_drafts`]).
+    undrafted: usize,
 }
 
+/// `rows` as one batch, its greedy speculative rows drafting only while drafting measures
+/// faster when `adapt`.
 fn batched<'m>(
     b: &'m ModelBundle,
     drafters: &'m [Drafter],
     rows: &[Row],
     params: &[GenerateParams],
+    adapt: bool,
 ) -> Batched {
     let mut batch = Batch::new(b.model());
+    batch.adapt_drafts(adapt);
     let mut out: BTreeMap<usize, Steps> = BTreeMap::new();
     let mut speculation = BTreeMap::new();
     let mut widest = 0;
@@ -291,6 +297,7 @@ fn batched<'m>(
         widest,
         shared_steps: batch.split().shared,
         shared_draft_steps: batch.split().shared_drafts,
+        undrafted: batch.split().undrafted,
     }
 }
 
@@ -325,7 +332,7 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
                 widest,
                 shared_steps: cache_shared,
                 ..
-            } = batched(&b, &drafters, &rows, &params);
+            } = batched(&b, &drafters, &rows, &params, false);
             shared_steps.set(shared_steps.get() + cache_shared);
             for (i, row) in rows.iter().enumerate() {
                 let drafter = row.drafter.map(|(d, _)| &drafters[d]);
@@ -542,7 +549,7 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
         params[i].processors.repetition_penalty = Some(1.3);
         params[i].processors.repetition_context_size = 20;
     }
-    let got = batched(&b, &drafters, &rows, &params);
+    let got = batched(&b, &drafters, &rows, &params, false);
     assert_eq!(got.widest, 4);
     assert!(
         got.shared_steps > 0,
@@ -577,6 +584,82 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
             );
         }
     }
+}
+
+/// With adaptive drafts the greedy speculative rows of each drafter kind decode some steps plain
+/// (the policy measures plain steps after its first window of drafting, whatever the timings
+/// say) and resume drafting, their sources catching up: every row still emits what it emits
+/// alone, greedy rows what plain decoding emits, and a seeded row, which drafts throughout,
+/// its lone speculative tokens.
+fn check_adaptive_drafts(fixture: &str, drafters: &[DrafterSpec]) {
+    support::on_invariant_device();
+    let b = bundle(fixture);
+    let model = b.model();
+    let drafters: Vec<Drafter> = drafters
+        .iter()
+        .map(|spec| Drafter::load(spec, &b).unwrap())
+        .collect();
+    let prompts = ["def fib(n):", "The capital of France is", "1, 2, 3,"];
+    let mut rows: Vec<Row> = Vec::new();
+    for d in 0..drafters.len() {
+        for (i, p) in prompts.iter().enumerate() {
+            rows.push(Row {
+                prompt: b.tokenizer.encode(p, true).unwrap(),
+                max_tokens: 40,
+                seed: (i == 2).then_some(5),
+                joins: i,
+                cancelled: None,
+                drafter: Some((d, Some(2 + i % 2))),
+                grammar: false,
+                prefix: None,
+                bias: Vec::new(),
+            });
+        }
+    }
+    let params: Vec<GenerateParams> = rows.iter().map(|r| params(&b, r, Caches::Plain)).collect();
+    let got = batched(&b, &drafters, &rows, &params, true);
+    assert!(
+        got.undrafted >= 5,
+        "{fixture}: {} undrafted steps, not the policy's window of plain ones",
+        got.undrafted
+    );
+    for (i, row) in rows.iter().enumerate() {
+        let drafter = row.drafter.map(|(d, _)| &drafters[d]);
+        let (want, _) = alone_with_stats(model, drafter, Start::Fresh, row.request(&b, &params[i]));
+        assert_eq!(got.steps[&i], want, "{fixture} row {i}");
+        if row.seed.is_none() {
+            assert_eq!(
+                want,
+                alone(model, None, None, &row.prompt, &params[i]),
+                "{fixture} row {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn adaptive_drafts_keep_every_rows_tokens_with_a_draft_model_and_prompt_lookup() {
+    check_adaptive_drafts(
+        "qwen3-target",
+        &[
+            DrafterSpec::Model(support::model_dir("qwen3-draft")),
+            DrafterSpec::Ngram { min: 1, max: 3 },
+        ],
+    );
+}
+
+#[test]
+fn adaptive_drafts_keep_every_rows_tokens_with_mtp_and_dflash_on_the_hybrid() {
+    check_adaptive_drafts(
+        "qwen3_5",
+        &[
+            DrafterSpec::Mtp { dir: None },
+            DrafterSpec::Dflash {
+                dir: support::model_dir("qwen3_5-dflash"),
+                chain: false,
+            },
+        ],
+    );
 }
 
 /// Every drafter kind on the hybrid: recurrent state rolled back per row, and rows tapping

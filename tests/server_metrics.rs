@@ -265,6 +265,38 @@ fn speculative_requests_move_the_acceptance_counters_of_their_lane() {
     }
 }
 
+/// With --adaptive-drafts a greedy request decodes some steps plain (the policy measures plain
+/// steps after its first window of drafting) and answers, logprobs included, as plain serving
+/// does; /metrics counts those steps.
+#[test]
+fn adaptive_drafts_answer_as_plain_and_count_their_undrafted_steps() {
+    let draft = model_dir("qwen3-draft");
+    let plain = Server::start(&model_dir(TARGET), &[]);
+    let adaptive = Server::start(
+        &model_dir(TARGET),
+        &[
+            "--draft-model",
+            draft.to_str().unwrap(),
+            "--adaptive-drafts",
+        ],
+    );
+    let mut body = chat("Write a long story.", 48);
+    body["logit_bias"] = json!({"2": -100, "0": -100});
+    body["logprobs"] = json!(true);
+    let want = plain.ok("/v1/chat/completions", &body);
+    let got = adaptive.ok("/v1/chat/completions", &body);
+    assert_eq!(got["choices"], want["choices"]);
+    assert_eq!(usage(&got, "completion_tokens"), 48.0);
+    let m = Scrape::of(&adaptive);
+    let undrafted = m.get("verity_batch_undrafted_steps_total");
+    assert!(undrafted >= 5.0, "{undrafted} undrafted steps");
+    assert!(m.get("verity_batch_steps_total") > undrafted);
+    assert_eq!(
+        Scrape::of(&plain).get("verity_batch_undrafted_steps_total"),
+        0.0
+    );
+}
+
 /// Polls the metrics until `ready` holds for them; panics after 30 s.
 fn scrape_when(s: &Server, ready: impl Fn(&Scrape) -> bool) -> Scrape {
     let start = Instant::now();

@@ -21,6 +21,7 @@
 //! next step before its current token is read (generate_step's pipelining); a batch reads every
 //! row's token at the end of each step, since its rows' next inputs are those tokens.
 
+mod draft_policy;
 mod greedy;
 mod shared;
 
@@ -41,6 +42,7 @@ use crate::sample::StepSampler;
 use crate::speculative::draft_model::{draft_together, SharedDraftCaches};
 use crate::speculative::{DraftPrefix, DraftSource, Drafter, SpeculationStats, Speculator};
 use crate::{error::contract, Result};
+use draft_policy::{Choice, DraftPolicy};
 use greedy::GreedyRows;
 use shared::DraftGroup;
 
@@ -120,6 +122,9 @@ pub struct StepSplit {
     pub shared: usize,
     /// The steps some of whose rows drafted over shared draft caches.
     pub shared_drafts: usize,
+    /// The steps whose greedy speculative rows decoded plain, as the measured choice between
+    /// drafting and plain steps had it ([`Batch::adapt_drafts`]).
+    pub undrafted: usize,
 }
 
 impl StepSplit {
@@ -134,6 +139,7 @@ impl StepSplit {
             settle: self.settle - earlier.settle,
             shared: self.shared - earlier.shared,
             shared_drafts: self.shared_drafts - earlier.shared_drafts,
+            undrafted: self.undrafted - earlier.undrafted,
         }
     }
 }
@@ -152,6 +158,9 @@ pub struct Batch<'m> {
     draft_groups: Vec<DraftGroup<'m>>,
     /// Whether rows may share their caches at all ([`Batch::share_caches`]).
     may_share: bool,
+    /// Whether greedy speculative rows draft or decode plain, when measured
+    /// ([`Batch::adapt_drafts`]).
+    draft_policy: Option<DraftPolicy>,
     split: StepSplit,
 }
 
@@ -163,6 +172,7 @@ impl<'m> Batch<'m> {
             shared: None,
             draft_groups: Vec::new(),
             may_share: true,
+            draft_policy: None,
             split: StepSplit::default(),
         }
     }
@@ -242,6 +252,30 @@ impl<'m> Batch<'m> {
     /// effect from the next step.
     pub fn share_caches(&mut self, share: bool) {
         self.may_share = share;
+    }
+
+    /// Whether greedy speculative rows draft at every step (the default) or only while
+    /// drafting measures faster than plain steps (`batch::draft_policy`): their tokens are
+    /// the same either way. Takes effect from the next step.
+    pub fn adapt_drafts(&mut self, adapt: bool) {
+        self.draft_policy = adapt.then(DraftPolicy::default);
+    }
+
+    /// Caps the drafts of the rows whose tokens do not depend on them as the draft policy
+    /// chooses for the next step; returns that choice if such a row is in the batch.
+    fn choose_drafts(&mut self) -> Option<Choice> {
+        let choice = self.draft_policy.as_ref()?.next();
+        let cap = (choice == Choice::Plain).then_some(0);
+        let mut any = false;
+        for row in &mut self.rows {
+            if let Decoder::Speculative { speculator, .. } = &mut row.decoder {
+                if speculator.emits_as_plain() {
+                    speculator.cap_drafts(cap);
+                    any = true;
+                }
+            }
+        }
+        any.then_some(choice)
     }
 
     /// The ids of the rows still decoding, in the order they joined.
@@ -361,6 +395,12 @@ impl<'m> Batch<'m> {
             return Ok(Vec::new());
         }
         let started = Instant::now();
+        let choice = self.choose_drafts();
+        let mut emitted = 0;
+        let mut on_token = |id: usize, t: &GeneratedToken| {
+            emitted += 1;
+            on_token(id, t)
+        };
         self.arrange_shared()?;
         let drafted = self.draft_shared()?;
         let inputs: Vec<Vec<u32>> = self
@@ -531,6 +571,10 @@ impl<'m> Batch<'m> {
         split.settle += evaluated_at.elapsed();
         split.shared += usize::from(self.shared.is_some());
         split.shared_drafts += usize::from(!self.draft_groups.is_empty());
+        split.undrafted += usize::from(choice == Some(Choice::Plain));
+        if let (Some(policy), Some(_)) = (&mut self.draft_policy, choice) {
+            policy.record(emitted, started.elapsed());
+        }
         for at in (0..self.rows.len()).rev() {
             if leaving.contains(&self.rows[at].id) {
                 self.take_shared(at)?;

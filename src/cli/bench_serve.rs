@@ -39,6 +39,10 @@ pub struct ServeBenchArgs {
     /// Drafts per round for both servers (default: each server's own, 3 for verity).
     #[arg(long, requires = "draft_model")]
     num_draft_tokens: Option<usize>,
+    /// verity's greedy speculative rows draft only while drafting measures faster than plain
+    /// steps (`verity serve --adaptive-drafts`).
+    #[arg(long, requires = "draft_model")]
+    adaptive_drafts: bool,
     /// Python of the oracle venv (mlx_lm.server and the client driver).
     #[arg(long, default_value = "oracles/.venv/bin/python")]
     python: PathBuf,
@@ -87,6 +91,9 @@ fn start_verity(a: &ServeBenchArgs, device: mlx::Device, queue: usize) -> anyhow
     }
     command.args(["serve", "--model"]).arg(&a.model);
     draft_flags(a, &mut command);
+    if a.adaptive_drafts {
+        command.arg("--adaptive-drafts");
+    }
     let mut child = command
         .args(["--port", "0", "--queue-size", &queue.to_string()])
         .stdout(Stdio::piped())
@@ -160,6 +167,8 @@ struct EngineCounters {
     rounds: f64,
     drafted: f64,
     accepted: f64,
+    /// Steps whose greedy speculative rows decoded plain (--adaptive-drafts).
+    undrafted: f64,
 }
 
 const PHASES: [&str; 4] = ["draft", "build", "eval", "settle"];
@@ -179,6 +188,7 @@ impl EngineCounters {
             match base {
                 "verity_batch_steps_total" => c.steps += value,
                 "verity_batch_step_rows_total" => c.rows += value,
+                "verity_batch_undrafted_steps_total" => c.undrafted += value,
                 "verity_speculative_rounds_total" => c.rounds += value,
                 "verity_speculative_drafted_total" => c.drafted += value,
                 "verity_speculative_accepted_total" => c.accepted += value,
@@ -209,6 +219,7 @@ impl EngineCounters {
             rounds: self.rounds - earlier.rounds,
             drafted: self.drafted - earlier.drafted,
             accepted: self.accepted - earlier.accepted,
+            undrafted: self.undrafted - earlier.undrafted,
         }
     }
 
@@ -225,6 +236,7 @@ impl EngineCounters {
             "rounds": self.rounds,
             "accepted_per_round": (self.rounds > 0.0).then(|| self.accepted / self.rounds),
             "drafted_per_round": (self.rounds > 0.0).then(|| self.drafted / self.rounds),
+            "undrafted_steps": self.undrafted,
         })
     }
 }
@@ -407,20 +419,25 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
     println!(
         "\nverity's engine over each level (/metrics): batch steps, their mean rows, ms per step \
          drafting / building / evaluating / settling, the steps' share of the wall time, and \
-         drafts accepted of drafted per round"
+         drafts accepted of drafted per round (rounds that drafted nothing included; in brackets \
+         the steps where --adaptive-drafts chose plain)"
     );
     for (clients, r) in &levels {
         let e = &r[0]["engine"];
         let ms = |p: &str| e["ms_per_step"][p].as_f64().unwrap_or(0.0);
         let share = e["seconds_in_steps"].as_f64().unwrap_or(0.0)
             / e["wall_s"].as_f64().unwrap_or(0.0).max(1e-9);
-        let rounds = match (
+        let mut rounds = match (
             e["accepted_per_round"].as_f64(),
             e["drafted_per_round"].as_f64(),
         ) {
             (Some(acc), Some(drafted)) => format!("{acc:.2} of {drafted:.2}"),
             _ => "-".into(),
         };
+        let undrafted = e["undrafted_steps"].as_f64().unwrap_or(0.0);
+        if undrafted > 0.0 {
+            rounds += &format!(" ({undrafted} steps undrafted)");
+        }
         println!(
             "{clients:>7}  {:>6} steps  {:>5.2} rows  {:.2} / {:.2} / {:.2} / {:.2} ms  {:>5.1}% of \
              wall  {rounds}",

@@ -31,6 +31,10 @@ pub struct ServeArgs {
     model: PathBuf,
     #[command(flatten)]
     draft: DraftArgs,
+    /// Greedy speculative rows draft only while drafting measures faster than plain batch
+    /// steps (measured in turns as the server runs); their answers are the same either way.
+    #[arg(long)]
+    adaptive_drafts: bool,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// Port to listen on (0: any free port, printed on stdout).
@@ -155,6 +159,11 @@ pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         "--shutdown-timeout is {}, must be from 0 to 3600 seconds",
         a.shutdown_timeout
     );
+    anyhow::ensure!(
+        !a.adaptive_drafts || (a.draft.spec().is_some() && a.max_num_seqs > 1),
+        "--adaptive-drafts chooses between drafting and plain batch steps: it needs a drafter \
+         (--draft-model, --draft-ngram, --draft-mtp or --draft-dflash) and --max-num-seqs above 1"
+    );
     let timeout = Duration::from_secs_f64(a.shutdown_timeout);
     let prompt = a.cache.prompt_params();
     let chat_template = a
@@ -178,6 +187,7 @@ pub fn serve(a: ServeArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         kv_quantization: prompt.kv_quantization,
         prompt_cache_bytes: a.prompt_cache_bytes,
         chat_template,
+        adaptive_drafts: a.adaptive_drafts,
     })?;
     let app = server::router(handle.clone(), a.max_tokens);
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -66,6 +66,7 @@ pub struct Metrics {
     step_rows: Counter,
     shared_steps: Counter,
     shared_draft_steps: Counter,
+    undrafted_steps: Counter,
     step_seconds: Family<PhaseLabels, Counter<f64, AtomicU64>>,
     rounds: Family<LaneLabels, Counter>,
     drafted: Family<DraftPositionLabels, Counter>,
@@ -173,6 +174,12 @@ impl Metrics {
                 "batch_shared_draft_cache_steps",
                 "Batch steps whose rows drafting with one draft model shared its KV caches",
             ),
+            undrafted_steps: registered(
+                r,
+                "batch_undrafted_steps",
+                "Batch steps whose greedy speculative rows decoded plain, plain steps having \
+                 measured faster than drafting (--adaptive-drafts)",
+            ),
             step_seconds: registered(
                 r,
                 "batch_step_seconds",
@@ -247,6 +254,7 @@ impl Metrics {
         self.step_rows.inc_by(count(step.rows));
         self.shared_steps.inc_by(count(step.shared));
         self.shared_draft_steps.inc_by(count(step.shared_drafts));
+        self.undrafted_steps.inc_by(count(step.undrafted));
         for (phase, spent) in [
             ("draft", step.draft),
             ("build", step.build),

@@ -122,6 +122,9 @@ pub struct Speculator {
     sampler: StepSampler,
     params: GenerateParams,
     num_draft_tokens: usize,
+    /// At most this many drafts a round, whatever `num_draft_tokens` says
+    /// ([`Speculator::cap_drafts`]).
+    draft_cap: Option<usize>,
     stats: SpeculationStats,
     /// The target hidden states the source taps.
     pub(crate) taps: Vec<usize>,
@@ -219,6 +222,7 @@ impl Speculator {
             sampler,
             params: params.clone(),
             num_draft_tokens,
+            draft_cap: None,
             stats: SpeculationStats::default(),
             taps,
             last,
@@ -273,15 +277,28 @@ impl Speculator {
         Some((want, ctx))
     }
 
-    /// Drafts the next round may take: none while seeding, else up to num_draft_tokens and
-    /// what max_tokens leaves.
+    /// Drafts the next round may take: none while seeding, else up to num_draft_tokens, the
+    /// cap and what max_tokens leaves.
     fn draft_budget(&self) -> usize {
         if self.seeding.is_some() {
             0
         } else {
             self.num_draft_tokens
+                .min(self.draft_cap.unwrap_or(usize::MAX))
                 .min(self.params.max_tokens - self.emitted)
         }
+    }
+
+    /// Whether the number of drafts leaves the tokens as they are: greedy, where speculation
+    /// emits what plain decoding does (a sampled round draws as many keys as it verifies).
+    pub(crate) fn emits_as_plain(&self) -> bool {
+        self.sampler.is_greedy()
+    }
+
+    /// Caps the drafts of the rounds from the next on (None: num_draft_tokens); with 0 a round
+    /// is a plain step, the source catching up on its tokens when drafting resumes.
+    pub(crate) fn cap_drafts(&mut self, cap: Option<usize>) {
+        self.draft_cap = cap;
     }
 
     /// Opens the round on the target caches with `drafts` (from [`Speculator::draft_request`];

@@ -1,0 +1,173 @@
+//! Whether a batch's greedy speculative rows draft next step or decode plain. A round pays only
+//! where its tokens come cheaper than plain steps', which turns on the device, the batch's width
+//! and how well the drafts are accepted, and all three change while a server runs (on the CPU a
+//! verify costs its tokens' arithmetic; on a GPU a wide batch of one-token steps costs about
+//! what one does). A greedy row emits the same tokens either way (speculation ≡ plain), so the
+//! batch can measure both and keep the faster. vLLM turns speculation off above a fixed batch
+//! size instead; this measures.
+//!
+//! The policy alternates measured windows: a window of the current choice, and after
+//! [`REMEASURE_EVERY`] steps of the faster one a window of the other, since what was slower may
+//! not be anymore. The first step after a switch is not measured: it pays the draft model's
+//! catch-up over the tokens emitted meanwhile.
+
+use std::time::Duration;
+
+/// Measured steps per window.
+const WINDOW: usize = 4;
+
+/// Steps of the faster choice before the other is measured again.
+const REMEASURE_EVERY: usize = 64;
+
+/// What the greedy speculative rows do at a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice {
+    Draft,
+    Plain,
+}
+
+impl Choice {
+    fn other(self) -> Choice {
+        match self {
+            Choice::Draft => Choice::Plain,
+            Choice::Plain => Choice::Draft,
+        }
+    }
+
+    fn slot(self) -> usize {
+        self as usize
+    }
+}
+
+/// The measured choice between drafting and plain steps ([`DraftPolicy::next`]).
+#[derive(Clone, Debug)]
+pub struct DraftPolicy {
+    choice: Choice,
+    /// Tokens per second each choice gave over its last window, by [`Choice::slot`].
+    rates: [Option<f64>; 2],
+    /// Steps taken since the last switch.
+    steps: usize,
+    /// The current window's tokens and time.
+    tokens: usize,
+    time: Duration,
+    measured: usize,
+}
+
+impl Default for DraftPolicy {
+    fn default() -> DraftPolicy {
+        DraftPolicy {
+            choice: Choice::Draft,
+            rates: [None, None],
+            steps: 0,
+            tokens: 0,
+            time: Duration::ZERO,
+            measured: 0,
+        }
+    }
+}
+
+impl DraftPolicy {
+    /// What the next step does.
+    pub fn next(&self) -> Choice {
+        self.choice
+    }
+
+    /// A step taken with [`DraftPolicy::next`]'s choice emitted `tokens` (every row's) in
+    /// `time`.
+    pub fn record(&mut self, tokens: usize, time: Duration) {
+        self.steps += 1;
+        if self.steps == 1 {
+            return;
+        }
+        self.tokens += tokens;
+        self.time += time;
+        self.measured += 1;
+        if self.measured < WINDOW {
+            return;
+        }
+        let rate = self.tokens as f64 / self.time.as_secs_f64().max(f64::MIN_POSITIVE);
+        (self.tokens, self.time, self.measured) = (0, Duration::ZERO, 0);
+        self.rates[self.choice.slot()] = Some(rate);
+        let switch = match self.rates[self.choice.other().slot()] {
+            None => true,
+            Some(other) => other > rate || self.steps > REMEASURE_EVERY,
+        };
+        if switch {
+            self.choice = self.choice.other();
+            self.steps = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `steps` steps where drafting gives `draft` tokens a step and plain `plain`, each in
+    /// one millisecond; returns the choices taken.
+    fn run(policy: &mut DraftPolicy, steps: usize, draft: usize, plain: usize) -> Vec<Choice> {
+        (0..steps)
+            .map(|_| {
+                let choice = policy.next();
+                let tokens = if choice == Choice::Draft {
+                    draft
+                } else {
+                    plain
+                };
+                policy.record(tokens, Duration::from_millis(1));
+                choice
+            })
+            .collect()
+    }
+
+    fn assert_rate(policy: &DraftPolicy, choice: Choice, want: f64) {
+        let rate = policy.rates[choice.slot()].unwrap();
+        assert!(
+            (rate - want).abs() < 1e-6 * want,
+            "{choice:?}: {rate} tokens/s, not {want}"
+        );
+    }
+
+    #[test]
+    fn it_measures_both_then_keeps_the_faster_and_measures_the_other_again() {
+        let mut policy = DraftPolicy::default();
+        let choices = run(&mut policy, 200, 8, 20);
+        // A window of each (its first step unmeasured), then plain, the faster.
+        let first = WINDOW + 1;
+        assert!(choices[..first].iter().all(|&c| c == Choice::Draft));
+        assert!(choices[first..2 * first]
+            .iter()
+            .all(|&c| c == Choice::Plain));
+        assert_rate(&policy, Choice::Draft, 8000.0);
+        assert_rate(&policy, Choice::Plain, 20000.0);
+        let drafting = choices.iter().filter(|&&c| c == Choice::Draft).count();
+        // Drafting again only for a window after every REMEASURE_EVERY steps of plain.
+        assert!(drafting > first && drafting <= first * (1 + 200 / REMEASURE_EVERY));
+        let plain = &choices[first..first + REMEASURE_EVERY];
+        assert!(plain.iter().all(|&c| c == Choice::Plain));
+    }
+
+    #[test]
+    fn a_choice_that_became_faster_is_taken() {
+        let mut policy = DraftPolicy::default();
+        run(&mut policy, 100, 8, 20);
+        // Drafting now pays: the next window that measures it switches for good.
+        let choices = run(&mut policy, 200, 30, 20);
+        assert_eq!(choices.last(), Some(&Choice::Draft));
+        assert_rate(&policy, Choice::Draft, 30000.0);
+        let tail = &choices[choices.len() - REMEASURE_EVERY..];
+        assert!(tail.iter().filter(|&&c| c == Choice::Draft).count() > REMEASURE_EVERY / 2);
+    }
+
+    #[test]
+    fn the_first_step_after_a_switch_is_not_measured() {
+        let mut policy = DraftPolicy::default();
+        // A catch-up step far slower than the rest must not decide.
+        policy.record(1, Duration::from_secs(10));
+        for _ in 0..WINDOW {
+            policy.record(10, Duration::from_millis(1));
+        }
+        assert_rate(&policy, Choice::Draft, 10000.0);
+        assert_eq!(policy.next(), Choice::Plain);
+    }
+}
