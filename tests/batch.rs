@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use support::{bundle, proptest_cases};
-use verity::batch::Batch;
+use verity::batch::{Batch, DraftPolicy};
 use verity::bundle::ModelBundle;
 use verity::cache::{KvQuantization, LayerCache};
 use verity::decode::{decode, Hooks, Request, Start};
@@ -237,21 +237,21 @@ struct Batched {
     widest: usize,
     shared_steps: usize,
     shared_draft_steps: usize,
-    /// Steps whose greedy speculative rows decoded plain ([`Batch::adapt_drafts`]).
-    undrafted: usize,
+    /// Whether each step's greedy speculative rows decoded plain ([`Batch::adapt_drafts`]).
+    undrafted: Vec<bool>,
 }
 
-/// `rows` as one batch, its greedy speculative rows drafting only while drafting measures
-/// faster when `adapt`.
+/// `rows` as one batch, its greedy speculative rows drafting as `policy` chooses, if given.
 fn batched<'m>(
     b: &'m ModelBundle,
     drafters: &'m [Drafter],
     rows: &[Row],
     params: &[GenerateParams],
-    adapt: bool,
+    policy: Option<DraftPolicy>,
 ) -> Batched {
     let mut batch = Batch::new(b.model());
-    batch.adapt_drafts(adapt);
+    batch.adapt_drafts(policy);
+    let mut undrafted = Vec::new();
     let mut out: BTreeMap<usize, Steps> = BTreeMap::new();
     let mut speculation = BTreeMap::new();
     let mut widest = 0;
@@ -279,6 +279,7 @@ fn batched<'m>(
             batch.remove(i).unwrap();
         }
         widest = widest.max(batch.ids().len());
+        let before = batch.split().undrafted;
         let left = batch
             .step(&mut |i, t| {
                 record(out.get_mut(&i).unwrap(), t);
@@ -289,6 +290,7 @@ fn batched<'m>(
             left.into_iter()
                 .filter_map(|l| Some((l.id, l.speculation?))),
         );
+        undrafted.push(batch.split().undrafted > before);
         step += 1;
     }
     Batched {
@@ -297,7 +299,7 @@ fn batched<'m>(
         widest,
         shared_steps: batch.split().shared,
         shared_draft_steps: batch.split().shared_drafts,
-        undrafted: batch.split().undrafted,
+        undrafted,
     }
 }
 
@@ -332,7 +334,7 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
                 widest,
                 shared_steps: cache_shared,
                 ..
-            } = batched(&b, &drafters, &rows, &params, false);
+            } = batched(&b, &drafters, &rows, &params, None);
             shared_steps.set(shared_steps.get() + cache_shared);
             for (i, row) in rows.iter().enumerate() {
                 let drafter = row.drafter.map(|(d, _)| &drafters[d]);
@@ -549,7 +551,7 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
         params[i].processors.repetition_penalty = Some(1.3);
         params[i].processors.repetition_context_size = 20;
     }
-    let got = batched(&b, &drafters, &rows, &params, false);
+    let got = batched(&b, &drafters, &rows, &params, None);
     assert_eq!(got.widest, 4);
     assert!(
         got.shared_steps > 0,
@@ -586,11 +588,11 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
     }
 }
 
-/// With adaptive drafts the greedy speculative rows of each drafter kind decode some steps plain
-/// (the policy measures plain steps after its first window of drafting, whatever the timings
-/// say) and resume drafting, their sources catching up: every row still emits what it emits
-/// alone, greedy rows what plain decoding emits, and a seeded row, which drafts throughout,
-/// its lone speculative tokens.
+/// With adaptive drafts the greedy speculative rows of each drafter kind decode windows of plain
+/// steps and resume drafting, their sources catching up (a policy that measures the other
+/// choice after every window alternates whatever the timings say): every row still emits what
+/// it emits alone, greedy rows what plain decoding emits, and a seeded row, which drafts
+/// throughout, its lone speculative tokens.
 fn check_adaptive_drafts(fixture: &str, drafters: &[DrafterSpec]) {
     support::on_invariant_device();
     let b = bundle(fixture);
@@ -617,10 +619,12 @@ fn check_adaptive_drafts(fixture: &str, drafters: &[DrafterSpec]) {
         }
     }
     let params: Vec<GenerateParams> = rows.iter().map(|r| params(&b, r, Caches::Plain)).collect();
-    let got = batched(&b, &drafters, &rows, &params, true);
+    // Five steps of each choice in turn (one unmeasured, four measured).
+    let got = batched(&b, &drafters, &rows, &params, Some(DraftPolicy::new(4, 0)));
+    let turns: Vec<bool> = got.undrafted.chunks(5).map(|c| c[0]).collect();
     assert!(
-        got.undrafted >= 5,
-        "{fixture}: {} undrafted steps, not the policy's window of plain ones",
+        turns.starts_with(&[false, true, false]),
+        "{fixture}: steps undrafted {:?}, not windows of 5 in turn",
         got.undrafted
     );
     for (i, row) in rows.iter().enumerate() {

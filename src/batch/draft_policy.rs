@@ -6,17 +6,17 @@
 //! batch can measure both and keep the faster. vLLM turns speculation off above a fixed batch
 //! size instead; this measures.
 //!
-//! The policy alternates measured windows: a window of the current choice, and after
-//! [`REMEASURE_EVERY`] steps of the faster one a window of the other, since what was slower may
-//! not be anymore. The first step after a switch is not measured: it pays the draft model's
-//! catch-up over the tokens emitted meanwhile.
+//! The policy alternates measured windows: a window of the current choice, and after some steps
+//! of the faster one (64 by default) a window of the other, since what was slower may not be
+//! anymore. The first step after a switch is not measured: it pays the draft model's catch-up
+//! over the tokens emitted meanwhile.
 
 use std::time::Duration;
 
-/// Measured steps per window.
+/// Measured steps per window, by default.
 const WINDOW: usize = 4;
 
-/// Steps of the faster choice before the other is measured again.
+/// Steps of the faster choice before the other is measured again, by default.
 const REMEASURE_EVERY: usize = 64;
 
 /// What the greedy speculative rows do at a step.
@@ -42,6 +42,8 @@ impl Choice {
 /// The measured choice between drafting and plain steps ([`DraftPolicy::next`]).
 #[derive(Clone, Debug)]
 pub struct DraftPolicy {
+    window: usize,
+    remeasure_every: usize,
     choice: Choice,
     /// Tokens per second each choice gave over its last window, by [`Choice::slot`].
     rates: [Option<f64>; 2],
@@ -55,7 +57,17 @@ pub struct DraftPolicy {
 
 impl Default for DraftPolicy {
     fn default() -> DraftPolicy {
+        DraftPolicy::new(WINDOW, REMEASURE_EVERY)
+    }
+}
+
+impl DraftPolicy {
+    /// Windows of `window` measured steps (at least 1); the slower choice measured again after
+    /// more than `remeasure_every` steps of the faster (0: every window alternates).
+    pub fn new(window: usize, remeasure_every: usize) -> DraftPolicy {
         DraftPolicy {
+            window: window.max(1),
+            remeasure_every,
             choice: Choice::Draft,
             rates: [None, None],
             steps: 0,
@@ -64,9 +76,7 @@ impl Default for DraftPolicy {
             measured: 0,
         }
     }
-}
 
-impl DraftPolicy {
     /// What the next step does.
     pub fn next(&self) -> Choice {
         self.choice
@@ -82,7 +92,7 @@ impl DraftPolicy {
         self.tokens += tokens;
         self.time += time;
         self.measured += 1;
-        if self.measured < WINDOW {
+        if self.measured < self.window {
             return;
         }
         let rate = self.tokens as f64 / self.time.as_secs_f64().max(f64::MIN_POSITIVE);
@@ -90,7 +100,7 @@ impl DraftPolicy {
         self.rates[self.choice.slot()] = Some(rate);
         let switch = match self.rates[self.choice.other().slot()] {
             None => true,
-            Some(other) => other > rate || self.steps > REMEASURE_EVERY,
+            Some(other) => other > rate || self.steps > self.remeasure_every,
         };
         if switch {
             self.choice = self.choice.other();

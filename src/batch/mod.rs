@@ -42,7 +42,7 @@ use crate::sample::StepSampler;
 use crate::speculative::draft_model::{draft_together, SharedDraftCaches};
 use crate::speculative::{DraftPrefix, DraftSource, Drafter, SpeculationStats, Speculator};
 use crate::{error::contract, Result};
-use draft_policy::{Choice, DraftPolicy};
+pub use draft_policy::{Choice, DraftPolicy};
 use greedy::GreedyRows;
 use shared::DraftGroup;
 
@@ -254,11 +254,11 @@ impl<'m> Batch<'m> {
         self.may_share = share;
     }
 
-    /// Whether greedy speculative rows draft at every step (the default) or only while
-    /// drafting measures faster than plain steps (`batch::draft_policy`): their tokens are
-    /// the same either way. Takes effect from the next step.
-    pub fn adapt_drafts(&mut self, adapt: bool) {
-        self.draft_policy = adapt.then(DraftPolicy::default);
+    /// Whether greedy speculative rows draft at every step (None, the default) or as `policy`
+    /// chooses, only while drafting measures faster than plain steps: their tokens are the
+    /// same either way. Takes effect from the next step.
+    pub fn adapt_drafts(&mut self, policy: Option<DraftPolicy>) {
+        self.draft_policy = policy;
     }
 
     /// Caps the drafts of the rows whose tokens do not depend on them as the draft policy

@@ -32,7 +32,7 @@ use super::metrics::Metrics;
 use super::prefix_cache::{all_trim, Hit, PrefixCache};
 use super::request_log;
 use super::stop::StopMatcher;
-use crate::batch::Batch;
+use crate::batch::{Batch, DraftPolicy};
 use crate::bundle::ModelBundle;
 use crate::cache::{KvQuantization, LayerCache};
 use crate::decode::{decode, Hooks, Request, Start};
@@ -359,7 +359,7 @@ impl Engine {
 
     fn new_batch(&self) -> Batch<'_> {
         let mut batch = Batch::new(self.target.model());
-        batch.adapt_drafts(self.config.adaptive_drafts);
+        batch.adapt_drafts(self.config.adaptive_drafts.then(DraftPolicy::default));
         batch
     }
 
