@@ -8,8 +8,13 @@
 //!
 //! The policy alternates measured windows: a window of the current choice, and after some steps
 //! of the faster one (64 by default) a window of the other, since what was slower may not be
-//! anymore. The first step after a switch is not measured: it pays the draft model's catch-up
-//! over the tokens emitted meanwhile.
+//! anymore. Each time the other is still slower the wait doubles, up to 16 times, so that a
+//! choice that stays slower costs about one window in a thousand steps; when it has become the
+//! faster the wait starts over. The first step after a switch is not measured: it pays the draft
+//! model's catch-up over the tokens emitted meanwhile. A rate holds only for about the batch
+//! width it was measured at (a batch filling up or draining gives more or fewer tokens a step,
+//! whichever choice): measured at a width more than a quarter away from the current window's,
+//! the other choice is measured afresh before the two are compared.
 
 use std::time::Duration;
 
@@ -18,6 +23,9 @@ const WINDOW: usize = 4;
 
 /// Steps of the faster choice before the other is measured again, by default.
 const REMEASURE_EVERY: usize = 64;
+
+/// The wait before measuring again doubles up to this many times its start.
+const MOST_BACKOFF: usize = 16;
 
 /// What the greedy speculative rows do at a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,13 +52,19 @@ impl Choice {
 pub struct DraftPolicy {
     window: usize,
     remeasure_every: usize,
+    /// Steps of the faster choice before the other is measured again, now.
+    wait: usize,
+    /// Whether the current window measures the slower choice again.
+    remeasuring: bool,
     choice: Choice,
-    /// Tokens per second each choice gave over its last window, by [`Choice::slot`].
-    rates: [Option<f64>; 2],
+    /// Tokens per second each choice gave over its last window, and the window's mean rows a
+    /// step, by [`Choice::slot`].
+    rates: [Option<(f64, f64)>; 2],
     /// Steps taken since the last switch.
     steps: usize,
-    /// The current window's tokens and time.
+    /// The current window's tokens, rows and time.
     tokens: usize,
+    rows: usize,
     time: Duration,
     measured: usize,
 }
@@ -68,10 +82,13 @@ impl DraftPolicy {
         DraftPolicy {
             window: window.max(1),
             remeasure_every,
+            wait: remeasure_every,
+            remeasuring: false,
             choice: Choice::Draft,
             rates: [None, None],
             steps: 0,
             tokens: 0,
+            rows: 0,
             time: Duration::ZERO,
             measured: 0,
         }
@@ -82,26 +99,44 @@ impl DraftPolicy {
         self.choice
     }
 
-    /// A step taken with [`DraftPolicy::next`]'s choice emitted `tokens` (every row's) in
-    /// `time`.
-    pub fn record(&mut self, tokens: usize, time: Duration) {
+    /// A step of `rows` rows taken with [`DraftPolicy::next`]'s choice emitted `tokens` (every
+    /// row's) in `time`.
+    pub fn record(&mut self, rows: usize, tokens: usize, time: Duration) {
         self.steps += 1;
         if self.steps == 1 {
             return;
         }
         self.tokens += tokens;
+        self.rows += rows;
         self.time += time;
         self.measured += 1;
         if self.measured < self.window {
             return;
         }
         let rate = self.tokens as f64 / self.time.as_secs_f64().max(f64::MIN_POSITIVE);
-        (self.tokens, self.time, self.measured) = (0, Duration::ZERO, 0);
-        self.rates[self.choice.slot()] = Some(rate);
-        let switch = match self.rates[self.choice.other().slot()] {
-            None => true,
-            Some(other) => other > rate || self.steps > self.remeasure_every,
+        let width = self.rows as f64 / self.measured as f64;
+        (self.tokens, self.rows, self.time, self.measured) = (0, 0, Duration::ZERO, 0);
+        self.rates[self.choice.slot()] = Some((rate, width));
+        let comparable = |&(_, w): &(f64, f64)| (w - width).abs() <= 0.25 * width.max(w);
+        let other = self.rates[self.choice.other().slot()].filter(comparable);
+        let (switch, remeasure) = match other.map(|(r, _)| r) {
+            None => (true, false),
+            Some(other) if other > rate => {
+                if self.remeasuring {
+                    let most = self.remeasure_every * MOST_BACKOFF;
+                    self.wait = (self.wait * 2).min(most);
+                }
+                (true, false)
+            }
+            Some(_) => {
+                if self.remeasuring {
+                    self.wait = self.remeasure_every;
+                }
+                let due = self.steps > self.wait;
+                (due, due)
+            }
         };
+        self.remeasuring = remeasure;
         if switch {
             self.choice = self.choice.other();
             self.steps = 0;
@@ -124,14 +159,14 @@ mod tests {
                 } else {
                     plain
                 };
-                policy.record(tokens, Duration::from_millis(1));
+                policy.record(8, tokens, Duration::from_millis(1));
                 choice
             })
             .collect()
     }
 
     fn assert_rate(policy: &DraftPolicy, choice: Choice, want: f64) {
-        let rate = policy.rates[choice.slot()].unwrap();
+        let (rate, _) = policy.rates[choice.slot()].unwrap();
         assert!(
             (rate - want).abs() < 1e-6 * want,
             "{choice:?}: {rate} tokens/s, not {want}"
@@ -141,7 +176,7 @@ mod tests {
     #[test]
     fn it_measures_both_then_keeps_the_faster_and_measures_the_other_again() {
         let mut policy = DraftPolicy::default();
-        let choices = run(&mut policy, 200, 8, 20);
+        let choices = run(&mut policy, 300, 8, 20);
         // A window of each (its first step unmeasured), then plain, the faster.
         let first = WINDOW + 1;
         assert!(choices[..first].iter().all(|&c| c == Choice::Draft));
@@ -150,11 +185,31 @@ mod tests {
             .all(|&c| c == Choice::Plain));
         assert_rate(&policy, Choice::Draft, 8000.0);
         assert_rate(&policy, Choice::Plain, 20000.0);
-        let drafting = choices.iter().filter(|&&c| c == Choice::Draft).count();
-        // Drafting again only for a window after every REMEASURE_EVERY steps of plain.
-        assert!(drafting > first && drafting <= first * (1 + 200 / REMEASURE_EVERY));
+        // Drafting again for a window after REMEASURE_EVERY steps of plain, then after twice
+        // as many.
         let plain = &choices[first..first + REMEASURE_EVERY];
         assert!(plain.iter().all(|&c| c == Choice::Plain));
+        let again = first + REMEASURE_EVERY + 1;
+        assert!(choices[again..again + first]
+            .iter()
+            .all(|&c| c == Choice::Draft));
+        let after = &choices[again + first..again + first + 2 * REMEASURE_EVERY];
+        assert!(after.iter().all(|&c| c == Choice::Plain));
+    }
+
+    #[test]
+    fn a_choice_that_stays_slower_is_measured_ever_more_rarely() {
+        let mut policy = DraftPolicy::default();
+        let steps = 20_000;
+        let choices = run(&mut policy, steps, 8, 20);
+        let drafting = choices.iter().filter(|&&c| c == Choice::Draft).count();
+        // Waits of 64, 128, ..., 1024 steps, then 1024 each: one window in about a thousand.
+        let windows = 5 + (steps - 2000) / (REMEASURE_EVERY * MOST_BACKOFF) + 2;
+        assert!(
+            drafting <= (WINDOW + 1) * windows,
+            "{drafting} steps drafted"
+        );
+        assert!(drafting > (WINDOW + 1) * 10, "{drafting} steps drafted");
     }
 
     #[test]
@@ -170,12 +225,30 @@ mod tests {
     }
 
     #[test]
+    fn a_rate_of_another_batch_width_is_measured_afresh() {
+        let mut policy = DraftPolicy::default();
+        // Drafting measured over 4 rows, plain over 16: more tokens a step, but a wider batch.
+        for (rows, tokens) in [(4, 8), (16, 16)] {
+            for _ in 0..=WINDOW {
+                policy.record(rows, tokens, Duration::from_millis(1));
+            }
+        }
+        // Plain is not taken as faster: drafting is measured again at 16 rows first.
+        assert_eq!(policy.next(), Choice::Draft);
+        for _ in 0..=WINDOW {
+            policy.record(16, 40, Duration::from_millis(1));
+        }
+        assert_eq!(policy.next(), Choice::Draft);
+        assert_rate(&policy, Choice::Draft, 40000.0);
+    }
+
+    #[test]
     fn the_first_step_after_a_switch_is_not_measured() {
         let mut policy = DraftPolicy::default();
         // A catch-up step far slower than the rest must not decide.
-        policy.record(1, Duration::from_secs(10));
+        policy.record(8, 1, Duration::from_secs(10));
         for _ in 0..WINDOW {
-            policy.record(10, Duration::from_millis(1));
+            policy.record(8, 10, Duration::from_millis(1));
         }
         assert_rate(&policy, Choice::Draft, 10000.0);
         assert_eq!(policy.next(), Choice::Plain);

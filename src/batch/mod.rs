@@ -573,7 +573,7 @@ impl<'m> Batch<'m> {
         split.shared_drafts += usize::from(!self.draft_groups.is_empty());
         split.undrafted += usize::from(choice == Some(Choice::Plain));
         if let (Some(policy), Some(_)) = (&mut self.draft_policy, choice) {
-            policy.record(emitted, started.elapsed());
+            policy.record(lens.len(), emitted, started.elapsed());
         }
         for at in (0..self.rows.len()).rev() {
             if leaving.contains(&self.rows[at].id) {
