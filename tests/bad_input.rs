@@ -2489,6 +2489,23 @@ fn other_cases() -> Vec<Case> {
             &["--adaptive-drafts", "needs a drafter"],
             no_setup(),
         ),
+        case(
+            "serve/adaptive-drafts-one-request-at-a-time",
+            &[
+                "serve",
+                "--port",
+                "0",
+                "--model",
+                &model_arg("qwen3"),
+                "--draft-ngram",
+                "--adaptive-drafts",
+                "--max-num-seqs",
+                "1",
+            ],
+            2,
+            &["--adaptive-drafts", "--max-num-seqs above 1"],
+            no_setup(),
+        ),
         // The server's own flags are checked before it listens, as a request's would be.
         case(
             "serve/max-kv-size-zero",
