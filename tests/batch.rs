@@ -648,6 +648,63 @@ fn check_adaptive_drafts(fixture: &str, drafters: &[DrafterSpec]) {
     }
 }
 
+/// A batch that stops adapting mid-way, during a window of plain steps, drafts again: no row
+/// keeps the plain steps' cap of 0 drafts.
+#[test]
+fn rows_draft_again_once_the_batch_stops_adapting() {
+    support::on_invariant_device();
+    let b = bundle("qwen3-target");
+    let drafter =
+        Drafter::load(&DrafterSpec::Model(support::model_dir("qwen3-draft")), &b).unwrap();
+    let params = GenerateParams::greedy(40, Vec::new());
+    let prompts = ["def fib(n):", "The capital of France is"];
+    let mut batch = Batch::new(b.model());
+    // Five drafting steps, then five plain ones, in turn.
+    batch.adapt_drafts(Some(DraftPolicy::new(4, 0)));
+    let prompts: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| b.tokenizer.encode(p, true).unwrap())
+        .collect();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let request = Request {
+            prompt,
+            params: &params,
+            constraint: None,
+            num_draft_tokens: Some(3),
+        };
+        batch
+            .add(i, Some(&drafter), Start::Fresh, request, None, None)
+            .unwrap();
+    }
+    let mut got = vec![Steps::new(); prompts.len()];
+    let mut left = Vec::new();
+    for step in 0.. {
+        if step == 7 {
+            assert_eq!(batch.split().undrafted, 2, "step 7 is in the plain window");
+            batch.adapt_drafts(None);
+        }
+        if batch.is_empty() {
+            break;
+        }
+        left.extend(
+            batch
+                .step(&mut |i, t| {
+                    record(&mut got[i], t);
+                    Control::Continue
+                })
+                .unwrap(),
+        );
+    }
+    assert_eq!(batch.split().undrafted, 2);
+    for l in left {
+        // Five rounds of 3 drafts emit at most 20 of the 40 tokens: more rounds drafted.
+        let drafted = l.speculation.unwrap().drafted;
+        assert!(drafted > 15, "row {}: {drafted} drafts", l.id);
+        let want = alone(b.model(), None, None, &prompts[l.id], &params);
+        assert_eq!(got[l.id], want, "row {}", l.id);
+    }
+}
+
 #[test]
 fn adaptive_drafts_keep_every_rows_tokens_with_a_draft_model_and_prompt_lookup() {
     check_adaptive_drafts(

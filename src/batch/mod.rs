@@ -258,6 +258,13 @@ impl<'m> Batch<'m> {
     /// chooses, only while drafting measures faster than plain steps: their tokens are the
     /// same either way. Takes effect from the next step.
     pub fn adapt_drafts(&mut self, policy: Option<DraftPolicy>) {
+        if policy.is_none() {
+            for row in &mut self.rows {
+                if let Decoder::Speculative { speculator, .. } = &mut row.decoder {
+                    speculator.cap_drafts(None);
+                }
+            }
+        }
         self.draft_policy = policy;
     }
 
