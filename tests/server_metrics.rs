@@ -290,6 +290,19 @@ fn adaptive_drafts_answer_as_plain_and_count_their_undrafted_steps() {
     let m = Scrape::of(&adaptive);
     let undrafted = m.get("verity_batch_undrafted_steps_total");
     assert!(undrafted >= 5.0, "{undrafted} undrafted steps");
+    // A plain step is not a round: the request's counters hold the steps apart.
+    let spec = &got["verity_stats"]["speculation"];
+    assert_eq!(spec["undrafted_steps"].as_f64(), Some(undrafted));
+    let rounds = spec["rounds"].as_f64().unwrap();
+    assert_eq!(
+        m.get("verity_speculative_rounds_total{lane=\"draft_model\"}"),
+        rounds
+    );
+    assert_eq!(
+        spec["target_calls"].as_f64(),
+        Some(rounds + undrafted),
+        "{spec}"
+    );
     assert!(m.get("verity_batch_steps_total") > undrafted);
     assert_eq!(
         Scrape::of(&plain).get("verity_batch_undrafted_steps_total"),

@@ -324,7 +324,7 @@ impl Engine {
                 let prefix = self.prefix.borrow();
                 request_log::finished(&s, prefix.len(), prefix.bytes());
                 self.metrics.finished(&s);
-                let _ = events.send(Event::Done(s));
+                let _ = events.send(Event::Done(*s));
             }
             Ok(Outcome::Cancelled { tokens }) => info!(tokens, "cancelled by the client"),
             Ok(Outcome::CancelledInPrefill) => {

@@ -58,6 +58,7 @@ pub struct RequestStats {
 #[derive(Clone, Debug, Serialize)]
 pub struct SpeculationReport {
     pub rounds: usize,
+    pub undrafted_steps: usize,
     pub drafted: usize,
     pub accepted: usize,
     pub drafted_by_position: Vec<usize>,
@@ -71,6 +72,7 @@ impl From<&SpeculationStats> for SpeculationReport {
     fn from(s: &SpeculationStats) -> SpeculationReport {
         SpeculationReport {
             rounds: s.rounds,
+            undrafted_steps: s.undrafted_steps,
             drafted: s.drafted,
             accepted: s.accepted,
             drafted_by_position: s.drafted_by_pos.clone(),
@@ -120,7 +122,7 @@ impl fmt::Display for Finish {
 
 /// How a request left the engine.
 pub(super) enum Outcome {
-    Done(Summary),
+    Done(Box<Summary>),
     /// The client went away after this many tokens were generated.
     Cancelled {
         tokens: usize,
@@ -216,7 +218,7 @@ impl Lane {
                 / decode_seconds.max(1e-9),
             speculation: speculation.map(SpeculationReport::from),
         };
-        Ok(Outcome::Done(Summary {
+        Ok(Outcome::Done(Box::new(Summary {
             finish_reason: if self.cut {
                 Finish::Shutdown
             } else {
@@ -229,7 +231,7 @@ impl Lane {
             batch_rows: self.batch_rows,
             prefill_chunks: self.prefill_chunks,
             interleaved_steps: self.interleaved_steps,
-        }))
+        })))
     }
 
     /// One generated token. Counts it (a stopping EOS counts, as in mlx-lm, server.py:1640,

@@ -401,7 +401,11 @@ impl Speculator {
         let accepted = matching.min(tokens.len() - 1);
         let seeding = self.seeding.is_some();
         if !seeding {
-            self.stats.record_round(k, accepted);
+            if k == 0 && self.draft_cap == Some(0) {
+                self.stats.record_undrafted_step();
+            } else {
+                self.stats.record_round(k, accepted);
+            }
         }
 
         // Emit the accepted drafts, then the target's own token, one at a time.

@@ -6,6 +6,9 @@
 pub struct SpeculationStats {
     /// Verify rounds run (rounds with drafts, plus refused rounds decoded plainly).
     pub rounds: usize,
+    /// Steps the batch ran without drafts while drafting measured slower (adaptive drafts):
+    /// plain steps, not rounds, so they leave the accepted length per round as it is.
+    pub undrafted_steps: usize,
     /// Tokens proposed by the draft source.
     pub drafted: usize,
     /// Proposals the target accepted.
@@ -49,6 +52,12 @@ impl SpeculationStats {
         }
     }
 
+    /// Records a step the batch capped to zero drafts.
+    pub fn record_undrafted_step(&mut self) {
+        self.undrafted_steps += 1;
+        self.target_calls += 1;
+    }
+
     /// Adds another generation's counters (a suite sums its prompts').
     pub fn add(&mut self, other: &SpeculationStats) {
         for (mine, theirs) in [
@@ -61,6 +70,7 @@ impl SpeculationStats {
             mine.iter_mut().zip(theirs).for_each(|(m, t)| *m += t);
         }
         self.rounds += other.rounds;
+        self.undrafted_steps += other.undrafted_steps;
         self.drafted += other.drafted;
         self.accepted += other.accepted;
         self.target_calls += other.target_calls;
