@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use clap::Args;
 use indicatif::ProgressBar;
+use mlx::Array;
 use serde_json::json;
 use verity::batch::{Batch, StepSplit};
 use verity::bundle::ModelBundle;
@@ -62,18 +63,21 @@ enum Rows {
 /// (token, logprob bits) of each emitted token.
 type Steps = Vec<(u32, Vec<u8>)>;
 
-/// Adds `t` to `steps`; an unreadable logprobs array stops the decode and is kept in `failed`.
-fn record(steps: &mut Steps, failed: &mut Option<mlx::Error>, t: &GeneratedToken) -> Control {
-    match t.logprobs.to_bytes() {
-        Ok(bits) => {
-            steps.push((t.token, bits));
-            Control::Continue
-        }
-        Err(e) => {
-            *failed = Some(e);
-            Control::Stop
-        }
-    }
+/// (token, logprobs) of each emitted token, read to the host only after the timed decode: a
+/// row of a 151,936-token vocabulary is 600 KB, whose copy would count as the step's.
+type Emitted = Vec<(u32, Array)>;
+
+fn record(emitted: &mut Emitted, t: &GeneratedToken) -> Control {
+    emitted.push((t.token, t.logprobs.clone()));
+    Control::Continue
+}
+
+/// Reads each emitted token's logprob bits.
+fn read(emitted: Emitted) -> mlx::Result<Steps> {
+    emitted
+        .into_iter()
+        .map(|(token, logprobs)| Ok((token, logprobs.to_bytes()?)))
+        .collect()
 }
 
 /// How one case's rows compare with the reference.
@@ -177,8 +181,8 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
         .collect();
     let params = GenerateParams::greedy(a.max_tokens, Vec::new());
     let alone = |drafter: Option<&Drafter>, k: Option<usize>, prompt: &[u32]| {
-        let (mut steps, mut failed) = (Steps::new(), None);
-        let mut on_token = |t: &GeneratedToken| record(&mut steps, &mut failed, t);
+        let mut emitted = Emitted::new();
+        let mut on_token = |t: &GeneratedToken| record(&mut emitted, t);
         let request = Request {
             prompt,
             params: &params,
@@ -192,11 +196,8 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             request,
             Hooks::tokens(&mut on_token),
         )?;
-        if let Some(e) = failed {
-            return Err(e.into());
-        }
-        let forwards = done.speculation.map_or(steps.len(), |s| s.target_calls);
-        anyhow::Ok((steps, forwards))
+        let forwards = done.speculation.map_or(emitted.len(), |s| s.target_calls);
+        anyhow::Ok((emitted, forwards))
     };
     let batched = |k: Option<usize>, shared_caches: bool| {
         let mut batch = Batch::new(model);
@@ -210,23 +211,21 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             };
             batch.add(i, k.map(|_| &drafter), Start::Fresh, request, None, None)?;
         }
-        let (mut out, mut failed) = (vec![Steps::new(); prompts.len()], None);
+        let mut out = vec![Emitted::new(); prompts.len()];
         let (mut forwards, start) = (0, Instant::now());
         while !batch.is_empty() {
-            batch.step(&mut |i, t| record(&mut out[i], &mut failed, t))?;
-            if let Some(e) = failed.take() {
-                return Err(e.into());
-            }
+            batch.step(&mut |i, t| record(&mut out[i], t))?;
             forwards += 1;
         }
         let ms = start.elapsed().as_secs_f64() * 1e3 / forwards as f64;
         let split = Some(batch.split().clone());
-        anyhow::Ok((out, Timed { ms, split }))
+        let rows = out.into_iter().map(read).collect::<mlx::Result<_>>()?;
+        anyhow::Ok((rows, Timed { ms, split }))
     };
     let plain = || -> anyhow::Result<Vec<Steps>> {
         prompts
             .iter()
-            .map(|p| alone(None, None, p).map(|(s, _)| s))
+            .map(|p| Ok(read(alone(None, None, p)?.0)?))
             .collect()
     };
     let reference = plain()?;
@@ -262,13 +261,14 @@ pub fn rows(a: RowsArgs, device: mlx::Device) -> anyhow::Result<ExitCode> {
             return batched(k, shared);
         }
         let start = Instant::now();
-        let (mut got, mut forwards) = (Vec::new(), 0);
+        let (mut emitted, mut forwards) = (Vec::new(), 0);
         for p in &prompts {
-            let (steps, n) = alone(Some(&drafter), k, p)?;
-            got.push(steps);
+            let (row, n) = alone(Some(&drafter), k, p)?;
+            emitted.push(row);
             forwards += n;
         }
         let ms = start.elapsed().as_secs_f64() * 1e3 / forwards as f64;
+        let got = emitted.into_iter().map(read).collect::<mlx::Result<_>>()?;
         Ok((got, Timed { ms, split: None }))
     };
     let bar = ProgressBar::new((2 * cases.len() * (a.runs + 1)) as u64);
