@@ -626,12 +626,14 @@ fn check_adaptive_drafts(fixture: &str, drafters: &[DrafterSpec]) {
         }
     }
     let params: Vec<GenerateParams> = rows.iter().map(|r| params(&b, r, Caches::Plain)).collect();
-    // Five steps of each choice in turn (one unmeasured, four measured).
+    // The steps that evaluate a joining prompt (the first three) are not measured; then five
+    // steps of each choice in turn (one unmeasured, four measured).
     let got = batched(&b, &drafters, &rows, &params, Some(DraftPolicy::new(4, 0)));
-    let turns: Vec<bool> = got.undrafted.chunks(5).map(|c| c[0]).collect();
+    let joined = prompts.len();
+    let turns: Vec<bool> = got.undrafted[joined..].chunks(5).map(|c| c[0]).collect();
     assert!(
-        turns.starts_with(&[false, true, false]),
-        "{fixture}: steps undrafted {:?}, not windows of 5 in turn",
+        got.undrafted[..joined].iter().all(|u| !u) && turns.starts_with(&[false, true, false]),
+        "{fixture}: steps undrafted {:?}, not {joined} unmeasured, then windows of 5 in turn",
         got.undrafted
     );
     for (i, row) in rows.iter().enumerate() {
@@ -659,7 +661,8 @@ fn rows_draft_again_once_the_batch_stops_adapting() {
     let params = GenerateParams::greedy(40, Vec::new());
     let prompts = ["def fib(n):", "The capital of France is"];
     let mut batch = Batch::new(b.model());
-    // Five drafting steps, then five plain ones, in turn.
+    // The step that evaluates the prompts (not measured), then five drafting steps, then five
+    // plain ones, in turn.
     batch.adapt_drafts(Some(DraftPolicy::new(4, 0)));
     let prompts: Vec<Vec<u32>> = prompts
         .iter()
@@ -679,8 +682,8 @@ fn rows_draft_again_once_the_batch_stops_adapting() {
     let mut got = vec![Steps::new(); prompts.len()];
     let mut left = Vec::new();
     for step in 0.. {
-        if step == 7 {
-            assert_eq!(batch.split().undrafted, 2, "step 7 is in the plain window");
+        if step == 8 {
+            assert_eq!(batch.split().undrafted, 2, "step 8 is in the plain window");
             batch.adapt_drafts(None);
         }
         if batch.is_empty() {

@@ -161,6 +161,9 @@ pub struct Batch<'m> {
     /// Whether greedy speculative rows draft or decode plain, when measured
     /// ([`Batch::adapt_drafts`]).
     draft_policy: Option<DraftPolicy>,
+    /// Whether a prompt was prefilled since the last step: its graph is evaluated with the
+    /// next step, whose time then says nothing about drafting, so the policy does not take it.
+    prefilled: bool,
     split: StepSplit,
 }
 
@@ -173,6 +176,7 @@ impl<'m> Batch<'m> {
             draft_groups: Vec::new(),
             may_share: true,
             draft_policy: None,
+            prefilled: false,
             split: StepSplit::default(),
         }
     }
@@ -202,7 +206,10 @@ impl<'m> Batch<'m> {
             start.into_caches(model, drafter.is_some(), request.params)?;
         let mut keep_nothing = |_: &[LayerCache], _: Option<&DraftPrefix>| {};
         let mut on_chunk = |done: usize| match between_chunks.as_mut() {
-            Some(between) => between(self, done),
+            Some(between) => {
+                self.prefilled = true;
+                between(self, done)
+            }
             None => Control::Continue,
         };
         let resume = Resume {
@@ -244,6 +251,7 @@ impl<'m> Batch<'m> {
             }
         };
         self.rows.push(Row { id, decoder });
+        self.prefilled = true;
         Ok(())
     }
 
@@ -403,6 +411,7 @@ impl<'m> Batch<'m> {
         }
         let started = Instant::now();
         let choice = self.choose_drafts();
+        let prefilled = std::mem::take(&mut self.prefilled);
         let mut emitted = 0;
         let mut on_token = |id: usize, t: &GeneratedToken| {
             emitted += 1;
@@ -579,7 +588,7 @@ impl<'m> Batch<'m> {
         split.shared += usize::from(self.shared.is_some());
         split.shared_drafts += usize::from(!self.draft_groups.is_empty());
         split.undrafted += usize::from(choice == Some(Choice::Plain));
-        if let (Some(policy), Some(_)) = (&mut self.draft_policy, choice) {
+        if let (Some(policy), Some(_), false) = (&mut self.draft_policy, choice, prefilled) {
             policy.record(lens.len(), emitted, started.elapsed());
         }
         for at in (0..self.rows.len()).rev() {
