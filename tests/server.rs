@@ -1215,9 +1215,9 @@ fn concurrent_requests_batch_and_each_equals_its_answer_alone() {
 }
 
 /// A long prompt joining a running stream is prefilled a chunk at a time with the running row
-/// stepping after each chunk (mlx_lm.server interleaves prompt and decode steps too), so the
-/// stream is held up a chunk at a time, not for the whole prefill; the joined answer equals its
-/// request alone, with and without a drafter.
+/// stepping after each full chunk (mlx_lm.server interleaves prompt and decode steps too), so
+/// the stream is held up a chunk at a time, not for the whole prefill; the joined answer equals
+/// its request alone, with and without a drafter.
 #[test]
 fn a_long_prompt_joining_is_prefilled_between_the_running_rows_steps() {
     let draft = model_dir("qwen3-draft");
@@ -1234,17 +1234,28 @@ fn a_long_prompt_joining_is_prefilled_between_the_running_rows_steps() {
             "logit_bias": {"2": -100, "0": -100}});
         let lines = s.open_stream("/v1/completions", &running, 2);
         let joined = s.ok("/v1/completions", &join);
+        // A prompt shorter than a chunk joins without holding the running row up a step.
+        let short = json!({"prompt": [5, 6, 7], "max_tokens": 2});
+        s.ok("/v1/completions", &short);
         drop(lines);
         s.log_when(|l| l.contains("cancelled by the client tokens="));
         let alone = s.ok("/v1/completions", &join);
         assert_eq!(joined["choices"], alone["choices"], "{args:?}");
-        let log = s.log_when(|l| l.matches(" finished ").count() == 2);
-        let line = log
-            .lines()
-            .find(|l| l.contains(" finished ") && field(l, "prompt_tokens") == Some("400"))
-            .unwrap_or_else(|| panic!("{args:?}: the joined request did not finish: {log}"));
-        // All but the last prompt token, in chunks of 16.
+        let log = s.log_when(|l| l.matches(" finished ").count() == 3);
+        let finished = |tokens: &str| {
+            log.lines()
+                .find(|l| l.contains(" finished ") && field(l, "prompt_tokens") == Some(tokens))
+                .unwrap_or_else(|| panic!("{args:?}: no request of {tokens} tokens: {log}"))
+        };
+        let short = finished("3");
+        assert_eq!(field(short, "batch_rows"), Some("2"), "{short}");
+        assert_eq!(field(short, "interleaved_steps"), Some("0"), "{short}");
+        let line = finished("400");
+        // All but the last prompt token, in chunks of 16: 24 full ones and one of 15, after
+        // which the running row steps with the joined one.
         let chunks = (prompt.len() - 1).div_ceil(16);
+        let full = (prompt.len() - 1) / 16;
+        assert!(full < chunks);
         assert_eq!(field(line, "batch_rows"), Some("2"), "{line}");
         assert_eq!(
             field(line, "prefill_chunks"),
@@ -1253,8 +1264,8 @@ fn a_long_prompt_joining_is_prefilled_between_the_running_rows_steps() {
         );
         assert_eq!(
             field(line, "interleaved_steps"),
-            Some(&*chunks.to_string()),
-            "{args:?}: the running row did not step after every chunk: {line}"
+            Some(&*full.to_string()),
+            "{args:?}: the running row did not step after every full chunk: {line}"
         );
     }
 }

@@ -148,6 +148,8 @@ struct Engine {
     /// [`EngineHandle::cut_running`]'s flag.
     shutdown: Arc<AtomicBool>,
     metrics: Arc<Metrics>,
+    /// Prompt tokens prefilled by joining requests since the running rows last stepped.
+    unstepped: Cell<usize>,
 }
 
 impl Engine {
@@ -178,6 +180,7 @@ impl Engine {
         Ok(Engine {
             shutdown,
             metrics,
+            unstepped: Cell::new(0),
             model_id: config.model.display().to_string(),
             prefix: RefCell::new(PrefixCache::new(prompt_cache_bytes)),
             trims: config.kv_quantization.is_none()
@@ -224,7 +227,7 @@ impl Engine {
     }
 
     /// Continuous batching: requests join the batch between steps (each prefilled alone, the
-    /// running rows stepping between its chunks), up to `max_num_seqs` at a time, and leave it
+    /// running rows stepping between chunks, [`Engine::join`]), up to `max_num_seqs` at a time, and leave it
     /// when they finish or their client goes away; every step runs one forward over each row's
     /// next token (a speculative row's round: its last token and its drafts).
     fn serve_batched(&self, mut queue: mpsc::Receiver<Job>) {
@@ -275,6 +278,7 @@ impl Engine {
     /// One step of every row in `batch`, each lane told its tokens; the lanes whose requests
     /// ended are reported and removed. A failed step fails every row and empties the batch.
     fn step<'s>(&'s self, batch: &mut Batch<'s>, lanes: &mut HashMap<usize, Lane>) {
+        self.unstepped.set(0);
         let width = lanes.len();
         for lane in lanes.values_mut() {
             lane.batch_rows = lane.batch_rows.max(width);
@@ -441,8 +445,11 @@ impl Engine {
         }))
     }
 
-    /// Admits `job` and prefills it into `batch` as row `id`, the running rows (`lanes`)
-    /// stepping once after each prefill chunk.
+    /// Admits `job` and prefills it into `batch` as row `id`. The running rows (`lanes`) step
+    /// after a chunk once the prompts joining since their last step have prefilled
+    /// `prefill_step_size` tokens (vLLM's token budget per step): a long prompt holds them up a
+    /// chunk at a time, and short prompts arriving together all join before the next step,
+    /// where a step after each would make the last of 32 wait 32 steps.
     fn join<'s>(
         &'s self,
         batch: &mut Batch<'s>,
@@ -462,9 +469,13 @@ impl Engine {
             start,
         } = admitted;
         let num_draft_tokens = lane.request.num_draft_tokens.or(self.num_draft_tokens);
-        let mut between_chunks = |batch: &mut Batch<'s>, _| {
+        let mut prefilled = lane.cached;
+        let mut between_chunks = |batch: &mut Batch<'s>, done: usize| {
             lane.prefill_chunks += 1;
-            if !lanes.is_empty() {
+            self.unstepped
+                .set(self.unstepped.get() + done.saturating_sub(prefilled));
+            prefilled = done;
+            if !lanes.is_empty() && self.unstepped.get() >= self.config.prefill_step_size {
                 self.step(batch, lanes);
                 lane.interleaved_steps += 1;
             }
