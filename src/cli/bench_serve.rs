@@ -169,9 +169,19 @@ struct EngineCounters {
     accepted: f64,
     /// Steps whose greedy speculative rows decoded plain (--adaptive-drafts).
     undrafted: f64,
+    /// Seconds of the engine thread outside the steps: joining requests, keeping answers.
+    outside: [f64; 2],
 }
 
 const PHASES: [&str; 4] = ["draft", "build", "eval", "settle"];
+const OUTSIDE: [&str; 2] = ["join", "keep"];
+
+/// The index of the phase label in `sample`'s labels among `phases`.
+fn phase_of(sample: &str, phases: &[&str]) -> Option<usize> {
+    phases
+        .iter()
+        .position(|p| sample.contains(&format!("phase=\"{p}\"")))
+}
 
 impl EngineCounters {
     /// The counters in verity serve's /metrics text (OpenMetrics, one sample per line).
@@ -193,11 +203,13 @@ impl EngineCounters {
                 "verity_speculative_drafted_total" => c.drafted += value,
                 "verity_speculative_accepted_total" => c.accepted += value,
                 "verity_batch_step_seconds_total" => {
-                    if let Some(i) = PHASES
-                        .iter()
-                        .position(|p| name.contains(&format!("phase=\"{p}\"")))
-                    {
+                    if let Some(i) = phase_of(name, &PHASES) {
                         c.phases[i] += value;
+                    }
+                }
+                "verity_engine_seconds_total" => {
+                    if let Some(i) = phase_of(name, &OUTSIDE) {
+                        c.outside[i] += value;
                     }
                 }
                 _ => {}
@@ -212,6 +224,10 @@ impl EngineCounters {
         for (p, e) in phases.iter_mut().zip(earlier.phases) {
             *p -= e;
         }
+        let mut outside = self.outside;
+        for (o, e) in outside.iter_mut().zip(earlier.outside) {
+            *o -= e;
+        }
         EngineCounters {
             steps: self.steps - earlier.steps,
             rows: self.rows - earlier.rows,
@@ -220,6 +236,7 @@ impl EngineCounters {
             drafted: self.drafted - earlier.drafted,
             accepted: self.accepted - earlier.accepted,
             undrafted: self.undrafted - earlier.undrafted,
+            outside,
         }
     }
 
@@ -232,6 +249,9 @@ impl EngineCounters {
                 .map(|(p, s)| (p.to_string(), json!(per_step(s))))
                 .collect::<serde_json::Map<_, _>>(),
             "seconds_in_steps": self.phases.iter().sum::<f64>(),
+            "seconds_outside_steps": OUTSIDE.iter().zip(self.outside)
+                .map(|(p, s)| (p.to_string(), json!(s)))
+                .collect::<serde_json::Map<_, _>>(),
             "wall_s": wall_s,
             "rounds": self.rounds,
             "accepted_per_round": (self.rounds > 0.0).then(|| self.accepted / self.rounds),
@@ -418,15 +438,18 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
     }
     println!(
         "\nverity's engine over each level (/metrics): batch steps, their mean rows, ms per step \
-         drafting / building / evaluating / settling, the steps' share of the wall time, and \
+         drafting / building / evaluating / settling, the steps' share of the wall time, the \
+         shares outside them joining requests / keeping answers for the prefix cache, and \
          drafts accepted of drafted per round (rounds that drafted nothing included; in brackets \
          the steps where --adaptive-drafts chose plain)"
     );
     for (clients, r) in &levels {
         let e = &r[0]["engine"];
         let ms = |p: &str| e["ms_per_step"][p].as_f64().unwrap_or(0.0);
-        let share = e["seconds_in_steps"].as_f64().unwrap_or(0.0)
-            / e["wall_s"].as_f64().unwrap_or(0.0).max(1e-9);
+        let wall = e["wall_s"].as_f64().unwrap_or(0.0).max(1e-9);
+        let share = e["seconds_in_steps"].as_f64().unwrap_or(0.0) / wall;
+        let outside =
+            |p: &str| 100.0 * e["seconds_outside_steps"][p].as_f64().unwrap_or(0.0) / wall;
         let mut rounds = match (
             e["accepted_per_round"].as_f64(),
             e["drafted_per_round"].as_f64(),
@@ -440,14 +463,16 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
         }
         println!(
             "{clients:>7}  {:>6} steps  {:>5.2} rows  {:.2} / {:.2} / {:.2} / {:.2} ms  {:>5.1}% of \
-             wall  {rounds}",
+             wall  {:.1}% / {:.1}%  {rounds}",
             e["steps"].as_f64().unwrap_or(0.0),
             e["rows_per_step"].as_f64().unwrap_or(0.0),
             ms("draft"),
             ms("build"),
             ms("eval"),
             ms("settle"),
-            100.0 * share
+            100.0 * share,
+            outside("join"),
+            outside("keep")
         );
     }
     Ok(ExitCode::SUCCESS)

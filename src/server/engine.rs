@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
 use std::thread;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use tracing::{info, Span};
@@ -150,6 +150,8 @@ struct Engine {
     metrics: Arc<Metrics>,
     /// Prompt tokens prefilled by joining requests since the running rows last stepped.
     unstepped: Cell<usize>,
+    /// Time in [`Engine::step`] so far: a join's own time is its wall time less this.
+    stepping: Cell<Duration>,
 }
 
 impl Engine {
@@ -181,6 +183,7 @@ impl Engine {
             shutdown,
             metrics,
             unstepped: Cell::new(0),
+            stepping: Cell::new(Duration::ZERO),
             model_id: config.model.display().to_string(),
             prefix: RefCell::new(PrefixCache::new(prompt_cache_bytes)),
             trims: config.kv_quantization.is_none()
@@ -248,10 +251,14 @@ impl Engine {
                     }
                 };
                 let (events, span) = (job.events.clone(), job.span.clone());
+                let (started, stepped) = (Instant::now(), self.stepping.get());
                 let joined = panic::catch_unwind(AssertUnwindSafe(|| {
                     self.join(&mut batch, &mut lanes, next_id, job)
                 }))
                 .unwrap_or_else(|_| Err(ApiError::internal("the request panicked in the engine")));
+                let between = self.stepping.get() - stepped;
+                self.metrics
+                    .outside_steps("join", started.elapsed().saturating_sub(between));
                 match joined {
                     Ok(Ok(lane)) => {
                         lanes.insert(next_id, lane);
@@ -278,6 +285,7 @@ impl Engine {
     /// One step of every row in `batch`, each lane told its tokens; the lanes whose requests
     /// ended are reported and removed. A failed step fails every row and empties the batch.
     fn step<'s>(&'s self, batch: &mut Batch<'s>, lanes: &mut HashMap<usize, Lane>) {
+        let started = Instant::now();
         self.unstepped.set(0);
         let width = lanes.len();
         for lane in lanes.values_mut() {
@@ -313,6 +321,7 @@ impl Engine {
                 *batch = self.new_batch();
             }
         }
+        self.stepping.set(self.stepping.get() + started.elapsed());
     }
 
     /// Logs how a request ended (in its span), counts it, and tells its client.

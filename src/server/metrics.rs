@@ -8,6 +8,7 @@
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
+use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -68,6 +69,7 @@ pub struct Metrics {
     shared_draft_steps: Counter,
     undrafted_steps: Counter,
     step_seconds: Family<PhaseLabels, Counter<f64, AtomicU64>>,
+    engine_seconds: Family<PhaseLabels, Counter<f64, AtomicU64>>,
     rounds: Family<LaneLabels, Counter>,
     drafted: Family<DraftPositionLabels, Counter>,
     accepted: Family<DraftPositionLabels, Counter>,
@@ -187,6 +189,14 @@ impl Metrics {
                  step's graph), eval (launching it and waiting for every row's tokens), settle \
                  (reading them back, acceptance, rollback, the answers)",
             ),
+            engine_seconds: registered(
+                r,
+                "engine_seconds",
+                "Time the engine thread spent outside batch steps, by phase: join (admitting a \
+                 request and prefilling its prompt, the running rows' steps between its chunks \
+                 not included) and keep (prefilling a finished chat's answer for the prefix \
+                 cache)",
+            ),
             rounds: registered(
                 r,
                 "speculative_rounds",
@@ -265,6 +275,13 @@ impl Metrics {
                 .get_or_create(&PhaseLabels { phase })
                 .inc_by(spent.as_secs_f64());
         }
+    }
+
+    /// Time the engine thread spent outside the steps in `phase` ("join" or "keep").
+    pub fn outside_steps(&self, phase: &'static str, spent: Duration) {
+        self.engine_seconds
+            .get_or_create(&PhaseLabels { phase })
+            .inc_by(spent.as_secs_f64());
     }
 
     /// A prefix cache lookup that restored `cached` tokens (0: a miss).

@@ -4,6 +4,7 @@
 //! chunk splits that make a prefill resumed from any of them equal one from the start.
 
 use std::panic::{self, AssertUnwindSafe};
+use std::time::Instant;
 
 use serde_json::json;
 use tracing::warn;
@@ -78,6 +79,7 @@ impl Engine {
     /// consumed by its decode) or the answer the client carries back is other tokens than
     /// those generated.
     pub(super) fn keep_answer(&self, answered: &Answered, caches: Option<Vec<LayerCache>>) {
+        let started = Instant::now();
         let held = &answered.generated[..answered.generated.len() - 1];
         let own = caches.filter(|caches| {
             !self.target.model().one_token_path()
@@ -93,6 +95,7 @@ impl Engine {
             self.metrics.prefix_held(prefix.len(), prefix.bytes());
         }
         self.prefill_answer(&answered.next, answered.prompt_tokens, &answered.splits);
+        self.metrics.outside_steps("keep", started.elapsed());
     }
 
     /// Where a chat's system messages end in `prompt` (the tokens it shares with the system
