@@ -626,7 +626,7 @@ fn check_adaptive_drafts(fixture: &str, drafters: &[DrafterSpec]) {
         }
     }
     let params: Vec<GenerateParams> = rows.iter().map(|r| params(&b, r, Caches::Plain)).collect();
-    // The steps that evaluate a joining prompt (the first three) are not measured; then five
+    // The steps after a row joins (the first three) are not measured; then five
     // steps of each choice in turn (one unmeasured, four measured).
     let got = batched(&b, &drafters, &rows, &params, Some(DraftPolicy::new(4, 0)));
     let joined = prompts.len();
@@ -661,7 +661,7 @@ fn rows_draft_again_once_the_batch_stops_adapting() {
     let params = GenerateParams::greedy(40, Vec::new());
     let prompts = ["def fib(n):", "The capital of France is"];
     let mut batch = Batch::new(b.model());
-    // The step that evaluates the prompts (not measured), then five drafting steps, then five
+    // The step after the rows join (not measured), then five drafting steps, then five
     // plain ones, in turn.
     batch.adapt_drafts(Some(DraftPolicy::new(4, 0)));
     let prompts: Vec<Vec<u32>> = prompts

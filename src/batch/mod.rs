@@ -161,8 +161,10 @@ pub struct Batch<'m> {
     /// Whether greedy speculative rows draft or decode plain, when measured
     /// ([`Batch::adapt_drafts`]).
     draft_policy: Option<DraftPolicy>,
-    /// Whether a prompt was prefilled since the last step: its graph is evaluated with the
-    /// next step, whose time then says nothing about drafting, so the policy does not take it.
+    /// Whether a row joined or a prompt chunk was prefilled since the last step: the next step
+    /// pays for them (the row's caches moved into the shared ones, MLX's buffer cache released
+    /// after a chunk and allocated again), so its time says nothing about drafting and the
+    /// draft policy does not take it.
     prefilled: bool,
     split: StepSplit,
 }

@@ -176,6 +176,11 @@ struct EngineCounters {
 const PHASES: [&str; 4] = ["draft", "build", "eval", "settle"];
 const OUTSIDE: [&str; 2] = ["join", "keep"];
 
+/// `a - b`, element by element.
+fn minus<const N: usize>(a: [f64; N], b: [f64; N]) -> [f64; N] {
+    std::array::from_fn(|i| a[i] - b[i])
+}
+
 /// The index of the phase label in `sample`'s labels among `phases`.
 fn phase_of(sample: &str, phases: &[&str]) -> Option<usize> {
     phases
@@ -220,23 +225,15 @@ impl EngineCounters {
 
     /// What moved between `earlier` and these counters.
     fn since(&self, earlier: &EngineCounters) -> EngineCounters {
-        let mut phases = self.phases;
-        for (p, e) in phases.iter_mut().zip(earlier.phases) {
-            *p -= e;
-        }
-        let mut outside = self.outside;
-        for (o, e) in outside.iter_mut().zip(earlier.outside) {
-            *o -= e;
-        }
         EngineCounters {
             steps: self.steps - earlier.steps,
             rows: self.rows - earlier.rows,
-            phases,
+            phases: minus(self.phases, earlier.phases),
             rounds: self.rounds - earlier.rounds,
             drafted: self.drafted - earlier.drafted,
             accepted: self.accepted - earlier.accepted,
             undrafted: self.undrafted - earlier.undrafted,
-            outside,
+            outside: minus(self.outside, earlier.outside),
         }
     }
 
