@@ -113,7 +113,8 @@ impl BatchKvCache {
     }
 
     /// Takes row `row` out (the later rows move up one) as the lone KV cache it would be,
-    /// copied out of the shared buffer and evaluated, so that the buffer stays its own.
+    /// copied out of the shared buffer; the caller evaluates the copy before the buffer is
+    /// written again, so that the buffer stays its own (one wait for every layer's copy).
     pub fn leave(&mut self, row: usize) -> Result<KvCache> {
         let slot = self.active.remove(row);
         let len = self.extents[slot] as i32;
@@ -126,7 +127,6 @@ impl BatchKvCache {
             Ok(ops::concatenate(&[&own, &zeros], 2)?)
         };
         let (k, v) = (copy(&self.keys)?, copy(&self.values)?);
-        mlx::eval([&k, &v])?;
         Ok(KvCache {
             kv: Some((k, v)),
             offset: len as usize,
