@@ -118,12 +118,14 @@ fn counters_hold_what_the_answers_imply_and_each_request_logs_one_line() {
     );
     let cached_sum = sum(&cached);
     assert!(cached_sum > 0.0, "the repeated prompt was served warm");
-    // The engine thread's time outside the steps: joining the requests, and keeping the first
-    // answers' histories for the prefix cache.
-    for phase in ["join", "keep"] {
+    // The engine thread's time outside the steps: joining the requests, keeping the first
+    // answers' histories for the prefix cache, finishing rows and waiting for requests; and the
+    // requests' time in the queue.
+    for phase in ["join", "keep", "finish", "idle"] {
         let key = format!("verity_engine_seconds_total{{phase=\"{phase}\"}}");
         assert!(m.get(&key) > 0.0, "{key}");
     }
+    assert!(m.get("verity_queue_seconds_total") > 0.0);
     assert_eq!(m.get("verity_cached_prompt_tokens_total"), cached_sum);
     let warm = answers.iter().filter(|v| cached(v) > 0.0).count() as f64;
     assert_eq!(m.get("verity_prefix_cache_hits_total"), warm);

@@ -128,6 +128,11 @@ pub struct StepSplit {
 }
 
 impl StepSplit {
+    /// The time in the four phases together.
+    pub fn total(&self) -> Duration {
+        self.draft + self.build + self.eval + self.settle
+    }
+
     /// What the steps since `earlier` (this split as it stood then) cost.
     pub fn since(&self, earlier: &StepSplit) -> StepSplit {
         StepSplit {

@@ -169,12 +169,15 @@ struct EngineCounters {
     accepted: f64,
     /// Steps whose greedy speculative rows decoded plain (--adaptive-drafts).
     undrafted: f64,
-    /// Seconds of the engine thread outside the steps: joining requests, keeping answers.
-    outside: [f64; 2],
+    /// Seconds of the engine thread outside the steps: joining requests, keeping answers,
+    /// finishing rows, idle.
+    outside: [f64; 4],
+    /// Seconds requests waited in the queue, summed.
+    queued: f64,
 }
 
 const PHASES: [&str; 4] = ["draft", "build", "eval", "settle"];
-const OUTSIDE: [&str; 2] = ["join", "keep"];
+const OUTSIDE: [&str; 4] = ["join", "keep", "finish", "idle"];
 
 /// `a - b`, element by element.
 fn minus<const N: usize>(a: [f64; N], b: [f64; N]) -> [f64; N] {
@@ -212,6 +215,7 @@ impl EngineCounters {
                         c.phases[i] += value;
                     }
                 }
+                "verity_queue_seconds_total" => c.queued += value,
                 "verity_engine_seconds_total" => {
                     if let Some(i) = phase_of(name, &OUTSIDE) {
                         c.outside[i] += value;
@@ -234,6 +238,7 @@ impl EngineCounters {
             accepted: self.accepted - earlier.accepted,
             undrafted: self.undrafted - earlier.undrafted,
             outside: minus(self.outside, earlier.outside),
+            queued: self.queued - earlier.queued,
         }
     }
 
@@ -249,6 +254,7 @@ impl EngineCounters {
             "seconds_outside_steps": OUTSIDE.iter().zip(self.outside)
                 .map(|(p, s)| (p.to_string(), json!(s)))
                 .collect::<serde_json::Map<_, _>>(),
+            "queue_seconds": self.queued,
             "wall_s": wall_s,
             "rounds": self.rounds,
             "accepted_per_round": (self.rounds > 0.0).then(|| self.accepted / self.rounds),
@@ -436,7 +442,8 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
     println!(
         "\nverity's engine over each level (/metrics): batch steps, their mean rows, ms per step \
          drafting / building / evaluating / settling, the steps' share of the wall time, the \
-         shares outside them joining requests / keeping answers for the prefix cache, and \
+         shares outside them joining requests / keeping answers for the prefix cache / \
+         finishing rows / the rest (the engine idle), a request's mean wait in the queue, and \
          drafts accepted of drafted per round (rounds that drafted nothing included; in brackets \
          the steps where --adaptive-drafts chose plain)"
     );
@@ -460,7 +467,7 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
         }
         println!(
             "{clients:>7}  {:>6} steps  {:>5.2} rows  {:.2} / {:.2} / {:.2} / {:.2} ms  {:>5.1}% of \
-             wall  {:.1}% / {:.1}%  {rounds}",
+             wall  {:.1}% / {:.1}% / {:.1}% / {:.1}%  {:.1} ms queued  {rounds}",
             e["steps"].as_f64().unwrap_or(0.0),
             e["rows_per_step"].as_f64().unwrap_or(0.0),
             ms("draft"),
@@ -469,7 +476,10 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
             ms("settle"),
             100.0 * share,
             outside("join"),
-            outside("keep")
+            outside("keep"),
+            outside("finish"),
+            100.0 * (1.0 - share) - ["join", "keep", "finish"].map(outside).iter().sum::<f64>(),
+            1e3 * e["queue_seconds"].as_f64().unwrap_or(0.0) / a.requests.max(1) as f64,
         );
     }
     Ok(ExitCode::SUCCESS)

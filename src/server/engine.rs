@@ -240,7 +240,10 @@ impl Engine {
         loop {
             while lanes.len() < self.config.max_num_seqs {
                 let job = if lanes.is_empty() {
-                    match queue.blocking_recv() {
+                    let waiting = Instant::now();
+                    let job = queue.blocking_recv();
+                    self.metrics.outside_steps("idle", waiting.elapsed());
+                    match job {
                         Some(job) => job,
                         None => return,
                     }
@@ -301,16 +304,20 @@ impl Engine {
             .unwrap_or_else(|_| Err(crate::Error::Contract("a batch step panicked".into())));
         match stepped {
             Ok(left) => {
-                self.metrics.stepped(&batch.split().since(&before));
+                let split = batch.split().since(&before);
+                self.metrics.stepped(&split);
+                let mut kept = Duration::ZERO;
                 for left in left {
                     let lane = lanes.remove(&left.id).expect("a row is a lane");
                     let answered = lane.answered().then(|| self.answered(&lane));
                     let (events, span) = (lane.events.clone(), lane.span.clone());
                     self.report(lane.outcome(left.speculation.as_ref()), &events, &span);
                     if let Some(answered) = answered {
-                        self.keep_answer(&answered, left.caches);
+                        kept += self.keep_answer(&answered, left.caches);
                     }
                 }
+                let finishing = started.elapsed().saturating_sub(split.total() + kept);
+                self.metrics.outside_steps("finish", finishing);
             }
             Err(e) => {
                 // MLX state of the rows is unknown after a failed step: every row fails.
@@ -357,11 +364,13 @@ impl Engine {
             request,
             events,
             span,
+            queued,
         } = job;
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(ApiError::shutting_down());
         }
         let started = Instant::now();
+        self.metrics.waited(started - queued);
         let prompt = self.prompt_tokens(&request).map_err(refusal)?;
         let mut params = self.params(&request, &prompt);
         validate::request(self.target.model(), &prompt, &params).map_err(refusal)?;

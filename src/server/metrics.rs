@@ -58,6 +58,7 @@ pub struct Metrics {
     cached_tokens: Counter,
     completion_tokens: Counter,
     queued: Gauge,
+    queue_seconds: Counter<f64, AtomicU64>,
     running: Gauge,
     prefix_hits: Counter,
     prefix_misses: Counter,
@@ -138,6 +139,11 @@ impl Metrics {
                 "Completion tokens of finished requests (their usage.completion_tokens)",
             ),
             queued: registered(r, "queue_depth", "Requests waiting in the queue"),
+            queue_seconds: registered(
+                r,
+                "queue_seconds",
+                "Time requests waited in the queue before the engine took them up, summed",
+            ),
             running: registered(
                 r,
                 "running_requests",
@@ -194,8 +200,10 @@ impl Metrics {
                 "engine_seconds",
                 "Time the engine thread spent outside batch steps, by phase: join (admitting a \
                  request and prefilling its prompt, the running rows' steps between its chunks \
-                 not included) and keep (prefilling a finished chat's answer for the prefix \
-                 cache)",
+                 not included), keep (prefilling a finished chat's answer for the prefix \
+                 cache), finish (the rest of a step's turn: the finished rows' caches taken \
+                 out of the batch, their answers and reports) and idle (waiting for a request \
+                 with no row running)",
             ),
             rounds: registered(
                 r,
@@ -277,7 +285,13 @@ impl Metrics {
         }
     }
 
-    /// Time the engine thread spent outside the steps in `phase` ("join" or "keep").
+    /// A request waited `spent` in the queue before the engine took it up.
+    pub fn waited(&self, spent: Duration) {
+        self.queue_seconds.inc_by(spent.as_secs_f64());
+    }
+
+    /// Time the engine thread spent outside the steps in `phase` ("join", "keep", "finish" or
+    /// "idle").
     pub fn outside_steps(&self, phase: &'static str, spent: Duration) {
         self.engine_seconds
             .get_or_create(&PhaseLabels { phase })

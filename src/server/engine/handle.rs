@@ -34,11 +34,12 @@ pub enum Event {
     Failed(ApiError),
 }
 
-/// A request, where its events go, and its log span.
+/// A request, where its events go, its log span, and when it was queued.
 pub struct Job {
     pub request: GenRequest,
     pub events: mpsc::UnboundedSender<Event>,
     pub span: Span,
+    pub queued: Instant,
 }
 
 /// The HTTP side's handle: the bounded queue into the engine thread, and what it serves.
@@ -72,6 +73,7 @@ impl EngineHandle {
                 request,
                 events,
                 span,
+                queued: Instant::now(),
             })
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => ApiError::busy(self.queue_size),

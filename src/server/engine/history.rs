@@ -4,7 +4,7 @@
 //! chunk splits that make a prefill resumed from any of them equal one from the start.
 
 use std::panic::{self, AssertUnwindSafe};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tracing::warn;
@@ -77,8 +77,12 @@ impl Engine {
     /// cache holds a decoded window in another order, a quantized one was quantized at other
     /// points, a verify forward's rows are not a prefill's, a lone request's caches were
     /// consumed by its decode) or the answer the client carries back is other tokens than
-    /// those generated.
-    pub(super) fn keep_answer(&self, answered: &Answered, caches: Option<Vec<LayerCache>>) {
+    /// those generated. Returns the time it took.
+    pub(super) fn keep_answer(
+        &self,
+        answered: &Answered,
+        caches: Option<Vec<LayerCache>>,
+    ) -> Duration {
         let started = Instant::now();
         let held = &answered.generated[..answered.generated.len() - 1];
         let own = caches.filter(|caches| {
@@ -95,7 +99,9 @@ impl Engine {
             self.metrics.prefix_held(prefix.len(), prefix.bytes());
         }
         self.prefill_answer(&answered.next, answered.prompt_tokens, &answered.splits);
-        self.metrics.outside_steps("keep", started.elapsed());
+        let spent = started.elapsed();
+        self.metrics.outside_steps("keep", spent);
+        spent
     }
 
     /// Where a chat's system messages end in `prompt` (the tokens it shares with the system
