@@ -8,13 +8,13 @@ the run ends after R requests.
 """
 
 import argparse
+import http.client
 import json
 import statistics
 import sys
 import threading
 import time
 import urllib.parse
-import urllib.request
 
 PROMPTS = [
     "Tell me about rivers.",
@@ -29,10 +29,22 @@ PROMPTS = [
 
 
 def post(url, body, timeout):
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    """One request on its own connection, through http.client rather than urllib: urlopen's
+    per-call opener and handlers, contending for the GIL across 32 client threads, delayed
+    requests by about 0.6 s on a 16-core host (docs/gpu-rows.md), which the servers' numbers
+    then carried."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request("POST", u.path, body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {data[:200]!r}")
+        return json.loads(data)
+    finally:
+        conn.close()
 
 
 def main():

@@ -1,10 +1,10 @@
 //! `verity bench serve`: `verity serve` against `mlx_lm.server` on one model, in one run. Both
 //! servers run as child processes on loopback ports; at each level of concurrent clients the
 //! client driver (oracles/bench_serve.py, the oracle venv's Python) sends the same requests to
-//! one server, then to the other, each after a warm-up round, and reports throughput (completion
-//! tokens per second of wall time) and p50/p99 request latency; and, from verity's /metrics,
-//! where its engine spent each level: its batch steps by phase, and what a speculative round
-//! gave.
+//! one server, then to the other, each after two warm-up rounds, and reports throughput
+//! (completion tokens per second of wall time) and p50/p99 request latency; and, from verity's
+//! /metrics, where its engine spent each level: its batch steps by phase, and what a
+//! speculative round gave.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -26,7 +26,7 @@ pub struct ServeBenchArgs {
     /// Concurrent clients of each level.
     #[arg(long, value_delimiter = ',', default_value = "1,4,8,32")]
     clients: Vec<usize>,
-    /// Requests per level and server (after a warm-up round of one request per client).
+    /// Requests per level and server (after two warm-up rounds of one request per client).
     #[arg(long, default_value_t = 32)]
     requests: usize,
     /// Completion tokens per request (EOS is biased away, so every request generates them all).
@@ -366,7 +366,10 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
         let mut reports = Vec::new();
         for (i, server) in servers.iter().enumerate() {
             bar.set_message(format!("{} at {clients} clients", server.name));
-            drive(&a, server, clients, clients, &eos)?;
+            // Two warm-up rounds: a finished chat's answer is kept for the prefix cache after
+            // its response (on a GPU the first keep compiles kernels for a second or more), and
+            // the second round waits for the first's, so the timed level does not.
+            drive(&a, server, clients, 2 * clients, &eos)?;
             // servers[0] is verity: its engine's counters over the timed requests.
             let before = (i == 0).then(|| scrape(server)).transpose()?;
             let mut report = drive(&a, server, clients, a.requests, &eos)?;
