@@ -319,7 +319,7 @@ impl<'m> Batch<'m> {
         let Some(at) = self.rows.iter().position(|r| r.id == id) else {
             return Ok(false);
         };
-        self.take_shared(at)?;
+        self.leave_shared(at, false)?;
         self.rows.remove(at);
         Ok(true)
     }
@@ -600,7 +600,8 @@ impl<'m> Batch<'m> {
         }
         for at in (0..self.rows.len()).rev() {
             if leaving.contains(&self.rows[at].id) {
-                self.take_shared(at)?;
+                let plain = matches!(self.rows[at].decoder, Decoder::Plain(_));
+                self.leave_shared(at, plain)?;
             }
         }
         let (gone, staying) = std::mem::take(&mut self.rows)

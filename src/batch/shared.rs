@@ -221,7 +221,21 @@ impl<'m> Batch<'m> {
 
     /// Row `at` takes its own caches (and its draft caches) back out of the shared ones.
     pub(super) fn take_shared(&mut self, at: usize) -> Result<()> {
-        self.take_shared_draft(at)?;
+        self.out_of_shared(at, true, true)
+    }
+
+    /// Row `at` leaves the batch: its slots are freed, and only caches that outlive it are
+    /// copied out of the shared ones (`keep`: a plain row's, which the server keeps for its
+    /// prefix cache), never its draft caches. Copying a leaving speculative row's target and
+    /// draft layers cost a copy of each and a wait for the device.
+    pub(super) fn leave_shared(&mut self, at: usize, keep: bool) -> Result<()> {
+        self.out_of_shared(at, keep, false)
+    }
+
+    /// Row `at` out of the shared caches and its draft group, copying its own caches out where
+    /// `target` (and its draft caches where `drafts`) say so.
+    fn out_of_shared(&mut self, at: usize, target: bool, drafts: bool) -> Result<()> {
+        self.out_of_draft_group(at, drafts)?;
         if at >= self.shared_rows() {
             return Ok(());
         }
@@ -229,7 +243,13 @@ impl<'m> Batch<'m> {
             .shared
             .as_mut()
             .expect("a shared row implies shared caches");
-        *self.rows[at].decoder.caches_mut() = leave(shared, at)?;
+        if target {
+            *self.rows[at].decoder.caches_mut() = leave(shared, at)?;
+        } else {
+            for b in batch_caches(shared) {
+                b?.drop_row(at);
+            }
+        }
         if self.shared_rows() == 0 {
             self.shared = None;
         }
@@ -347,9 +367,10 @@ impl<'m> Batch<'m> {
         Ok(())
     }
 
-    /// Row `at` takes its draft caches back out of its draft group, if it is in one (a group
-    /// left with one row is dissolved: a lone row drafts alone, over caches of its own).
-    fn take_shared_draft(&mut self, at: usize) -> Result<()> {
+    /// Row `at` out of its draft group, if it is in one, its draft caches copied back out
+    /// where `copy` says so (a group left with one row is dissolved: a lone row drafts alone,
+    /// over caches of its own).
+    fn out_of_draft_group(&mut self, at: usize, copy: bool) -> Result<()> {
         let id = self.rows[at].id;
         let Some(g) = self
             .draft_groups
@@ -360,12 +381,18 @@ impl<'m> Batch<'m> {
         };
         let group = &mut self.draft_groups[g];
         let r = group.row_of(id).expect("a member");
-        let own = leave(&mut group.caches, r)?;
+        if copy {
+            let own = leave(&mut group.caches, r)?;
+            *self.rows[at]
+                .draft_caches()
+                .expect("a row drafting with a draft model") = own;
+        } else {
+            for b in batch_caches(&mut group.caches) {
+                b?.drop_row(r);
+            }
+        }
         group.ids.remove(r);
         let left = group.ids.len();
-        *self.rows[at]
-            .draft_caches()
-            .expect("a row drafting with a draft model") = own;
         if left < 2 {
             self.dissolve_draft_group(g)?;
         }

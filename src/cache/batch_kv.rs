@@ -134,6 +134,12 @@ impl BatchKvCache {
         })
     }
 
+    /// Takes row `row` out (the later rows move up one) without a copy: its slot is free for
+    /// the next row to join, which writes over it.
+    pub fn drop_row(&mut self, row: usize) {
+        self.active.remove(row);
+    }
+
     /// Whether rows of `dtype` keys whose steps read up to `keys` of them can share a buffer and
     /// still each attend with its lone step's bits: everywhere but on CUDA in half precision
     /// from 256 keys on (`CUDNN_DECODE_KEYS`) where lone caches keep mlx-lm's buffers (golden
