@@ -1,8 +1,9 @@
 """Which MLX ops give a row of a multi-row call the bits of that row computed alone, on this
 machine's default device: dense and quantized products (as one packed call, as the batched
-one-row form verity's lone-row kernels use, src/model/lone_rows.rs), attention (a causal block
-of queries against one query at a time), RoPE, RMS norm, softmax, logsumexp, argmax and gathers;
-with the time of each form. Random data, no model; docs/gpu-rows.md holds an H200's answer.
+one-row form verity's lone-row kernels use, src/model/lone_rows.rs), the small float32 products
+of the mixture-of-experts fixtures (a row alone from a fresh buffer and from a shifted slice,
+gather_mm), attention (a causal block of queries against one query at a time), RoPE, RMS norm,
+softmax, logsumexp, argmax and gathers; with the time of each form. Random data, no model; docs/gpu-rows.md holds an H200's answer.
 
     python oracles/row_kernels.py        # on a CUDA or Metal machine (the CPU answers all-equal)
 """
@@ -106,6 +107,32 @@ for bits, gs in ((4, 64), (8, 64), (4, 32)):
                 tq = timeit(lambda: lone_row_quant(x, wq, s, b, gs, bits))
                 t1 = timeit(lambda: qm(x[:1][None]))
                 say(f"time quant K{k} N{n} T{t}: packed {tp:.1f}us lone-row {tq:.1f}us one-row {t1:.1f}us")
+
+# The small float32 products of the mixture-of-experts fixtures (hidden size 64: the router,
+# qwen3_5_moe's one-output shared-expert gate, the experts through gather_mm). MLX's gemv picks
+# how many elements a lane sums at a time from K and from the alignment of the base pointers,
+# so each row alone is taken both from a fresh buffer and from a slice one element off.
+for (k, n) in ((64, 1), (64, 4), (64, 64), (128, 1)):
+    w = mx.random.normal((n, k)) * 0.1
+    for t in (2, 5):
+        x = mx.random.normal((t, k))
+        fresh = [mx.array(x[i:i + 1])[None] @ w.T for i in range(t)]
+        flat = mx.concatenate([mx.zeros((1,)), x.reshape(-1)])
+        shifted = [flat[1 + i * k:1 + (i + 1) * k].reshape(1, 1, k) @ w.T for i in range(t)]
+        mx.eval(fresh, shifted)
+        rowsame(f"small f32 K{k} N{n} T{t} shifted alone vs fresh alone",
+                [r.reshape(1, -1) for r in fresh], mx.concatenate(shifted, 0).reshape(t, -1))
+        rowsame(f"small f32 K{k} N{n} T{t} lone-row", fresh, lone_row_dense(x, w))
+experts, top, k, n = 4, 2, 64, 64
+we = mx.random.normal((experts, n, k)) * 0.1
+for t in (2, 5):
+    x = mx.random.normal((t, k))
+    idx = mx.array([[(i + j) % experts for j in range(top)] for i in range(t)], mx.uint32)
+    one = lambda xs, ix: mx.gather_mm(xs.reshape(-1, 1, 1, k), we.swapaxes(-1, -2), rhs_indices=ix)
+    ref = [one(mx.array(x[i:i + 1]), idx[i:i + 1]) for i in range(t)]
+    mx.eval(ref)
+    rowsame(f"gather_mm f32 K{k} N{n} top{top} T{t}", [r.reshape(1, -1) for r in ref],
+            one(x, idx).reshape(t, -1))
 
 # attention: the step's shapes vs a causal block of T queries
 for dt in (mx.bfloat16, mx.float32):
