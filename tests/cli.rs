@@ -523,10 +523,15 @@ fn bench_serve_reports_every_level() {
             assert_eq!(steps, 12.0, "{l}");
         }
         let in_steps = e["seconds_in_steps"].as_f64().unwrap();
-        assert!(
-            in_steps > 0.0 && in_steps <= e["wall_s"].as_f64().unwrap(),
-            "{l}"
-        );
+        let wall = e["wall_s"].as_f64().unwrap();
+        assert!(in_steps > 0.0 && in_steps <= wall, "{l}");
+        // The wall time splits into the steps, the phases outside them and the idle rest.
+        let outside: f64 = ["join", "keep", "finish"]
+            .map(|p| e["seconds_outside_steps"][p].as_f64().unwrap())
+            .iter()
+            .sum();
+        let idle = e["seconds_idle"].as_f64().unwrap();
+        assert!((in_steps + outside + idle - wall).abs() < 1e-9, "{l}");
         assert!(e["accepted_per_round"].is_null(), "{l}");
     }
 }

@@ -170,14 +170,15 @@ struct EngineCounters {
     /// Steps whose greedy speculative rows decoded plain (--adaptive-drafts).
     undrafted: f64,
     /// Seconds of the engine thread outside the steps: joining requests, keeping answers,
-    /// finishing rows, idle.
-    outside: [f64; 4],
+    /// finishing rows. (Its idle counter also holds the wait before a level's first request,
+    /// so a level's idle time is the wall time left over instead.)
+    outside: [f64; 3],
     /// Seconds requests waited in the queue, summed.
     queued: f64,
 }
 
 const PHASES: [&str; 4] = ["draft", "build", "eval", "settle"];
-const OUTSIDE: [&str; 4] = ["join", "keep", "finish", "idle"];
+const OUTSIDE: [&str; 3] = ["join", "keep", "finish"];
 
 /// `a - b`, element by element.
 fn minus<const N: usize>(a: [f64; N], b: [f64; N]) -> [f64; N] {
@@ -244,16 +245,20 @@ impl EngineCounters {
 
     fn json(&self, wall_s: f64) -> Value {
         let per_step = |s: f64| s * 1e3 / self.steps.max(1.0);
+        let in_steps = self.phases.iter().sum::<f64>();
         json!({
             "steps": self.steps,
             "rows_per_step": self.rows / self.steps.max(1.0),
             "ms_per_step": PHASES.iter().zip(self.phases)
                 .map(|(p, s)| (p.to_string(), json!(per_step(s))))
                 .collect::<serde_json::Map<_, _>>(),
-            "seconds_in_steps": self.phases.iter().sum::<f64>(),
+            "seconds_in_steps": in_steps,
             "seconds_outside_steps": OUTSIDE.iter().zip(self.outside)
                 .map(|(p, s)| (p.to_string(), json!(s)))
                 .collect::<serde_json::Map<_, _>>(),
+            // Negative where a phase counted in the level began before it (a keep of the
+            // warm-up's last answer).
+            "seconds_idle": wall_s - in_steps - self.outside.iter().sum::<f64>(),
             "queue_seconds": self.queued,
             "wall_s": wall_s,
             "rounds": self.rounds,
@@ -481,7 +486,7 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
             outside("join"),
             outside("keep"),
             outside("finish"),
-            100.0 * (1.0 - share) - ["join", "keep", "finish"].map(outside).iter().sum::<f64>(),
+            100.0 * e["seconds_idle"].as_f64().unwrap_or(0.0) / wall,
             1e3 * e["queue_seconds"].as_f64().unwrap_or(0.0) / a.requests.max(1) as f64,
         );
     }
