@@ -84,6 +84,14 @@ fn join(shared: &mut [LayerCache], row: &[LayerCache]) -> Result<()> {
     Ok(())
 }
 
+/// Frees row `row`'s slots in `shared` without copying its caches out.
+fn drop_row(shared: &mut [LayerCache], row: usize) -> Result<()> {
+    for b in batch_caches(shared) {
+        b?.drop_row(row);
+    }
+    Ok(())
+}
+
 /// Takes back the last `n` tokens of row `row` in `shared`.
 pub(super) fn trim(shared: &mut [LayerCache], row: usize, n: usize) -> Result<()> {
     for b in batch_caches(shared) {
@@ -246,9 +254,7 @@ impl<'m> Batch<'m> {
         if target {
             *self.rows[at].decoder.caches_mut() = leave(shared, at)?;
         } else {
-            for b in batch_caches(shared) {
-                b?.drop_row(at);
-            }
+            drop_row(shared, at)?;
         }
         if self.shared_rows() == 0 {
             self.shared = None;
@@ -387,9 +393,7 @@ impl<'m> Batch<'m> {
                 .draft_caches()
                 .expect("a row drafting with a draft model") = own;
         } else {
-            for b in batch_caches(&mut group.caches) {
-                b?.drop_row(r);
-            }
+            drop_row(&mut group.caches, r)?;
         }
         group.ids.remove(r);
         let left = group.ids.len();
