@@ -123,6 +123,9 @@ for (k, n) in ((64, 1), (64, 4), (64, 64), (128, 1)):
         rowsame(f"small f32 K{k} N{n} T{t} shifted alone vs fresh alone",
                 [r.reshape(1, -1) for r in fresh], mx.concatenate(shifted, 0).reshape(t, -1))
         rowsame(f"small f32 K{k} N{n} T{t} lone-row", fresh, lone_row_dense(x, w))
+        rowsame(f"small f32 K{k} N{n} T{t} packed", fresh, (x[None] @ w.T)[0])
+        rowsame(f"small f32 K{k} N{n} T{t} row slices", fresh,
+                mx.concatenate([x[i:i + 1][None] @ w.T for i in range(t)], 0).reshape(t, -1))
 experts, top, k, n = 4, 2, 64, 64
 we = mx.random.normal((experts, n, k)) * 0.1
 for t in (2, 5):

@@ -23,19 +23,24 @@ fn normal(shape: &[i32], seed: u64) -> Array {
 fn dense_and_quantized_products_have_the_ordinary_bits_at_every_row_count() {
     support::on_cpu();
     let w = normal(&[96, 128], 1);
+    // A one-output product (qwen3_next's shared-expert gate) takes its own form.
+    let gate = normal(&[1, 128], 2);
     let packed = ops::quantize(&w, 64, 4, "affine").unwrap();
     let (wq, scales, biases) = (&packed[0], &packed[1], &packed[2]);
     // Row counts around gather_qmm's chunk of QMV_ROWS rows, in a (1, T, K) packed batch.
     for rows in [1, 2, 6, 7, 8, 15] {
         let x = normal(&[1, rows, 128], 10 + rows as u64);
-        let want = x.matmul(&w.transpose(&[]).unwrap()).unwrap();
-        let got = lone_rows::dense(&x, &w.transpose(&[]).unwrap()).unwrap();
-        assert_eq!(got.shape(), want.shape(), "{rows} rows");
-        assert_eq!(
-            got.to_bytes().unwrap(),
-            want.to_bytes().unwrap(),
-            "dense, {rows} rows"
-        );
+        for w in [&w, &gate] {
+            let want = x.matmul(&w.transpose(&[]).unwrap()).unwrap();
+            let got = lone_rows::dense(&x, &w.transpose(&[]).unwrap()).unwrap();
+            assert_eq!(got.shape(), want.shape(), "{rows} rows");
+            assert_eq!(
+                got.to_bytes().unwrap(),
+                want.to_bytes().unwrap(),
+                "dense, {rows} rows, {} outputs",
+                w.dim(0)
+            );
+        }
         let want =
             ops::quantized_matmul(&x, wq, scales, Some(biases), true, 64, 4, "affine").unwrap();
         let got = lone_rows::quantized(&x, wq, scales, Some(biases), 64, 4, "affine", 96).unwrap();

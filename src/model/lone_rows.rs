@@ -123,8 +123,16 @@ pub(crate) fn rows(x: &Array) -> i32 {
 
 /// `x @ wt` for `wt` (K, N) a transposed view of a row-major (N, K) weight, each row by the
 /// batched gemv ([module docs](self)); the result has `x`'s shape with N last.
+///
+/// A one-output product (qwen3_next's shared-expert gate) stays one call: with N = 1, MLX runs
+/// gemv over `x`'s rows whatever their number, and each row gets its lone bits, where the
+/// batched form sums a row's K = 64 products in another order (on an H100, 2 of 5 rows kept
+/// their bits; `oracles/row_kernels.py`, "small f32").
 pub fn dense(x: &Array, wt: &Array) -> Result<Array> {
     let (k, n, rows) = (wt.dim(0), wt.dim(1), rows(x));
+    if n == 1 {
+        return x.matmul(wt);
+    }
     let lhs = x.reshape(&[rows, k, 1])?.transpose(&[0, 2, 1])?;
     let out = lhs.matmul(&wt.broadcast_to(&[rows, k, n])?)?;
     out.reshape(&out_shape(x, n))
