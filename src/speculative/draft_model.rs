@@ -144,6 +144,7 @@ pub fn draft_together(
         })
         .map(Option::transpose)
         .collect::<mlx::Result<_>>()?;
+    catch_up(model, rows, &mut next, shared.as_mut())?;
     // The last step's tokens of the rows sampled together, which their `Next::Together` index.
     let mut together: Option<Array> = None;
     // Every step's sampled tokens (uint32), each with the rows it holds, in order.
@@ -239,6 +240,69 @@ pub fn draft_together(
         source.close_round(drafts);
     }
     Ok(out)
+}
+
+/// Pending tokens from which a greedy row's draft caches catch up before its round. A round
+/// leaves at most two (the last draft and the target's bonus token); more pile up only while
+/// a row's rounds draft nothing (`--adaptive-drafts` choosing plain steps, a cache that could
+/// not take a round back).
+const CATCH_UP_FROM: i32 = 3;
+
+/// Feeds all but the last of the pending tokens of each row that has [`CATCH_UP_FROM`] or more
+/// and drafts by argmax over plain KV caches, in one packed forward with MLX's own kernels
+/// (its logits are never read, so never computed): the lone-row kernels would give each of
+/// those tokens a one-token step's kernels, hundreds of them after a long stretch of plain
+/// steps. Those rows' drafts then may differ from the drafts a one-token catch-up would give,
+/// which only their acceptance sees: a greedy row emits the same tokens whatever it drafts.
+fn catch_up(
+    model: &dyn LanguageModel,
+    rows: &mut [(&mut dyn SteppedDraft, DraftContext<'_>, usize)],
+    next: &mut [Option<Next>],
+    shared: Option<&mut SharedDraftCaches<'_>>,
+) -> Result<()> {
+    let mut behind = Vec::new();
+    for (r, (source, ctx, _)) in rows.iter_mut().enumerate() {
+        let Some(Next::Own(tokens)) = &mut next[r] else {
+            continue;
+        };
+        let len = tokens.dim(0);
+        let plain_kv = (source.caches_mut().iter()).all(|c| matches!(c, LayerCache::Kv(_)));
+        if len < CATCH_UP_FROM || !ctx.samples_by_argmax() || !(shared.is_some() || plain_kv) {
+            continue;
+        }
+        behind.push((r, tokens.slice_axis(0, 0, len - 1)?));
+        *tokens = tokens.slice_axis(0, len - 1, len)?;
+    }
+    if behind.is_empty() {
+        return Ok(());
+    }
+    let lens: Vec<usize> = behind.iter().map(|(_, t)| t.dim(0) as usize).collect();
+    let heads: Vec<Array> = (behind.iter())
+        .map(|(_, t)| t.astype(Dtype::Int32))
+        .collect::<mlx::Result<_>>()?;
+    let ids = mlx::ops::concatenate(&heads.iter().collect::<Vec<_>>(), 0)?.expand_dims(&[0])?;
+    lone_rows::oracle_kernels(|| match shared {
+        Some(shared) => {
+            let mut all = vec![0; shared.len];
+            for ((r, _), &len) in behind.iter().zip(&lens) {
+                all[shared.rows[*r]] = len;
+            }
+            plan_step(shared.caches, &all)?;
+            model.forward_rows(&ids, &mut [&mut shared.caches[..]], &all, &[])
+        }
+        None => {
+            let mut caches: Vec<&mut [LayerCache]> = (rows.iter_mut().enumerate())
+                .filter(|(r, _)| behind.iter().any(|(b, _)| b == r))
+                .map(|(_, (source, _, _))| &mut source.caches_mut()[..])
+                .collect();
+            model.forward_rows(&ids, &mut caches, &lens, &[])
+        }
+    })?;
+    for (r, _) in &behind {
+        let (source, ctx, _) = &mut rows[*r];
+        quantize_due(source.caches_mut(), ctx.params.kv_quantization.as_ref())?;
+    }
+    Ok(())
 }
 
 /// A drafting row's next input.
