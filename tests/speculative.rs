@@ -1,6 +1,11 @@
 //! Speculative decoding where the oracle has no answer or a wrong one (tier C: verity's
 //! speculative output ≡ its own plain output, tokens and logprob bits), and the executor's
 //! invariants. The tier A speculative goldens are replayed by tests/goldens.rs.
+//!
+//! The invariants run on the invariant device: the GPU under the nextest `gpu` profile, where
+//! they hold through the lone-row kernels, else the CPU. Those that run the oracle's kernels
+//! or resume a prefix cache (whose prefill is a multi-row forward) pin the CPU, where a
+//! prefill's bits are a decode's.
 
 mod support;
 
@@ -18,9 +23,10 @@ use verity::speculative::{
     SpeculationStats,
 };
 
-/// The trained target and its draft, with this test's MLX JIT cache isolated first.
+/// The trained target and its draft, on the invariant device (the GPU under the `gpu`
+/// profile), with this test's MLX JIT cache isolated first.
 fn trained_pair() -> (ModelBundle, ModelBundle) {
-    support::on_cpu();
+    support::on_invariant_device();
     (bundle("qwen3-target"), bundle("qwen3-draft"))
 }
 
@@ -83,9 +89,9 @@ struct Rollbacks {
 }
 
 /// Speculative ≡ plain with both sources over the first `prompt_len` tokens of a golden
-/// prompt; returns how many rounds were rolled back and refused.
+/// prompt, on the device the caller pinned; returns how many rounds were rolled back and
+/// refused.
 fn spec_equals_plain(target_name: &str, trace: &str, prompt_len: usize) -> Rollbacks {
-    support::on_cpu();
     let target = bundle(target_name);
     let draft = bundle("llama-draft");
     let (mut prompt, params) = golden_input(trace, 48);
@@ -111,6 +117,7 @@ fn spec_equals_plain(target_name: &str, trace: &str, prompt_len: usize) -> Rollb
 /// verify writes the rotating caches one token at a time and a rejected tail is restored.
 #[test]
 fn gemma3_speculates_past_its_window_with_exact_rollbacks() {
+    support::on_invariant_device();
     let r = spec_equals_plain("gemma3", "gemma3/greedy/code", 6);
     assert!(r.partial > 0, "no round was rolled back: {r:?}");
     assert_eq!(r.refused, 0, "a round was refused: {r:?}");
@@ -120,6 +127,7 @@ fn gemma3_speculates_past_its_window_with_exact_rollbacks() {
 /// steps read.
 #[test]
 fn gemma4_speculates_past_its_window_with_exact_rollbacks() {
+    support::on_invariant_device();
     let r = spec_equals_plain("gemma4", "gemma4/greedy/code", 6);
     assert!(r.partial > 0, "no round was rolled back: {r:?}");
     assert_eq!(r.refused, 0, "a round was refused: {r:?}");
@@ -127,9 +135,11 @@ fn gemma4_speculates_past_its_window_with_exact_rollbacks() {
 
 /// Under the oracle's kernels (golden replay; `--batched-kernels` alike) a verify is one
 /// multi-token forward, as mlx-lm's, which a window past its size cannot take back: those
-/// rounds are refused, and the output is still plain decoding's.
+/// rounds are refused, and the output is still plain decoding's on the CPU (on a GPU those
+/// kernels change a verified row's bits).
 #[test]
 fn gemma3_under_the_oracle_kernels_refuses_the_rounds_past_its_window() {
+    support::on_cpu();
     let r = lone_rows::oracle_kernels(|| spec_equals_plain("gemma3", "gemma3/greedy/code", 6));
     assert!(r.partial > 0, "no round was rolled back: {r:?}");
     assert!(r.refused > 0, "no round was refused past the window: {r:?}");
@@ -137,6 +147,7 @@ fn gemma3_under_the_oracle_kernels_refuses_the_rounds_past_its_window() {
 
 #[test]
 fn qwen3_next_speculation_equals_plain_with_real_rollbacks() {
+    support::on_invariant_device();
     let r = spec_equals_plain("qwen3_next", "qwen3_next/greedy/code", usize::MAX);
     assert!(r.partial > 0, "no partial rollback happened: {r:?}");
     assert_eq!(r.refused, 0);
@@ -144,6 +155,7 @@ fn qwen3_next_speculation_equals_plain_with_real_rollbacks() {
 
 #[test]
 fn qwen3_5_speculation_equals_plain_with_real_rollbacks() {
+    support::on_invariant_device();
     let r = spec_equals_plain("qwen3_5", "qwen3_5/greedy/chat", usize::MAX);
     assert!(r.partial > 0, "no partial rollback happened: {r:?}");
     assert_eq!(r.refused, 0);
@@ -154,6 +166,7 @@ fn qwen3_5_speculation_equals_plain_with_real_rollbacks() {
 /// roll back through snapshots here), and gemma4_moe inside its window.
 #[test]
 fn mixture_of_experts_speculation_equals_plain_with_both_sources() {
+    support::on_invariant_device();
     for (family, trace, prompt_len) in [
         ("qwen3_moe", "qwen3_moe/greedy/code", usize::MAX),
         ("qwen3_5_moe", "qwen3_5_moe/greedy/chat", usize::MAX),
@@ -222,7 +235,7 @@ fn positioned_keys_make_sampled_speculation_equal_plain() {
 
 #[test]
 fn self_drafting_accepts_everything_and_equals_plain() {
-    support::on_cpu();
+    support::on_invariant_device();
     let target = bundle("qwen3-target");
     let (prompt, params) = golden_input("qwen3-target/greedy/code", 40);
     let mut source = DraftModel::new(target.model());
@@ -276,7 +289,7 @@ fn identical_reruns_give_identical_statistics() {
 /// and drafts for itself as a draft model.
 #[test]
 fn every_registered_drafter_decodes_as_plain_through_the_front_door() {
-    support::on_cpu();
+    support::on_invariant_device();
     let target = bundle("qwen3_5");
     let (prompt, params) = golden_input("qwen3_5/greedy/code", 12);
     let (want, none) = front_door(
