@@ -53,10 +53,14 @@ impl<'m> DraftModel<'m> {
         }
     }
 
-    /// The model's next-token logits (1, V) after feeding the 1-D token ids `tokens`.
+    /// The model's next-token logits (1, V) after feeding the 1-D token ids `tokens`, as a
+    /// decode forward ([`lone_rows::decode_rows`]) as [`draft_together`] runs it: on a GPU a
+    /// round's pending tokens (the last draft and the bonus token) then get the kernels they get
+    /// beside other rows, so a row drafts alone what it drafts in a batch.
     fn step(&mut self, tokens: &Array, ctx: &DraftContext<'_>) -> Result<Array> {
         let kv = ctx.params.kv_quantization.as_ref();
-        let logits = forward_tokens(self.model, &mut self.caches, tokens, kv)?;
+        let logits =
+            lone_rows::decode_rows(|| forward_tokens(self.model, &mut self.caches, tokens, kv))?;
         Ok(last_logits(&logits)?)
     }
 }
