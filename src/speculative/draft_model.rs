@@ -14,7 +14,7 @@ use crate::cache::{
     begin_round, end_round, plan_step, quantize_due, rollback_plan, LayerCache, Rollback,
 };
 use crate::generate::{forward_tokens, last_logits, prefill, token_array};
-use crate::model::{lone_rows, LanguageModel};
+use crate::model::{lone_rows, Forward, LanguageModel};
 use crate::sample::argmax_rows;
 use crate::{Error, Result};
 
@@ -163,26 +163,9 @@ pub fn draft_together(
             break;
         }
         let (ids, lens) = inputs(&live, &next, together.as_ref())?;
-        let logits = match &mut shared {
-            Some(shared) => {
-                let mut all = vec![0; shared.len];
-                for (&r, &len) in live.iter().zip(&lens) {
-                    all[shared.rows[r]] = len;
-                }
-                plan_step(shared.caches, &all)?;
-                let mut caches = [&mut shared.caches[..]];
-                lone_rows::decode_rows(|| model.forward_rows(&ids, &mut caches, &all, &[]))?
-            }
-            None => {
-                let mut caches: Vec<&mut [LayerCache]> = rows
-                    .iter_mut()
-                    .enumerate()
-                    .filter(|(r, _)| live.contains(r))
-                    .map(|(_, (source, _, _))| &mut source.caches_mut()[..])
-                    .collect();
-                lone_rows::decode_rows(|| model.forward_rows(&ids, &mut caches, &lens, &[]))?
-            }
-        }
+        let logits = lone_rows::decode_rows(|| {
+            forward_picked(model, rows, shared.as_mut(), &live, &lens, &ids)
+        })?
         .logits
         .squeeze(&[0])?;
         let mut ends = Vec::with_capacity(live.len());
@@ -285,28 +268,43 @@ fn catch_up(
         .map(|(_, t)| t.astype(Dtype::Int32))
         .collect::<mlx::Result<_>>()?;
     let ids = mlx::ops::concatenate(&heads.iter().collect::<Vec<_>>(), 0)?.expand_dims(&[0])?;
-    lone_rows::oracle_kernels(|| match shared {
-        Some(shared) => {
-            let mut all = vec![0; shared.len];
-            for ((r, _), &len) in behind.iter().zip(&lens) {
-                all[shared.rows[*r]] = len;
-            }
-            plan_step(shared.caches, &all)?;
-            model.forward_rows(&ids, &mut [&mut shared.caches[..]], &all, &[])
-        }
-        None => {
-            let mut caches: Vec<&mut [LayerCache]> = (rows.iter_mut().enumerate())
-                .filter(|(r, _)| behind.iter().any(|(b, _)| b == r))
-                .map(|(_, (source, _, _))| &mut source.caches_mut()[..])
-                .collect();
-            model.forward_rows(&ids, &mut caches, &lens, &[])
-        }
-    })?;
-    for (r, _) in &behind {
-        let (source, ctx, _) = &mut rows[*r];
+    let picked: Vec<usize> = behind.iter().map(|(r, _)| *r).collect();
+    lone_rows::oracle_kernels(|| forward_picked(model, rows, shared, &picked, &lens, &ids))?;
+    for &r in &picked {
+        let (source, ctx, _) = &mut rows[r];
         quantize_due(source.caches_mut(), ctx.params.kv_quantization.as_ref())?;
     }
     Ok(())
+}
+
+/// One packed forward of `ids` (1, T) over the rows `picked` (ascending), row `picked[i]`
+/// taking `lens[i]` tokens: over `shared` caches (the other rows there take none) or over the
+/// picked rows' own.
+fn forward_picked(
+    model: &dyn LanguageModel,
+    rows: &mut [(&mut dyn SteppedDraft, DraftContext<'_>, usize)],
+    shared: Option<&mut SharedDraftCaches<'_>>,
+    picked: &[usize],
+    lens: &[usize],
+    ids: &Array,
+) -> Result<Forward> {
+    match shared {
+        Some(shared) => {
+            let mut all = vec![0; shared.len];
+            for (&r, &len) in picked.iter().zip(lens) {
+                all[shared.rows[r]] = len;
+            }
+            plan_step(shared.caches, &all)?;
+            model.forward_rows(ids, &mut [&mut shared.caches[..]], &all, &[])
+        }
+        None => {
+            let mut caches: Vec<&mut [LayerCache]> = (rows.iter_mut().enumerate())
+                .filter(|(r, _)| picked.contains(r))
+                .map(|(_, (source, _, _))| &mut source.caches_mut()[..])
+                .collect();
+            model.forward_rows(ids, &mut caches, lens, &[])
+        }
+    }
 }
 
 /// A drafting row's next input.
