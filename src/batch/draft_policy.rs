@@ -14,7 +14,10 @@
 //! model's catch-up over the tokens emitted meanwhile. A rate holds only for about the batch
 //! width it was measured at (a batch filling up or draining gives more or fewer tokens a step,
 //! whichever choice): measured at a width more than a quarter away from the current window's,
-//! the other choice is measured afresh before the two are compared.
+//! the other choice is measured afresh before the two are compared. A window that measures the
+//! slower choice again ends after its first measured step if that step's rate is under half
+//! the other's: with a draft model that costs half its target, each drafting step of a short
+//! run's measuring windows lost most of a step, to confirm a verdict one step already gave.
 //!
 //! A drafting window's rate counts the tokens a row gets per step over the last
 //! [`ACCEPTANCE_HORIZON`] drafting steps, not over the window's own: acceptance follows the text
@@ -36,6 +39,11 @@ const MOST_BACKOFF: usize = 16;
 
 /// Drafting steps over which a row's tokens per step are averaged (exponentially).
 const ACCEPTANCE_HORIZON: f64 = 32.0;
+
+/// A window that measures the slower choice again ends after its first measured step when its
+/// rate is below the other's by this factor: the verdict is already in, and each further step
+/// costs its loss.
+const CLEARLY_SLOWER: f64 = 2.0;
 
 /// What the greedy speculative rows do at a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,19 +139,22 @@ impl DraftPolicy {
         self.rows += rows;
         self.time += time;
         self.measured += 1;
-        if self.measured < self.window {
-            return;
-        }
         let tokens = match self.choice {
             Choice::Draft => self.drafted_per_row * self.rows as f64,
             Choice::Plain => self.tokens as f64,
         };
         let rate = tokens / self.time.as_secs_f64().max(f64::MIN_POSITIVE);
         let width = self.rows as f64 / self.measured as f64;
-        (self.tokens, self.rows, self.time, self.measured) = (0, 0, Duration::ZERO, 0);
-        self.rates[self.choice.slot()] = Some((rate, width));
         let comparable = |&(_, w): &(f64, f64)| (w - width).abs() <= 0.25 * width.max(w);
         let other = self.rates[self.choice.other().slot()].filter(comparable);
+        let clearly_slower =
+            self.remeasuring && other.is_some_and(|(r, _)| rate * CLEARLY_SLOWER < r);
+        if self.measured < self.window && !clearly_slower {
+            return;
+        }
+        let measured = self.measured;
+        (self.tokens, self.rows, self.time, self.measured) = (0, 0, Duration::ZERO, 0);
+        self.rates[self.choice.slot()] = Some((rate, width));
         let (switch, remeasure) = match other.map(|(r, _)| r) {
             None => (true, false),
             Some(other) if other > rate => {
@@ -162,7 +173,8 @@ impl DraftPolicy {
             }
         };
         tracing::debug!(
-            "draft policy: {:?} window {rate:.0} tok/s over {width:.1} rows, the other {:?}; {}",
+            "draft policy: {:?} window of {measured} steps {rate:.0} tok/s over {width:.1} rows, \
+             the other {:?}; {}",
             self.choice,
             other.map(|(r, w)| format!("{r:.0} tok/s over {w:.1} rows")),
             if switch { "switching" } else { "staying" }
@@ -207,14 +219,14 @@ mod tests {
     #[test]
     fn it_measures_both_then_keeps_the_faster_and_measures_the_other_again() {
         let mut policy = DraftPolicy::default();
-        let choices = run(&mut policy, 300, 8, 20);
+        let choices = run(&mut policy, 300, 12, 20);
         // A window of each (its first step unmeasured), then plain, the faster.
         let first = WINDOW + 1;
         assert!(choices[..first].iter().all(|&c| c == Choice::Draft));
         assert!(choices[first..2 * first]
             .iter()
             .all(|&c| c == Choice::Plain));
-        assert_rate(&policy, Choice::Draft, 8000.0);
+        assert_rate(&policy, Choice::Draft, 12000.0);
         assert_rate(&policy, Choice::Plain, 20000.0);
         // Drafting again for a window after REMEASURE_EVERY steps of plain, then after twice
         // as many.
@@ -232,7 +244,7 @@ mod tests {
     fn a_choice_that_stays_slower_is_measured_ever_more_rarely() {
         let mut policy = DraftPolicy::default();
         let steps = 20_000;
-        let choices = run(&mut policy, steps, 8, 20);
+        let choices = run(&mut policy, steps, 12, 20);
         let drafting = choices.iter().filter(|&&c| c == Choice::Draft).count();
         // Waits of 64, 128, ..., 1024 steps, then 1024 each: one window in about a thousand.
         let windows = 5 + (steps - 2000) / (REMEASURE_EVERY * MOST_BACKOFF) + 2;
@@ -241,6 +253,25 @@ mod tests {
             "{drafting} steps drafted"
         );
         assert!(drafting > (WINDOW + 1) * 10, "{drafting} steps drafted");
+    }
+
+    #[test]
+    fn a_clearly_slower_choice_is_measured_again_in_one_step() {
+        let mut policy = DraftPolicy::default();
+        let choices = run(&mut policy, 200, 4, 20);
+        // Whole windows while there is nothing to compare with, and while plain is the faster.
+        let first = WINDOW + 1;
+        assert!(choices[..first].iter().all(|&c| c == Choice::Draft));
+        assert!(choices[first..2 * first]
+            .iter()
+            .all(|&c| c == Choice::Plain));
+        // Drafting measured again: its unmeasured first step and one measured step, at a fifth
+        // of plain's rate.
+        let again = first + REMEASURE_EVERY + 1;
+        let window = &choices[again - 1..again + 3];
+        use Choice::{Draft, Plain};
+        assert_eq!(window, [Plain, Draft, Draft, Plain]);
+        assert_rate(&policy, Choice::Draft, 4000.0);
     }
 
     #[test]
