@@ -216,16 +216,23 @@ mod tests {
         );
     }
 
-    #[test]
-    fn it_measures_both_then_keeps_the_faster_and_measures_the_other_again() {
-        let mut policy = DraftPolicy::default();
-        let choices = run(&mut policy, 300, 12, 20);
-        // A window of each (its first step unmeasured), then plain, the faster.
+    /// Asserts that `choices` open with a whole window of drafting, then one of plain (each
+    /// window's first step unmeasured); returns the length of one.
+    fn assert_first_windows_whole(choices: &[Choice]) -> usize {
         let first = WINDOW + 1;
         assert!(choices[..first].iter().all(|&c| c == Choice::Draft));
         assert!(choices[first..2 * first]
             .iter()
             .all(|&c| c == Choice::Plain));
+        first
+    }
+
+    #[test]
+    fn it_measures_both_then_keeps_the_faster_and_measures_the_other_again() {
+        let mut policy = DraftPolicy::default();
+        let choices = run(&mut policy, 300, 12, 20);
+        // A window of each, then plain, the faster.
+        let first = assert_first_windows_whole(&choices);
         assert_rate(&policy, Choice::Draft, 12000.0);
         assert_rate(&policy, Choice::Plain, 20000.0);
         // Drafting again for a window after REMEASURE_EVERY steps of plain, then after twice
@@ -260,11 +267,7 @@ mod tests {
         let mut policy = DraftPolicy::default();
         let choices = run(&mut policy, 200, 4, 20);
         // Whole windows while there is nothing to compare with, and while plain is the faster.
-        let first = WINDOW + 1;
-        assert!(choices[..first].iter().all(|&c| c == Choice::Draft));
-        assert!(choices[first..2 * first]
-            .iter()
-            .all(|&c| c == Choice::Plain));
+        let first = assert_first_windows_whole(&choices);
         // Drafting measured again: its unmeasured first step and one measured step, at a fifth
         // of plain's rate.
         let again = first + REMEASURE_EVERY + 1;
