@@ -27,6 +27,7 @@ fn main() {
         "src/shim.cc",
         "include/shim.h",
         "include/rows_attention.h",
+        "include/rows_gemv.h",
     ] {
         println!("cargo:rerun-if-changed={f}");
     }

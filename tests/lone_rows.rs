@@ -12,7 +12,7 @@ use support::bundle;
 use verity::batch::Batch;
 use verity::decode::{decode, Hooks, Request, Start};
 use verity::generate::{Control, GenerateParams, GeneratedToken};
-use verity::model::lone_rows;
+use verity::model::{lone_rows, rows_gemv};
 use verity::speculative::{Drafter, DrafterSpec};
 
 fn normal(shape: &[i32], seed: u64) -> Array {
@@ -50,6 +50,39 @@ fn dense_and_quantized_products_have_the_ordinary_bits_at_every_row_count() {
             want.to_bytes().unwrap(),
             "quantized, {rows} rows"
         );
+    }
+}
+
+/// On CUDA the one-call dense product (`verity::model::rows_gemv`) must pass its own check at
+/// the shapes of a model's projections and give each row its lone product's bits (the gpu
+/// profile runs this there); elsewhere it is never taken.
+#[test]
+fn the_one_call_dense_product_gives_each_row_its_lone_product() {
+    support::on_invariant_device();
+    let cuda = mlx::default_is_cuda();
+    // K through gemv's three lane widths (128, 64 and 32 wide), in f32 and bf16.
+    for (k, n, dtype) in [
+        (128, 96, Dtype::Float32),
+        (1024, 3072, Dtype::Bfloat16),
+        (192, 64, Dtype::Bfloat16),
+        (96, 40, Dtype::Float32),
+    ] {
+        let w = normal(&[n, k], 3).astype(dtype).unwrap();
+        for rows in [1, 8, 9, 32] {
+            let x = normal(&[rows, k], 20 + rows as u64).astype(dtype).unwrap();
+            let got = rows_gemv::product(&x, &w).unwrap();
+            assert_eq!(got.is_some(), cuda, "K {k} N {n} {dtype:?}: taken on CUDA only");
+            let Some(got) = got else { continue };
+            let wt = w.transpose(&[1, 0]).unwrap();
+            for r in 0..rows {
+                let alone = x.slice_axis(0, r, r + 1).unwrap().matmul(&wt).unwrap();
+                assert_eq!(
+                    got.slice_axis(0, r, r + 1).unwrap().to_bytes().unwrap(),
+                    alone.to_bytes().unwrap(),
+                    "K {k} N {n} {dtype:?}, row {r} of {rows}"
+                );
+            }
+        }
     }
 }
 

@@ -122,6 +122,7 @@ ArrayPtr scaled_dot_product_attention(const Array& queries, const Array& keys,
 ArrayPtr rows_attention(const Array& queries, const Array& keys, const Array& values,
                         const Array& slots, const Array& extents, float one_pass_scale_log2,
                         float two_pass_scale_log2, bool two_pass);
+ArrayPtr rows_gemv(const Array& x, const Array& w, int32_t npt);
 
 ArrayPtr random_key(uint64_t seed);
 ArrayPtr random_split(const Array& key, int32_t num);

@@ -144,3 +144,11 @@ pub fn rows_attention(
         two_pass,
     ))
 }
+
+/// `x @ w.T` for `x` (rows, K) and a row-major weight `w` (N, K) in one call on CUDA, each row
+/// with the float operations of MLX's gemv for a lone row (`npt` elements per lane and step, as
+/// gemv picks them by K), every weight row loaded once for up to 8 rows (include/rows_gemv.h).
+/// CUDA only: other backends fail at evaluation.
+pub fn rows_gemv(x: &Array, w: &Array, npt: i32) -> Result<Array> {
+    wrap(ffi::rows_gemv(x.ffi(), w.ffi(), npt))
+}

@@ -306,6 +306,8 @@ pub(crate) mod bridge {
             two_pass: bool,
         ) -> Result<UniquePtr<Array>>;
 
+        fn rows_gemv(x: &Array, w: &Array, npt: i32) -> Result<UniquePtr<Array>>;
+
         // mx::random, always with an explicit key (see random.rs).
         fn random_key(seed: u64) -> Result<UniquePtr<Array>>;
         fn random_split(key: &Array, num: i32) -> Result<UniquePtr<Array>>;

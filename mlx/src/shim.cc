@@ -1,5 +1,6 @@
 #include "mlx/include/shim.h"
 #include "mlx/include/rows_attention.h"
+#include "mlx/include/rows_gemv.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -529,6 +530,18 @@ ArrayPtr rows_attention(const Array& queries, const Array& keys, const Array& va
   auto out = combine({parts.at(0), parts.at(1), parts.at(2), first.at(0), extents.inner},
                      {q.shape()}, {q.dtype()}, {q_heads * 1024, 1, rows}, {1024, 1, 1}, tmpl,
                      std::nullopt, false, {});
+  return wrap(out.at(0));
+}
+
+ArrayPtr rows_gemv(const Array& x, const Array& w, int32_t npt) {
+  static const auto kernel = mx::fast::cuda_kernel("verity_rows_gemv", {"x", "w", "n_rows"},
+                                                   {"out"}, ROWS_GEMV, ROWS_GEMV_HEADER);
+  const auto& a = x.inner;
+  int rows = a.shape(0), k = a.shape(1), n = w.inner.shape(0);
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> tmpl = {
+      {"T", a.dtype()}, {"NPT", npt}, {"K", k}, {"N", n}};
+  auto out = kernel({a, w.inner, mx::array(rows, mx::int32)}, {{rows, n}}, {a.dtype()},
+                    {(n + 7) / 8 * 256, 1, 1}, {256, 1, 1}, tmpl, std::nullopt, false, {});
   return wrap(out.at(0));
 }
 

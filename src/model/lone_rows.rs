@@ -10,7 +10,10 @@
 //! 2 to 33 rows, docs/DESIGN.md "Lone-row kernels"):
 //! - a dense product as a batch of one-row products: MLX folds a batch into one gemm only when
 //!   the left side is untransposed, so the rows are handed over as a (T, 1, K) view with
-//!   transposed strides, and the batched gemv computes each row as gemv computes it alone;
+//!   transposed strides, and the batched gemv computes each row as gemv computes it alone; on
+//!   CUDA, where it checks out, one call that repeats gemv's arithmetic for up to 8 rows per
+//!   weight load instead ([`crate::model::rows_gemv`]), since the batched gemv reads the whole
+//!   weight once per row;
 //! - a quantized product through `gather_qmm` over at most [`QMV_ROWS`] rows per call, which
 //!   runs qmv's per-row kernel (quantized_matmul would take qmm there);
 //! - attention one query at a time over its own key extent: the one-token step's call itself.
@@ -22,6 +25,8 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use mlx::{ops, Array, Dtype, Result};
+
+use crate::model::rows_gemv;
 
 /// The most rows one `gather_qmm` call takes and still runs qmv's kernel (MLX switches to a
 /// tiled kernel at 8 rows).
@@ -122,7 +127,8 @@ pub(crate) fn rows(x: &Array) -> i32 {
 }
 
 /// `x @ wt` for `wt` (K, N) a transposed view of a row-major (N, K) weight, each row by the
-/// batched gemv ([module docs](self)); the result has `x`'s shape with N last.
+/// rows kernel or the batched gemv ([module docs](self)); the result has `x`'s shape with N
+/// last.
 ///
 /// A one-output product (qwen3_next's shared-expert gate) stays one call: with N = 1, MLX runs
 /// gemv over `x`'s rows whatever their number, and each row gets its lone bits, where the
@@ -132,6 +138,10 @@ pub fn dense(x: &Array, wt: &Array) -> Result<Array> {
     let (k, n, rows) = (wt.dim(0), wt.dim(1), rows(x));
     if n == 1 {
         return x.matmul(wt);
+    }
+    let flat = x.reshape(&[rows, k])?;
+    if let Some(out) = rows_gemv::product(&flat, &wt.transpose(&[1, 0])?)? {
+        return out.reshape(&out_shape(x, n));
     }
     let lhs = x.reshape(&[rows, k, 1])?.transpose(&[0, 2, 1])?;
     let out = lhs.matmul(&wt.broadcast_to(&[rows, k, n])?)?;

@@ -22,6 +22,7 @@ pub mod qwen3_next;
 pub mod router_margin;
 pub mod row_blocks;
 pub mod rows;
+pub mod rows_gemv;
 
 use std::path::Path;
 
