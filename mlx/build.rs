@@ -27,7 +27,7 @@ fn main() {
         "src/shim.cc",
         "include/shim.h",
         "include/rows_attention.h",
-        "include/rows_gemv.h",
+        "include/row_products.h",
     ] {
         println!("cargo:rerun-if-changed={f}");
     }

@@ -12,7 +12,7 @@ use support::bundle;
 use verity::batch::Batch;
 use verity::decode::{decode, Hooks, Request, Start};
 use verity::generate::{Control, GenerateParams, GeneratedToken};
-use verity::model::{lone_rows, rows_gemv};
+use verity::model::{lone_rows, row_products};
 use verity::speculative::{Drafter, DrafterSpec};
 
 fn normal(shape: &[i32], seed: u64) -> Array {
@@ -53,14 +53,28 @@ fn dense_and_quantized_products_have_the_ordinary_bits_at_every_row_count() {
     }
 }
 
-/// On CUDA the one-call dense product (`verity::model::rows_gemv`) must pass its own check at
+/// Asserts that each row of `got` (rows, N) has the bits of `alone` on that row by itself.
+fn assert_lone_bits(got: &Array, x: &Array, alone: impl Fn(&Array) -> Array, what: &str) {
+    for r in 0..x.dim(0) {
+        let row = x.slice_axis(0, r, r + 1).unwrap();
+        assert_eq!(
+            got.slice_axis(0, r, r + 1).unwrap().to_bytes().unwrap(),
+            alone(&row).to_bytes().unwrap(),
+            "{what}, row {r} of {}",
+            x.dim(0)
+        );
+    }
+}
+
+/// On CUDA the one-call products (`verity::model::row_products`) must pass their own checks at
 /// the shapes of a model's projections and give each row its lone product's bits (the gpu
-/// profile runs this there); elsewhere it is never taken.
+/// profile runs this there); elsewhere they are never taken.
 #[test]
-fn the_one_call_dense_product_gives_each_row_its_lone_product() {
+fn the_one_call_products_give_each_row_its_lone_product() {
     support::on_invariant_device();
     let cuda = mlx::default_is_cuda();
-    // K through gemv's three lane widths (128, 64 and 32 wide), in f32 and bf16.
+    let row_counts = [1, 8, 9, 32];
+    // Dense: K through gemv's three lane widths (128, 64 and 32 wide), in f32 and bf16.
     for (k, n, dtype) in [
         (128, 96, Dtype::Float32),
         (1024, 3072, Dtype::Bfloat16),
@@ -68,19 +82,54 @@ fn the_one_call_dense_product_gives_each_row_its_lone_product() {
         (96, 40, Dtype::Float32),
     ] {
         let w = normal(&[n, k], 3).astype(dtype).unwrap();
-        for rows in [1, 8, 9, 32] {
+        let wt = w.transpose(&[1, 0]).unwrap();
+        for rows in row_counts {
             let x = normal(&[rows, k], 20 + rows as u64).astype(dtype).unwrap();
-            let got = rows_gemv::product(&x, &w).unwrap();
-            assert_eq!(got.is_some(), cuda, "K {k} N {n} {dtype:?}: taken on CUDA only");
-            let Some(got) = got else { continue };
-            let wt = w.transpose(&[1, 0]).unwrap();
-            for r in 0..rows {
-                let alone = x.slice_axis(0, r, r + 1).unwrap().matmul(&wt).unwrap();
-                assert_eq!(
-                    got.slice_axis(0, r, r + 1).unwrap().to_bytes().unwrap(),
-                    alone.to_bytes().unwrap(),
-                    "K {k} N {n} {dtype:?}, row {r} of {rows}"
-                );
+            let got = row_products::dense(&x, &w).unwrap();
+            let what = format!("dense, K {k} N {n} {dtype:?}");
+            assert_eq!(got.is_some(), cuda, "{what}: taken on CUDA only");
+            if let Some(got) = got {
+                assert_lone_bits(&got, &x, |row| row.matmul(&wt).unwrap(), &what);
+            }
+        }
+    }
+    // Packed: qmv's 16- and 8-element tiles, K with and without a remainder past whole warp
+    // steps (640 = 512 + 128), each group size, 4 and 8 bits.
+    for (k, n, dtype, group_size, bits) in [
+        (1024, 3072, Dtype::Bfloat16, 64, 4),
+        (640, 200, Dtype::Bfloat16, 32, 4),
+        (512, 96, Dtype::Float16, 128, 8),
+        (256, 64, Dtype::Float32, 64, 4),
+    ] {
+        let w = normal(&[n, k], 4).astype(dtype).unwrap();
+        let q = ops::quantize(&w, group_size, bits, "affine").unwrap();
+        let packed = row_products::Packed {
+            weight: &q[0],
+            scales: &q[1],
+            biases: &q[2],
+            group_size,
+            bits,
+        };
+        let lone = |row: &Array| {
+            ops::quantized_matmul(
+                row,
+                &q[0],
+                &q[1],
+                Some(&q[2]),
+                true,
+                group_size,
+                bits,
+                "affine",
+            )
+            .unwrap()
+        };
+        for rows in row_counts {
+            let x = normal(&[rows, k], 40 + rows as u64).astype(dtype).unwrap();
+            let got = row_products::quantized(&x, &packed).unwrap();
+            let what = format!("{bits}-bit, group {group_size}, K {k} N {n} {dtype:?}");
+            assert_eq!(got.is_some(), cuda, "{what}: taken on CUDA only");
+            if let Some(got) = got {
+                assert_lone_bits(&got, &x, lone, &what);
             }
         }
     }

@@ -147,8 +147,30 @@ pub fn rows_attention(
 
 /// `x @ w.T` for `x` (rows, K) and a row-major weight `w` (N, K) in one call on CUDA, each row
 /// with the float operations of MLX's gemv for a lone row (`npt` elements per lane and step, as
-/// gemv picks them by K), every weight row loaded once for up to 8 rows (include/rows_gemv.h).
-/// CUDA only: other backends fail at evaluation.
+/// gemv picks them by K), every weight row loaded once for up to 8 rows
+/// (include/row_products.h). CUDA only: other backends fail at evaluation.
 pub fn rows_gemv(x: &Array, w: &Array, npt: i32) -> Result<Array> {
     wrap(ffi::rows_gemv(x.ffi(), w.ffi(), npt))
+}
+
+/// `quantized_matmul(x, w, scales, biases, transpose=True)` in affine mode for `x` (rows, K) in
+/// one call on CUDA, each row with the float operations of MLX's qmv for a lone row, every
+/// packed weight row loaded once for up to 8 rows (include/row_products.h). `bits` 4 or 8.
+/// CUDA only: other backends fail at evaluation.
+pub fn rows_qmv(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+) -> Result<Array> {
+    wrap(ffi::rows_qmv(
+        x.ffi(),
+        w.ffi(),
+        scales.ffi(),
+        biases.ffi(),
+        group_size,
+        bits,
+    ))
 }

@@ -307,6 +307,14 @@ pub(crate) mod bridge {
         ) -> Result<UniquePtr<Array>>;
 
         fn rows_gemv(x: &Array, w: &Array, npt: i32) -> Result<UniquePtr<Array>>;
+        fn rows_qmv(
+            x: &Array,
+            w: &Array,
+            scales: &Array,
+            biases: &Array,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<Array>>;
 
         // mx::random, always with an explicit key (see random.rs).
         fn random_key(seed: u64) -> Result<UniquePtr<Array>>;

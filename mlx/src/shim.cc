@@ -1,6 +1,6 @@
 #include "mlx/include/shim.h"
 #include "mlx/include/rows_attention.h"
-#include "mlx/include/rows_gemv.h"
+#include "mlx/include/row_products.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -533,15 +533,33 @@ ArrayPtr rows_attention(const Array& queries, const Array& keys, const Array& va
   return wrap(out.at(0));
 }
 
+// Each warp computes one output for every row (include/row_products.h): 8 warps a block.
+std::tuple<int, int, int> row_product_grid(const mx::array& w) {
+  return {(w.shape(0) + 7) / 8 * 256, 1, 1};
+}
+
 ArrayPtr rows_gemv(const Array& x, const Array& w, int32_t npt) {
-  static const auto kernel = mx::fast::cuda_kernel("verity_rows_gemv", {"x", "w", "n_rows"},
-                                                   {"out"}, ROWS_GEMV, ROWS_GEMV_HEADER);
+  static const auto kernel = mx::fast::cuda_kernel("verity_rows_gemv", {"x", "w"}, {"out"},
+                                                   ROWS_GEMV, ROWS_GEMV_HEADER);
   const auto& a = x.inner;
-  int rows = a.shape(0), k = a.shape(1), n = w.inner.shape(0);
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> tmpl = {{"T", a.dtype()},
+                                                                     {"NPT", npt}};
+  auto out = kernel({a, w.inner}, {{a.shape(0), w.inner.shape(0)}}, {a.dtype()},
+                    row_product_grid(w.inner), {256, 1, 1}, tmpl, std::nullopt, false, {});
+  return wrap(out.at(0));
+}
+
+ArrayPtr rows_qmv(const Array& x, const Array& w, const Array& scales, const Array& biases,
+                  int32_t group_size, int32_t bits) {
+  static const auto kernel =
+      mx::fast::cuda_kernel("verity_rows_qmv", {"x", "w", "scales", "biases"}, {"out"},
+                            ROWS_QMV, ROWS_QMV_HEADER);
+  const auto& a = x.inner;
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> tmpl = {
-      {"T", a.dtype()}, {"NPT", npt}, {"K", k}, {"N", n}};
-  auto out = kernel({a, w.inner, mx::array(rows, mx::int32)}, {{rows, n}}, {a.dtype()},
-                    {(n + 7) / 8 * 256, 1, 1}, {256, 1, 1}, tmpl, std::nullopt, false, {});
+      {"T", a.dtype()}, {"BITS", bits}, {"GROUP", group_size}};
+  auto out = kernel({a, w.inner, scales.inner, biases.inner}, {{a.shape(0), w.inner.shape(0)}},
+                    {a.dtype()}, row_product_grid(w.inner), {256, 1, 1}, tmpl, std::nullopt,
+                    false, {});
   return wrap(out.at(0));
 }
 

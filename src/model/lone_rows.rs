@@ -10,12 +10,12 @@
 //! 2 to 33 rows, docs/DESIGN.md "Lone-row kernels"):
 //! - a dense product as a batch of one-row products: MLX folds a batch into one gemm only when
 //!   the left side is untransposed, so the rows are handed over as a (T, 1, K) view with
-//!   transposed strides, and the batched gemv computes each row as gemv computes it alone; on
-//!   CUDA, where it checks out, one call that repeats gemv's arithmetic for up to 8 rows per
-//!   weight load instead ([`crate::model::rows_gemv`]), since the batched gemv reads the whole
-//!   weight once per row;
+//!   transposed strides, and the batched gemv computes each row as gemv computes it alone;
 //! - a quantized product through `gather_qmm` over at most [`QMV_ROWS`] rows per call, which
 //!   runs qmv's per-row kernel (quantized_matmul would take qmm there);
+//! - on CUDA, where it checks out, either product in one call that repeats gemv's or qmv's
+//!   arithmetic for up to 8 rows per weight load instead ([`crate::model::row_products`]),
+//!   since both forms above read the whole weight once per row;
 //! - attention one query at a time over its own key extent: the one-token step's call itself.
 //!
 //! RMS norms, RoPE at offsets, softmax, logsumexp, argmax and gathers already give each row its
@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use mlx::{ops, Array, Dtype, Result};
 
-use crate::model::rows_gemv;
+use crate::model::row_products::{self, Packed};
 
 /// The most rows one `gather_qmm` call takes and still runs qmv's kernel (MLX switches to a
 /// tiled kernel at 8 rows).
@@ -140,7 +140,7 @@ pub fn dense(x: &Array, wt: &Array) -> Result<Array> {
         return x.matmul(wt);
     }
     let flat = x.reshape(&[rows, k])?;
-    if let Some(out) = rows_gemv::product(&flat, &wt.transpose(&[1, 0])?)? {
+    if let Some(out) = row_products::dense(&flat, &wt.transpose(&[1, 0])?)? {
         return out.reshape(&out_shape(x, n));
     }
     let lhs = x.reshape(&[rows, k, 1])?.transpose(&[0, 2, 1])?;
@@ -162,6 +162,18 @@ pub fn quantized(
     out_dims: i32,
 ) -> Result<Array> {
     let (k, rows) = (x.dim(-1), rows(x));
+    if let (Some(biases), "affine") = (biases, mode) {
+        let packed = Packed {
+            weight: w,
+            scales,
+            biases,
+            group_size,
+            bits,
+        };
+        if let Some(out) = row_products::quantized(&x.reshape(&[rows, k])?, &packed)? {
+            return out.reshape(&out_shape(x, out_dims));
+        }
+    }
     let flat = x.reshape(&[rows, 1, k])?;
     let (w, scales) = (w.expand_dims(&[0])?, scales.expand_dims(&[0])?);
     let biases = biases.map(|b| b.expand_dims(&[0])).transpose()?;

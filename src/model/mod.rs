@@ -21,8 +21,8 @@ pub mod qwen3_moe;
 pub mod qwen3_next;
 pub mod router_margin;
 pub mod row_blocks;
+pub mod row_products;
 pub mod rows;
-pub mod rows_gemv;
 
 use std::path::Path;
 

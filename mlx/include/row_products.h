@@ -1,0 +1,194 @@
+// Products of several rows by one weight in one call, each row with the float operations of
+// the kernel MLX runs for a lone row, in their order, every weight row loaded once for up to 8
+// rows.
+//
+// A lone decode step on CUDA multiplies its one row by a transposed dense weight with MLX's
+// gemv (mlx/backend/cuda/gemms/gemv.cu) and by a packed weight with qmv
+// (mlx/backend/cuda/quantized/qmm/qmv.cu): one warp per output, each lane accumulating its own
+// slice of K in a fixed order, then one warp reduction. The forms that give a batch's rows those
+// bits through MLX's own calls (a batched gemv; gather_qmm over 7 rows at a time) read the whole
+// weight once per row. Here each warp loads its output's weight chunk once and feeds it to up to
+// 8 rows' sums, each sum taking its operations in the lone kernel's order, so each row gets its
+// lone step's bits while the weight is read once per 8 rows from the cache. The caller
+// (src/model/row_products.rs) checks once per process and shape that this matches MLX's own
+// call before trusting it. The row count, K and N come from the operands' shapes (launch
+// parameters): a scalar input made on the host would live in managed memory, which the GPU
+// reads across the bus at every call.
+#pragma once
+
+namespace verity_mlx {
+
+// gemv's arithmetic (template NPT: 4 where K % 128 == 0, 2 where K % 64 == 0, else 1, for
+// aligned operands): lane l sums the products of elements NPT l + j, + 32 NPT, ... in float.
+// Loads are vectors where the operands are aligned, as gemv's are; a lane's products and their
+// order depend on NPT alone, not on how wide its loads are.
+inline constexpr const char* ROWS_GEMV = R"cuda(
+  constexpr int ROWS_AT_ONCE = 8;
+  auto warp = cg::tiled_partition<32>(cg::this_thread_block());
+  const int lane = warp.thread_rank();
+  const int n = blockIdx.x * 8 + warp.meta_group_rank();
+  const int k = x_shape[1];
+  const int n_out = w_shape[0];
+  if (n >= n_out) {
+    return;
+  }
+  const int rows = x_shape[0];
+  const T* mat = w + (long)n * k;
+  for (int first = 0; first < rows; first += ROWS_AT_ONCE) {
+    const int count = min(ROWS_AT_ONCE, rows - first);
+    const T* vecs = x + (long)first * k;
+    float sums[ROWS_AT_ONCE];
+#pragma unroll
+    for (int r = 0; r < ROWS_AT_ONCE; r++) {
+      sums[r] = 0.f;
+    }
+    for (int col = NPT * lane; col < k; col += 32 * NPT) {
+      auto m = load_vector<NPT>(mat + col, 0);
+#pragma unroll
+      for (int r = 0; r < ROWS_AT_ONCE; r++) {
+        if (r < count) {
+          auto v = load_vector<NPT>(vecs + (long)r * k + col, 0);
+#pragma unroll
+          for (int j = 0; j < NPT; j++) {
+            sums[r] += static_cast<float>(m[j]) * static_cast<float>(v[j]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS_AT_ONCE; r++) {
+      if (r < count) {
+        float sum = cg::reduce(warp, sums[r], cg::plus<float>());
+        if (lane == 0) {
+          out[(long)(first + r) * n_out + n] = static_cast<T>(sum);
+        }
+      }
+    }
+  }
+)cuda";
+
+inline constexpr const char* ROWS_GEMV_HEADER = R"cuda(
+#include <cooperative_groups/reduce.h>
+)cuda";
+
+// qmv's arithmetic for affine-quantized weights (template T, BITS 4 or 8, GROUP): a lane takes
+// tiles of E consecutive elements (16 where T is 16 bits wide and BITS is 4, else 8), E apart
+// per lane and 32 E apart per step, then one tile of the remainder; a tile's weight is
+// dequantized in T (w * scale + bias, as cutlass's array operators compute it), and each of its
+// E products is a fused multiply-add into its own accumulator, in T where BITS < 8, else in
+// float; the E accumulators are then summed in float and reduced across the warp.
+inline constexpr const char* ROWS_QMV = R"cuda(
+  using CT = typename verity_rows::Cutlass<T>::type;
+  using Q = typename verity_rows::Packed<BITS>::type;
+  constexpr int E = (sizeof(T) <= 2 && BITS <= 4) ? 16 : 8;
+  constexpr int PER_STEP = 32 * E;
+  using Acc = cuda::std::conditional_t<(BITS >= 8), float, CT>;
+  constexpr int ROWS_AT_ONCE = 8;
+  auto warp = cg::tiled_partition<32>(cg::this_thread_block());
+  const int lane = warp.thread_rank();
+  const int n = blockIdx.x * 8 + warp.meta_group_rank();
+  const int k = x_shape[1];
+  const int n_out = w_shape[0];
+  if (n >= n_out) {
+    return;
+  }
+  const int rows = x_shape[0];
+  const int groups = k / GROUP;
+  const uint8_t* w_row = reinterpret_cast<const uint8_t*>(w) + (long)n * (k * BITS / 8);
+  const CT* scale_row = reinterpret_cast<const CT*>(scales) + (long)n * groups;
+  const CT* bias_row = reinterpret_cast<const CT*>(biases) + (long)n * groups;
+  const CT* xs = reinterpret_cast<const CT*>(x);
+  CT* outs = reinterpret_cast<CT*>(out);
+  const int rest = k % PER_STEP;
+  for (int first = 0; first < rows; first += ROWS_AT_ONCE) {
+    const int count = min(ROWS_AT_ONCE, rows - first);
+    cutlass::Array<Acc, E> sums[ROWS_AT_ONCE];
+#pragma unroll
+    for (int r = 0; r < ROWS_AT_ONCE; r++) {
+      sums[r].clear();
+    }
+    auto tile = [&](int idx) {
+      auto w_dq = verity_rows::dequantize<E>(reinterpret_cast<const Q*>(w_row + idx * BITS / 8),
+                                             scale_row[idx / GROUP], bias_row[idx / GROUP]);
+#pragma unroll
+      for (int r = 0; r < ROWS_AT_ONCE; r++) {
+        if (r < count) {
+          verity_rows::multiply_add<E>(xs + (long)(first + r) * k + idx, w_dq, sums[r]);
+        }
+      }
+    };
+    for (int step = 0; step < k / PER_STEP; step++) {
+      tile(lane * E + step * PER_STEP);
+    }
+    if (rest != 0 && lane * E + k - rest < k) {
+      tile(lane * E + k - rest);
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS_AT_ONCE; r++) {
+      if (r < count) {
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < E; i++) {
+          sum += sums[r][i];
+        }
+        sum = cg::reduce(warp, sum, cg::plus<float>());
+        if (lane == 0) {
+          outs[(long)(first + r) * n_out + n] = static_cast<CT>(sum);
+        }
+      }
+    }
+  }
+)cuda";
+
+inline constexpr const char* ROWS_QMV_HEADER = R"cuda(
+#include <cooperative_groups/reduce.h>
+#include <cuda/std/type_traits>
+#include <cutlass/numeric_conversion.h>
+
+namespace verity_rows {
+
+// The cutlass element type qmv computes in for MLX's CUDA element type.
+template <typename T> struct Cutlass { using type = T; };
+template <> struct Cutlass<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
+template <> struct Cutlass<__half> { using type = cutlass::half_t; };
+
+// The packed element type of a BITS-wide affine quantization.
+template <int BITS> struct Packed;
+template <> struct Packed<4> { using type = cutlass::uint4b_t; };
+template <> struct Packed<8> { using type = uint8_t; };
+
+// One tile of N packed weights, dequantized in T as qmv does it.
+template <int N, typename T, typename Q>
+__device__ __forceinline__ cutlass::Array<T, N> dequantize(const Q* w, T scale, T bias) {
+  auto packed = *reinterpret_cast<const cutlass::Array<Q, N>*>(w);
+  cutlass::NumericArrayConverter<T, Q, N> convert;
+  cutlass::Array<T, N> w_dq = convert(packed);
+  if constexpr (cuda::std::is_same_v<T, float>) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      w_dq[i] = w_dq[i] * T(scale) + bias;
+    }
+  } else {
+    w_dq = w_dq * T(scale) + bias;
+  }
+  return w_dq;
+}
+
+// One row's N products with a dequantized tile, fused into its accumulators as qmv does it:
+// in T, or in float after widening both operands.
+template <int N, typename T, typename Acc>
+__device__ __forceinline__ void multiply_add(const T* x, const cutlass::Array<T, N>& w_dq,
+                                             cutlass::Array<Acc, N>& sums) {
+  auto x_vec = *reinterpret_cast<const cutlass::Array<T, N>*>(x);
+  if constexpr (cuda::std::is_same_v<Acc, T>) {
+    sums = cutlass::fma(x_vec, w_dq, sums);
+  } else {
+    cutlass::NumericArrayConverter<float, T, N> widen;
+    sums = cutlass::fma(widen(x_vec), widen(w_dq), sums);
+  }
+}
+
+}  // namespace verity_rows
+)cuda";
+
+}  // namespace verity_mlx
