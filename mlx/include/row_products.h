@@ -24,6 +24,8 @@ namespace verity_mlx {
 // order depend on NPT alone, not on how wide its loads are.
 inline constexpr const char* ROWS_GEMV = R"cuda(
   constexpr int ROWS_AT_ONCE = 8;
+  constexpr int AHEAD = 4;
+  constexpr int STEP = 32 * NPT;
   auto warp = cg::tiled_partition<32>(cg::this_thread_block());
   const int lane = warp.thread_rank();
   const int n = blockIdx.x * 8 + warp.meta_group_rank();
@@ -32,36 +34,46 @@ inline constexpr const char* ROWS_GEMV = R"cuda(
   if (n >= n_out) {
     return;
   }
-  const int rows = x_shape[0];
+  const int first = blockIdx.y * ROWS_AT_ONCE;
+  const int count = min(ROWS_AT_ONCE, x_shape[0] - first);
   const T* mat = w + (long)n * k;
-  for (int first = 0; first < rows; first += ROWS_AT_ONCE) {
-    const int count = min(ROWS_AT_ONCE, rows - first);
-    const T* vecs = x + (long)first * k;
-    float sums[ROWS_AT_ONCE];
+  const T* vecs = x + (long)first * k;
+  float sums[ROWS_AT_ONCE];
 #pragma unroll
-    for (int r = 0; r < ROWS_AT_ONCE; r++) {
-      sums[r] = 0.f;
+  for (int r = 0; r < ROWS_AT_ONCE; r++) {
+    sums[r] = 0.f;
+  }
+  for (int base = NPT * lane; base < k; base += AHEAD * STEP) {
+    AlignedVector<T, NPT> m[AHEAD];
+#pragma unroll
+    for (int a = 0; a < AHEAD; a++) {
+      if (base + a * STEP < k) {
+        m[a] = load_vector<NPT>(mat + base + a * STEP, 0);
+      }
     }
-    for (int col = NPT * lane; col < k; col += 32 * NPT) {
-      auto m = load_vector<NPT>(mat + col, 0);
 #pragma unroll
-      for (int r = 0; r < ROWS_AT_ONCE; r++) {
-        if (r < count) {
-          auto v = load_vector<NPT>(vecs + (long)r * k + col, 0);
+    for (int a = 0; a < AHEAD; a++) {
+      const int col = base + a * STEP;
+      if (col < k) {
 #pragma unroll
-          for (int j = 0; j < NPT; j++) {
-            sums[r] += static_cast<float>(m[j]) * static_cast<float>(v[j]);
+        for (int r = 0; r < ROWS_AT_ONCE; r++) {
+          if (r < count) {
+            auto v = load_vector<NPT>(vecs + (long)r * k + col, 0);
+#pragma unroll
+            for (int j = 0; j < NPT; j++) {
+              sums[r] += static_cast<float>(m[a][j]) * static_cast<float>(v[j]);
+            }
           }
         }
       }
     }
+  }
 #pragma unroll
-    for (int r = 0; r < ROWS_AT_ONCE; r++) {
-      if (r < count) {
-        float sum = cg::reduce(warp, sums[r], cg::plus<float>());
-        if (lane == 0) {
-          out[(long)(first + r) * n_out + n] = static_cast<T>(sum);
-        }
+  for (int r = 0; r < ROWS_AT_ONCE; r++) {
+    if (r < count) {
+      float sum = cg::reduce(warp, sums[r], cg::plus<float>());
+      if (lane == 0) {
+        out[(long)(first + r) * n_out + n] = static_cast<T>(sum);
       }
     }
   }
@@ -81,9 +93,10 @@ inline constexpr const char* ROWS_QMV = R"cuda(
   using CT = typename verity_rows::Cutlass<T>::type;
   using Q = typename verity_rows::Packed<BITS>::type;
   constexpr int E = (sizeof(T) <= 2 && BITS <= 4) ? 16 : 8;
-  constexpr int PER_STEP = 32 * E;
+  constexpr int STEP = 32 * E;
   using Acc = cuda::std::conditional_t<(BITS >= 8), float, CT>;
   constexpr int ROWS_AT_ONCE = 8;
+  constexpr int AHEAD = 4;
   auto warp = cg::tiled_partition<32>(cg::this_thread_block());
   const int lane = warp.thread_rank();
   const int n = blockIdx.x * 8 + warp.meta_group_rank();
@@ -92,58 +105,72 @@ inline constexpr const char* ROWS_QMV = R"cuda(
   if (n >= n_out) {
     return;
   }
-  const int rows = x_shape[0];
+  const int first = blockIdx.y * ROWS_AT_ONCE;
+  const int count = min(ROWS_AT_ONCE, x_shape[0] - first);
   const int groups = k / GROUP;
   const uint8_t* w_row = reinterpret_cast<const uint8_t*>(w) + (long)n * (k * BITS / 8);
   const CT* scale_row = reinterpret_cast<const CT*>(scales) + (long)n * groups;
   const CT* bias_row = reinterpret_cast<const CT*>(biases) + (long)n * groups;
-  const CT* xs = reinterpret_cast<const CT*>(x);
+  const CT* xs = reinterpret_cast<const CT*>(x) + (long)first * k;
   CT* outs = reinterpret_cast<CT*>(out);
-  const int rest = k % PER_STEP;
-  for (int first = 0; first < rows; first += ROWS_AT_ONCE) {
-    const int count = min(ROWS_AT_ONCE, rows - first);
-    cutlass::Array<Acc, E> sums[ROWS_AT_ONCE];
+  Acc sums[ROWS_AT_ONCE][E] = {};
+  // A lane's tiles: every STEP from lane E while a whole step fits, then the remainder's.
+  const int whole = k - k % STEP;
+  auto tile_at = [&](int t) { return lane * E + (t * STEP < whole ? t * STEP : whole); };
+  const int tiles = whole / STEP + (k % STEP != 0 && lane * E + whole < k ? 1 : 0);
+  for (int t0 = 0; t0 < tiles; t0 += AHEAD) {
+    cutlass::Array<Q, E> packed[AHEAD];
+    CT scale[AHEAD], bias[AHEAD];
 #pragma unroll
-    for (int r = 0; r < ROWS_AT_ONCE; r++) {
-      sums[r].clear();
+    for (int a = 0; a < AHEAD; a++) {
+      if (t0 + a < tiles) {
+        const int idx = tile_at(t0 + a);
+        packed[a] = *reinterpret_cast<const cutlass::Array<Q, E>*>(w_row + idx * BITS / 8);
+        scale[a] = scale_row[idx / GROUP];
+        bias[a] = bias_row[idx / GROUP];
+      }
     }
-    auto tile = [&](int idx) {
-      auto w_dq = verity_rows::dequantize<E>(reinterpret_cast<const Q*>(w_row + idx * BITS / 8),
-                                             scale_row[idx / GROUP], bias_row[idx / GROUP]);
 #pragma unroll
-      for (int r = 0; r < ROWS_AT_ONCE; r++) {
-        if (r < count) {
-          verity_rows::multiply_add<E>(xs + (long)(first + r) * k + idx, w_dq, sums[r]);
+    for (int a = 0; a < AHEAD; a++) {
+      if (t0 + a < tiles) {
+        const int idx = tile_at(t0 + a);
+        auto w_dq = verity_rows::dequantize(packed[a], scale[a], bias[a]);
+#pragma unroll
+        for (int r = 0; r < ROWS_AT_ONCE; r++) {
+          if (r < count) {
+            verity_rows::multiply_add<E>(xs + (long)r * k + idx, w_dq, sums[r]);
+          }
         }
       }
-    };
-    for (int step = 0; step < k / PER_STEP; step++) {
-      tile(lane * E + step * PER_STEP);
     }
-    if (rest != 0 && lane * E + k - rest < k) {
-      tile(lane * E + k - rest);
-    }
+  }
 #pragma unroll
-    for (int r = 0; r < ROWS_AT_ONCE; r++) {
-      if (r < count) {
-        float sum = 0.f;
+  for (int r = 0; r < ROWS_AT_ONCE; r++) {
+    if (r < count) {
+      float sum = 0.f;
 #pragma unroll
-        for (int i = 0; i < E; i++) {
-          sum += sums[r][i];
-        }
-        sum = cg::reduce(warp, sum, cg::plus<float>());
-        if (lane == 0) {
-          outs[(long)(first + r) * n_out + n] = static_cast<CT>(sum);
-        }
+      for (int i = 0; i < E; i++) {
+        sum += sums[r][i];
+      }
+      sum = cg::reduce(warp, sum, cg::plus<float>());
+      if (lane == 0) {
+        outs[(long)(first + r) * n_out + n] = static_cast<CT>(sum);
       }
     }
   }
 )cuda";
 
+// MLX's own kernels include cutlass before the CUDA standard library; here the custom kernel's
+// prelude has already included the latter, whose FP_* classification macros would break the
+// enum cutlass declares under those names (and defines them again to the same values).
 inline constexpr const char* ROWS_QMV_HEADER = R"cuda(
 #include <cooperative_groups/reduce.h>
-#include <cuda/std/type_traits>
-#include <cutlass/numeric_conversion.h>
+#undef FP_NAN
+#undef FP_INFINITE
+#undef FP_ZERO
+#undef FP_SUBNORMAL
+#undef FP_NORMAL
+#include "mlx/backend/cuda/device/cute_dequant.cuh"
 
 namespace verity_rows {
 
@@ -159,8 +186,8 @@ template <> struct Packed<8> { using type = uint8_t; };
 
 // One tile of N packed weights, dequantized in T as qmv does it.
 template <int N, typename T, typename Q>
-__device__ __forceinline__ cutlass::Array<T, N> dequantize(const Q* w, T scale, T bias) {
-  auto packed = *reinterpret_cast<const cutlass::Array<Q, N>*>(w);
+__device__ __forceinline__ cutlass::Array<T, N> dequantize(const cutlass::Array<Q, N>& packed,
+                                                           T scale, T bias) {
   cutlass::NumericArrayConverter<T, Q, N> convert;
   cutlass::Array<T, N> w_dq = convert(packed);
   if constexpr (cuda::std::is_same_v<T, float>) {
@@ -178,13 +205,14 @@ __device__ __forceinline__ cutlass::Array<T, N> dequantize(const Q* w, T scale, 
 // in T, or in float after widening both operands.
 template <int N, typename T, typename Acc>
 __device__ __forceinline__ void multiply_add(const T* x, const cutlass::Array<T, N>& w_dq,
-                                             cutlass::Array<Acc, N>& sums) {
+                                             Acc* sums) {
   auto x_vec = *reinterpret_cast<const cutlass::Array<T, N>*>(x);
+  auto* acc = reinterpret_cast<cutlass::Array<Acc, N>*>(sums);
   if constexpr (cuda::std::is_same_v<Acc, T>) {
-    sums = cutlass::fma(x_vec, w_dq, sums);
+    *acc = cutlass::fma(x_vec, w_dq, *acc);
   } else {
     cutlass::NumericArrayConverter<float, T, N> widen;
-    sums = cutlass::fma(widen(x_vec), widen(w_dq), sums);
+    *acc = cutlass::fma(widen(x_vec), widen(w_dq), *acc);
   }
 }
 

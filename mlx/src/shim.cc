@@ -533,9 +533,10 @@ ArrayPtr rows_attention(const Array& queries, const Array& keys, const Array& va
   return wrap(out.at(0));
 }
 
-// Each warp computes one output for every row (include/row_products.h): 8 warps a block.
-std::tuple<int, int, int> row_product_grid(const mx::array& w) {
-  return {(w.shape(0) + 7) / 8 * 256, 1, 1};
+// Each warp computes one output for up to 8 rows (include/row_products.h): 8 warps a block,
+// one block row per 8 rows.
+std::tuple<int, int, int> row_product_grid(const mx::array& x, const mx::array& w) {
+  return {(w.shape(0) + 7) / 8 * 256, (x.shape(0) + 7) / 8, 1};
 }
 
 ArrayPtr rows_gemv(const Array& x, const Array& w, int32_t npt) {
@@ -545,7 +546,7 @@ ArrayPtr rows_gemv(const Array& x, const Array& w, int32_t npt) {
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> tmpl = {{"T", a.dtype()},
                                                                      {"NPT", npt}};
   auto out = kernel({a, w.inner}, {{a.shape(0), w.inner.shape(0)}}, {a.dtype()},
-                    row_product_grid(w.inner), {256, 1, 1}, tmpl, std::nullopt, false, {});
+                    row_product_grid(a, w.inner), {256, 1, 1}, tmpl, std::nullopt, false, {});
   return wrap(out.at(0));
 }
 
@@ -558,7 +559,7 @@ ArrayPtr rows_qmv(const Array& x, const Array& w, const Array& scales, const Arr
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> tmpl = {
       {"T", a.dtype()}, {"BITS", bits}, {"GROUP", group_size}};
   auto out = kernel({a, w.inner, scales.inner, biases.inner}, {{a.shape(0), w.inner.shape(0)}},
-                    {a.dtype()}, row_product_grid(w.inner), {256, 1, 1}, tmpl, std::nullopt,
+                    {a.dtype()}, row_product_grid(a, w.inner), {256, 1, 1}, tmpl, std::nullopt,
                     false, {});
   return wrap(out.at(0));
 }
