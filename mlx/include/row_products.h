@@ -18,14 +18,12 @@
 
 namespace verity_mlx {
 
-// gemv's arithmetic (template NPT: 4 where K % 128 == 0, 2 where K % 64 == 0, else 1, for
-// aligned operands): lane l sums the products of elements NPT l + j, + 32 NPT, ... in float.
-// Loads are vectors where the operands are aligned, as gemv's are; a lane's products and their
-// order depend on NPT alone, not on how wide its loads are.
-inline constexpr const char* ROWS_GEMV = R"cuda(
+// How both kernels begin: warp w of block (b, y) computes output 8 b + w for rows 8 y to 8 y + 7
+// (as many as there are), K and N taken from the operands' shapes; weight rows are loaded
+// AHEAD steps at a time.
+inline constexpr const char* ROW_PRODUCT_PRELUDE = R"cuda(
   constexpr int ROWS_AT_ONCE = 8;
   constexpr int AHEAD = 4;
-  constexpr int STEP = 32 * NPT;
   auto warp = cg::tiled_partition<32>(cg::this_thread_block());
   const int lane = warp.thread_rank();
   const int n = blockIdx.x * 8 + warp.meta_group_rank();
@@ -36,6 +34,14 @@ inline constexpr const char* ROWS_GEMV = R"cuda(
   }
   const int first = blockIdx.y * ROWS_AT_ONCE;
   const int count = min(ROWS_AT_ONCE, x_shape[0] - first);
+)cuda";
+
+// gemv's arithmetic (template NPT: 4 where K % 128 == 0, 2 where K % 64 == 0, else 1, for
+// aligned operands): lane l sums the products of elements NPT l + j, + 32 NPT, ... in float.
+// Loads are vectors where the operands are aligned, as gemv's are; a lane's products and their
+// order depend on NPT alone, not on how wide its loads are.
+inline constexpr const char* ROWS_GEMV = R"cuda(
+  constexpr int STEP = 32 * NPT;
   const T* mat = w + (long)n * k;
   const T* vecs = x + (long)first * k;
   float sums[ROWS_AT_ONCE];
@@ -95,18 +101,6 @@ inline constexpr const char* ROWS_QMV = R"cuda(
   constexpr int E = (sizeof(T) <= 2 && BITS <= 4) ? 16 : 8;
   constexpr int STEP = 32 * E;
   using Acc = cuda::std::conditional_t<(BITS >= 8), float, CT>;
-  constexpr int ROWS_AT_ONCE = 8;
-  constexpr int AHEAD = 4;
-  auto warp = cg::tiled_partition<32>(cg::this_thread_block());
-  const int lane = warp.thread_rank();
-  const int n = blockIdx.x * 8 + warp.meta_group_rank();
-  const int k = x_shape[1];
-  const int n_out = w_shape[0];
-  if (n >= n_out) {
-    return;
-  }
-  const int first = blockIdx.y * ROWS_AT_ONCE;
-  const int count = min(ROWS_AT_ONCE, x_shape[0] - first);
   const int groups = k / GROUP;
   const uint8_t* w_row = reinterpret_cast<const uint8_t*>(w) + (long)n * (k * BITS / 8);
   const CT* scale_row = reinterpret_cast<const CT*>(scales) + (long)n * groups;

@@ -540,8 +540,9 @@ std::tuple<int, int, int> row_product_grid(const mx::array& x, const mx::array& 
 }
 
 ArrayPtr rows_gemv(const Array& x, const Array& w, int32_t npt) {
-  static const auto kernel = mx::fast::cuda_kernel("verity_rows_gemv", {"x", "w"}, {"out"},
-                                                   ROWS_GEMV, ROWS_GEMV_HEADER);
+  static const auto kernel =
+      mx::fast::cuda_kernel("verity_rows_gemv", {"x", "w"}, {"out"},
+                            std::string(ROW_PRODUCT_PRELUDE) + ROWS_GEMV, ROWS_GEMV_HEADER);
   const auto& a = x.inner;
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> tmpl = {{"T", a.dtype()},
                                                                      {"NPT", npt}};
@@ -554,7 +555,7 @@ ArrayPtr rows_qmv(const Array& x, const Array& w, const Array& scales, const Arr
                   int32_t group_size, int32_t bits) {
   static const auto kernel =
       mx::fast::cuda_kernel("verity_rows_qmv", {"x", "w", "scales", "biases"}, {"out"},
-                            ROWS_QMV, ROWS_QMV_HEADER);
+                            std::string(ROW_PRODUCT_PRELUDE) + ROWS_QMV, ROWS_QMV_HEADER);
   const auto& a = x.inner;
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> tmpl = {
       {"T", a.dtype()}, {"BITS", bits}, {"GROUP", group_size}};
