@@ -18,12 +18,11 @@
 
 namespace verity_mlx {
 
-// How both kernels begin: warp w of block (b, y) computes output 8 b + w for rows 8 y to 8 y + 7
-// (as many as there are), K and N taken from the operands' shapes; weight rows are loaded
-// AHEAD steps at a time.
+// How both kernels begin: warp w of block (b, y) computes output 8 b + w for rows ROWS y to
+// ROWS y + ROWS - 1 (as many as there are; template ROWS), K and N taken from the operands'
+// shapes; weight rows are loaded AHEAD steps at a time (template AHEAD), and a step's slices of
+// all its rows before any product, so that their loads are in flight together.
 inline constexpr const char* ROW_PRODUCT_PRELUDE = R"cuda(
-  constexpr int ROWS_AT_ONCE = 8;
-  constexpr int AHEAD = 4;
   auto warp = cg::tiled_partition<32>(cg::this_thread_block());
   const int lane = warp.thread_rank();
   const int n = blockIdx.x * 8 + warp.meta_group_rank();
@@ -32,8 +31,8 @@ inline constexpr const char* ROW_PRODUCT_PRELUDE = R"cuda(
   if (n >= n_out) {
     return;
   }
-  const int first = blockIdx.y * ROWS_AT_ONCE;
-  const int count = min(ROWS_AT_ONCE, x_shape[0] - first);
+  const int first = blockIdx.y * ROWS;
+  const int count = min(ROWS, x_shape[0] - first);
 )cuda";
 
 // gemv's arithmetic (template NPT: 4 where K % 128 == 0, 2 where K % 64 == 0, else 1, for
@@ -44,11 +43,7 @@ inline constexpr const char* ROWS_GEMV = R"cuda(
   constexpr int STEP = 32 * NPT;
   const T* mat = w + (long)n * k;
   const T* vecs = x + (long)first * k;
-  float sums[ROWS_AT_ONCE];
-#pragma unroll
-  for (int r = 0; r < ROWS_AT_ONCE; r++) {
-    sums[r] = 0.f;
-  }
+  float sums[ROWS] = {};
   for (int base = NPT * lane; base < k; base += AHEAD * STEP) {
     AlignedVector<T, NPT> m[AHEAD];
 #pragma unroll
@@ -61,13 +56,19 @@ inline constexpr const char* ROWS_GEMV = R"cuda(
     for (int a = 0; a < AHEAD; a++) {
       const int col = base + a * STEP;
       if (col < k) {
+        AlignedVector<T, NPT> v[ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS_AT_ONCE; r++) {
+        for (int r = 0; r < ROWS; r++) {
           if (r < count) {
-            auto v = load_vector<NPT>(vecs + (long)r * k + col, 0);
+            v[r] = load_vector<NPT>(vecs + (long)r * k + col, 0);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+          if (r < count) {
 #pragma unroll
             for (int j = 0; j < NPT; j++) {
-              sums[r] += static_cast<float>(m[a][j]) * static_cast<float>(v[j]);
+              sums[r] += static_cast<float>(m[a][j]) * static_cast<float>(v[r][j]);
             }
           }
         }
@@ -75,7 +76,7 @@ inline constexpr const char* ROWS_GEMV = R"cuda(
     }
   }
 #pragma unroll
-  for (int r = 0; r < ROWS_AT_ONCE; r++) {
+  for (int r = 0; r < ROWS; r++) {
     if (r < count) {
       float sum = cg::reduce(warp, sums[r], cg::plus<float>());
       if (lane == 0) {
@@ -107,7 +108,7 @@ inline constexpr const char* ROWS_QMV = R"cuda(
   const CT* bias_row = reinterpret_cast<const CT*>(biases) + (long)n * groups;
   const CT* xs = reinterpret_cast<const CT*>(x) + (long)first * k;
   CT* outs = reinterpret_cast<CT*>(out);
-  Acc sums[ROWS_AT_ONCE][E] = {};
+  Acc sums[ROWS][E] = {};
   // A lane's tiles: every STEP from lane E while a whole step fits, then the remainder's.
   const int whole = k - k % STEP;
   auto tile_at = [&](int t) { return lane * E + (t * STEP < whole ? t * STEP : whole); };
@@ -128,18 +129,25 @@ inline constexpr const char* ROWS_QMV = R"cuda(
     for (int a = 0; a < AHEAD; a++) {
       if (t0 + a < tiles) {
         const int idx = tile_at(t0 + a);
+        cutlass::Array<CT, E> xv[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+          if (r < count) {
+            xv[r] = *reinterpret_cast<const cutlass::Array<CT, E>*>(xs + (long)r * k + idx);
+          }
+        }
         auto w_dq = verity_rows::dequantize(packed[a], scale[a], bias[a]);
 #pragma unroll
-        for (int r = 0; r < ROWS_AT_ONCE; r++) {
+        for (int r = 0; r < ROWS; r++) {
           if (r < count) {
-            verity_rows::multiply_add<E>(xs + (long)r * k + idx, w_dq, sums[r]);
+            verity_rows::multiply_add(xv[r], w_dq, sums[r]);
           }
         }
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < ROWS_AT_ONCE; r++) {
+  for (int r = 0; r < ROWS; r++) {
     if (r < count) {
       float sum = 0.f;
 #pragma unroll
@@ -198,9 +206,8 @@ __device__ __forceinline__ cutlass::Array<T, N> dequantize(const cutlass::Array<
 // One row's N products with a dequantized tile, fused into its accumulators as qmv does it:
 // in T, or in float after widening both operands.
 template <int N, typename T, typename Acc>
-__device__ __forceinline__ void multiply_add(const T* x, const cutlass::Array<T, N>& w_dq,
-                                             Acc* sums) {
-  auto x_vec = *reinterpret_cast<const cutlass::Array<T, N>*>(x);
+__device__ __forceinline__ void multiply_add(const cutlass::Array<T, N>& x_vec,
+                                             const cutlass::Array<T, N>& w_dq, Acc* sums) {
   auto* acc = reinterpret_cast<cutlass::Array<Acc, N>*>(sums);
   if constexpr (cuda::std::is_same_v<Acc, T>) {
     *acc = cutlass::fma(x_vec, w_dq, *acc);

@@ -145,18 +145,33 @@ pub fn rows_attention(
     ))
 }
 
+/// How the row-product kernels split their work: each warp computes one output for `rows` rows
+/// per load of its weight row, loading `ahead` steps of that row at a time. Neither changes a
+/// row's arithmetic, only how many warps there are and how many loads each has in flight.
+#[derive(Clone, Copy, Debug)]
+pub struct RowTiling {
+    pub rows: i32,
+    pub ahead: i32,
+}
+
 /// `x @ w.T` for `x` (rows, K) and a row-major weight `w` (N, K) in one call on CUDA, each row
 /// with the float operations of MLX's gemv for a lone row (`npt` elements per lane and step, as
-/// gemv picks them by K), every weight row loaded once for up to 8 rows
+/// gemv picks them by K), every weight row loaded once per `tiling.rows` rows
 /// (include/row_products.h). CUDA only: other backends fail at evaluation.
-pub fn rows_gemv(x: &Array, w: &Array, npt: i32) -> Result<Array> {
-    wrap(ffi::rows_gemv(x.ffi(), w.ffi(), npt))
+pub fn rows_gemv(x: &Array, w: &Array, npt: i32, tiling: RowTiling) -> Result<Array> {
+    wrap(ffi::rows_gemv(
+        x.ffi(),
+        w.ffi(),
+        npt,
+        tiling.rows,
+        tiling.ahead,
+    ))
 }
 
 /// `quantized_matmul(x, w, scales, biases, transpose=True)` in affine mode for `x` (rows, K) in
 /// one call on CUDA, each row with the float operations of MLX's qmv for a lone row, every
-/// packed weight row loaded once for up to 8 rows (include/row_products.h). `bits` 4 or 8.
-/// CUDA only: other backends fail at evaluation.
+/// packed weight row loaded once per `tiling.rows` rows (include/row_products.h).
+/// `bits` 4 or 8. CUDA only: other backends fail at evaluation.
 pub fn rows_qmv(
     x: &Array,
     w: &Array,
@@ -164,6 +179,7 @@ pub fn rows_qmv(
     biases: &Array,
     group_size: i32,
     bits: i32,
+    tiling: RowTiling,
 ) -> Result<Array> {
     wrap(ffi::rows_qmv(
         x.ffi(),
@@ -172,5 +188,7 @@ pub fn rows_qmv(
         biases.ffi(),
         group_size,
         bits,
+        tiling.rows,
+        tiling.ahead,
     ))
 }

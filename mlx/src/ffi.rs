@@ -306,7 +306,13 @@ pub(crate) mod bridge {
             two_pass: bool,
         ) -> Result<UniquePtr<Array>>;
 
-        fn rows_gemv(x: &Array, w: &Array, npt: i32) -> Result<UniquePtr<Array>>;
+        fn rows_gemv(
+            x: &Array,
+            w: &Array,
+            npt: i32,
+            rows: i32,
+            ahead: i32,
+        ) -> Result<UniquePtr<Array>>;
         fn rows_qmv(
             x: &Array,
             w: &Array,
@@ -314,6 +320,8 @@ pub(crate) mod bridge {
             biases: &Array,
             group_size: i32,
             bits: i32,
+            rows: i32,
+            ahead: i32,
         ) -> Result<UniquePtr<Array>>;
 
         // mx::random, always with an explicit key (see random.rs).
