@@ -53,48 +53,15 @@ fn dense_and_quantized_products_have_the_ordinary_bits_at_every_row_count() {
     }
 }
 
-/// Asserts that each row of `got` (rows, N) has the bits of `alone` on that row by itself.
-fn assert_lone_bits(got: &Array, x: &Array, alone: impl Fn(&Array) -> Array, what: &str) {
-    for r in 0..x.dim(0) {
-        let row = x.slice_axis(0, r, r + 1).unwrap();
-        assert_eq!(
-            got.slice_axis(0, r, r + 1).unwrap().to_bytes().unwrap(),
-            alone(&row).to_bytes().unwrap(),
-            "{what}, row {r} of {}",
-            x.dim(0)
-        );
-    }
-}
-
-/// On CUDA the one-call products (`verity::model::row_products`) must pass their own checks at
-/// the shapes of a model's projections and give each row its lone product's bits (the gpu
-/// profile runs this there); elsewhere they are never taken.
+/// On CUDA the one-call quantized product (`verity::model::row_products`) must pass its own
+/// check at the shapes of a model's projections and give each row its lone product's bits (the
+/// gpu profile runs this there); elsewhere it is never taken.
 #[test]
 fn the_one_call_products_give_each_row_its_lone_product() {
     support::on_invariant_device();
     let cuda = mlx::default_is_cuda();
-    let row_counts = [1, 8, 9, 32];
-    // Dense: K through gemv's three lane widths (128, 64 and 32 wide), in f32 and bf16.
-    for (k, n, dtype) in [
-        (128, 96, Dtype::Float32),
-        (1024, 3072, Dtype::Bfloat16),
-        (192, 64, Dtype::Bfloat16),
-        (96, 40, Dtype::Float32),
-    ] {
-        let w = normal(&[n, k], 3).astype(dtype).unwrap();
-        let wt = w.transpose(&[1, 0]).unwrap();
-        for rows in row_counts {
-            let x = normal(&[rows, k], 20 + rows as u64).astype(dtype).unwrap();
-            let got = row_products::dense(&x, &w).unwrap();
-            let what = format!("dense, K {k} N {n} {dtype:?}");
-            assert_eq!(got.is_some(), cuda, "{what}: taken on CUDA only");
-            if let Some(got) = got {
-                assert_lone_bits(&got, &x, |row| row.matmul(&wt).unwrap(), &what);
-            }
-        }
-    }
-    // Packed: qmv's 16- and 8-element tiles, K with and without a remainder past whole warp
-    // steps (640 = 512 + 128), each group size, 4 and 8 bits.
+    // qmv's 16- and 8-element tiles, K with and without a remainder past whole warp steps
+    // (640 = 512 + 128), each group size, 4 and 8 bits; row counts around the kernel's groups.
     for (k, n, dtype, group_size, bits) in [
         (1024, 3072, Dtype::Bfloat16, 64, 4),
         (640, 200, Dtype::Bfloat16, 32, 4),
@@ -103,33 +70,31 @@ fn the_one_call_products_give_each_row_its_lone_product() {
     ] {
         let w = normal(&[n, k], 4).astype(dtype).unwrap();
         let q = ops::quantize(&w, group_size, bits, "affine").unwrap();
-        let packed = row_products::Packed {
-            weight: &q[0],
-            scales: &q[1],
-            biases: &q[2],
-            group_size,
-            bits,
-        };
-        let lone = |row: &Array| {
-            ops::quantized_matmul(
-                row,
-                &q[0],
-                &q[1],
-                Some(&q[2]),
-                true,
-                group_size,
-                bits,
-                "affine",
-            )
-            .unwrap()
-        };
-        for rows in row_counts {
+        let (w, scales, biases) = (&q[0], &q[1], &q[2]);
+        for rows in [1, 2, 3, 8, 9, 32] {
             let x = normal(&[rows, k], 40 + rows as u64).astype(dtype).unwrap();
-            let got = row_products::quantized(&x, &packed).unwrap();
+            let got = row_products::quantized(&x, w, scales, biases, group_size, bits).unwrap();
             let what = format!("{bits}-bit, group {group_size}, K {k} N {n} {dtype:?}");
             assert_eq!(got.is_some(), cuda, "{what}: taken on CUDA only");
-            if let Some(got) = got {
-                assert_lone_bits(&got, &x, lone, &what);
+            let Some(got) = got else { continue };
+            for r in 0..rows {
+                let row = x.slice_axis(0, r, r + 1).unwrap();
+                let alone = ops::quantized_matmul(
+                    &row,
+                    w,
+                    scales,
+                    Some(biases),
+                    true,
+                    group_size,
+                    bits,
+                    "affine",
+                )
+                .unwrap();
+                assert_eq!(
+                    got.slice_axis(0, r, r + 1).unwrap().to_bytes().unwrap(),
+                    alone.to_bytes().unwrap(),
+                    "{what}, row {r} of {rows}"
+                );
             }
         }
     }

@@ -1,28 +1,32 @@
-// Products of several rows by one weight in one call, each row with the float operations of
-// the kernel MLX runs for a lone row, in their order, every weight row loaded once for up to 8
-// rows.
+// Products of several rows by one packed weight in one call, each row with the float
+// operations of the kernel MLX runs for a lone row, in their order, every weight row loaded once
+// for ROWS rows.
 //
-// A lone decode step on CUDA multiplies its one row by a transposed dense weight with MLX's
-// gemv (mlx/backend/cuda/gemms/gemv.cu) and by a packed weight with qmv
-// (mlx/backend/cuda/quantized/qmm/qmv.cu): one warp per output, each lane accumulating its own
-// slice of K in a fixed order, then one warp reduction. The forms that give a batch's rows those
-// bits through MLX's own calls (a batched gemv; gather_qmm over 7 rows at a time) read the whole
-// weight once per row. Here each warp loads its output's weight chunk once and feeds it to up to
-// 8 rows' sums, each sum taking its operations in the lone kernel's order, so each row gets its
-// lone step's bits while the weight is read once per 8 rows from the cache. The caller
-// (src/model/row_products.rs) checks once per process and shape that this matches MLX's own
-// call before trusting it. The row count, K and N come from the operands' shapes (launch
-// parameters): a scalar input made on the host would live in managed memory, which the GPU
-// reads across the bus at every call.
+// A lone decode step on CUDA multiplies its one row by an affine-quantized weight with MLX's
+// qmv (mlx/backend/cuda/quantized/qmm/qmv.cu): one warp per output, each lane accumulating its
+// own tiles of K in a fixed order, then one warp reduction. The form that gives a batch's rows
+// those bits through MLX's own calls (gather_qmm over 7 rows at a time) reads the whole weight
+// once per row. Here each warp loads its output's weight tile once and feeds it to ROWS rows'
+// sums, each sum taking its operations in qmv's order, so each row gets its lone step's bits
+// while the weight is read once per ROWS rows. The caller (src/model/row_products.rs) checks
+// once per process and shape that this matches MLX's own call before trusting it. The row
+// count, K and N come from the operands' shapes (launch parameters): a scalar input made on the
+// host would live in managed memory, which the GPU reads across the bus at every call.
 #pragma once
 
 namespace verity_mlx {
 
-// How both kernels begin: warp w of block (b, y) computes output 8 b + w for rows ROWS y to
-// ROWS y + ROWS - 1 (as many as there are; template ROWS), K and N taken from the operands'
-// shapes; weight rows are loaded AHEAD steps at a time (template AHEAD), and a step's slices of
-// all its rows before any product, so that their loads are in flight together.
-inline constexpr const char* ROW_PRODUCT_PRELUDE = R"cuda(
+// Warp w of block (b, y) computes output 8 b + w for rows ROWS y to ROWS y + ROWS - 1 (as many
+// as there are); its weight tiles are loaded AHEAD at a time, and a tile's slices of all its
+// rows before any product, so that their loads are in flight together (templates ROWS, AHEAD).
+//
+// qmv's arithmetic for affine-quantized weights (template T, BITS 4 or 8, GROUP): a lane takes
+// tiles of E consecutive elements (16 where T is 16 bits wide and BITS is 4, else 8), E apart
+// per lane and 32 E apart per step, then one tile of the remainder; a tile's weight is
+// dequantized in T (w * scale + bias, as cutlass's array operators compute it), and each of its
+// E products is a fused multiply-add into its own accumulator, in T where BITS < 8, else in
+// float; the E accumulators are then summed in float and reduced across the warp.
+inline constexpr const char* ROWS_QMV = R"cuda(
   auto warp = cg::tiled_partition<32>(cg::this_thread_block());
   const int lane = warp.thread_rank();
   const int n = blockIdx.x * 8 + warp.meta_group_rank();
@@ -33,70 +37,6 @@ inline constexpr const char* ROW_PRODUCT_PRELUDE = R"cuda(
   }
   const int first = blockIdx.y * ROWS;
   const int count = min(ROWS, x_shape[0] - first);
-)cuda";
-
-// gemv's arithmetic (template NPT: 4 where K % 128 == 0, 2 where K % 64 == 0, else 1, for
-// aligned operands): lane l sums the products of elements NPT l + j, + 32 NPT, ... in float.
-// Loads are vectors where the operands are aligned, as gemv's are; a lane's products and their
-// order depend on NPT alone, not on how wide its loads are.
-inline constexpr const char* ROWS_GEMV = R"cuda(
-  constexpr int STEP = 32 * NPT;
-  const T* mat = w + (long)n * k;
-  const T* vecs = x + (long)first * k;
-  float sums[ROWS] = {};
-  for (int base = NPT * lane; base < k; base += AHEAD * STEP) {
-    AlignedVector<T, NPT> m[AHEAD];
-#pragma unroll
-    for (int a = 0; a < AHEAD; a++) {
-      if (base + a * STEP < k) {
-        m[a] = load_vector<NPT>(mat + base + a * STEP, 0);
-      }
-    }
-#pragma unroll
-    for (int a = 0; a < AHEAD; a++) {
-      const int col = base + a * STEP;
-      if (col < k) {
-        AlignedVector<T, NPT> v[ROWS];
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-          if (r < count) {
-            v[r] = load_vector<NPT>(vecs + (long)r * k + col, 0);
-          }
-        }
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-          if (r < count) {
-#pragma unroll
-            for (int j = 0; j < NPT; j++) {
-              sums[r] += static_cast<float>(m[a][j]) * static_cast<float>(v[r][j]);
-            }
-          }
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < ROWS; r++) {
-    if (r < count) {
-      float sum = cg::reduce(warp, sums[r], cg::plus<float>());
-      if (lane == 0) {
-        out[(long)(first + r) * n_out + n] = static_cast<T>(sum);
-      }
-    }
-  }
-)cuda";
-
-inline constexpr const char* ROWS_GEMV_HEADER = R"cuda(
-#include <cooperative_groups/reduce.h>
-)cuda";
-
-// qmv's arithmetic for affine-quantized weights (template T, BITS 4 or 8, GROUP): a lane takes
-// tiles of E consecutive elements (16 where T is 16 bits wide and BITS is 4, else 8), E apart
-// per lane and 32 E apart per step, then one tile of the remainder; a tile's weight is
-// dequantized in T (w * scale + bias, as cutlass's array operators compute it), and each of its
-// E products is a fused multiply-add into its own accumulator, in T where BITS < 8, else in
-// float; the E accumulators are then summed in float and reduced across the warp.
-inline constexpr const char* ROWS_QMV = R"cuda(
   using CT = typename verity_rows::Cutlass<T>::type;
   using Q = typename verity_rows::Packed<BITS>::type;
   constexpr int E = (sizeof(T) <= 2 && BITS <= 4) ? 16 : 8;

@@ -122,7 +122,6 @@ ArrayPtr scaled_dot_product_attention(const Array& queries, const Array& keys,
 ArrayPtr rows_attention(const Array& queries, const Array& keys, const Array& values,
                         const Array& slots, const Array& extents, float one_pass_scale_log2,
                         float two_pass_scale_log2, bool two_pass);
-ArrayPtr rows_gemv(const Array& x, const Array& w, int32_t npt, int32_t rows, int32_t ahead);
 ArrayPtr rows_qmv(const Array& x, const Array& w, const Array& scales, const Array& biases,
                   int32_t group_size, int32_t bits, int32_t rows, int32_t ahead);
 

@@ -145,27 +145,13 @@ pub fn rows_attention(
     ))
 }
 
-/// How the row-product kernels split their work: each warp computes one output for `rows` rows
-/// per load of its weight row, loading `ahead` steps of that row at a time. Neither changes a
+/// How the row-product kernel splits its work: each warp computes one output for `rows` rows
+/// per load of its weight row, loading `ahead` tiles of that row at a time. Neither changes a
 /// row's arithmetic, only how many warps there are and how many loads each has in flight.
 #[derive(Clone, Copy, Debug)]
 pub struct RowTiling {
     pub rows: i32,
     pub ahead: i32,
-}
-
-/// `x @ w.T` for `x` (rows, K) and a row-major weight `w` (N, K) in one call on CUDA, each row
-/// with the float operations of MLX's gemv for a lone row (`npt` elements per lane and step, as
-/// gemv picks them by K), every weight row loaded once per `tiling.rows` rows
-/// (include/row_products.h). CUDA only: other backends fail at evaluation.
-pub fn rows_gemv(x: &Array, w: &Array, npt: i32, tiling: RowTiling) -> Result<Array> {
-    wrap(ffi::rows_gemv(
-        x.ffi(),
-        w.ffi(),
-        npt,
-        tiling.rows,
-        tiling.ahead,
-    ))
 }
 
 /// `quantized_matmul(x, w, scales, biases, transpose=True)` in affine mode for `x` (rows, K) in

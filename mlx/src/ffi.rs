@@ -306,13 +306,6 @@ pub(crate) mod bridge {
             two_pass: bool,
         ) -> Result<UniquePtr<Array>>;
 
-        fn rows_gemv(
-            x: &Array,
-            w: &Array,
-            npt: i32,
-            rows: i32,
-            ahead: i32,
-        ) -> Result<UniquePtr<Array>>;
         fn rows_qmv(
             x: &Array,
             w: &Array,

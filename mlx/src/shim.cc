@@ -533,37 +533,20 @@ ArrayPtr rows_attention(const Array& queries, const Array& keys, const Array& va
   return wrap(out.at(0));
 }
 
-// Each warp computes one output for up to `rows` rows (include/row_products.h): 8 warps a
-// block, one block row per `rows` rows.
-std::tuple<int, int, int> row_product_grid(const mx::array& x, const mx::array& w, int rows) {
-  return {(w.shape(0) + 7) / 8 * 256, (x.shape(0) + rows - 1) / rows, 1};
-}
-
-ArrayPtr rows_gemv(const Array& x, const Array& w, int32_t npt, int32_t rows, int32_t ahead) {
-  static const auto kernel =
-      mx::fast::cuda_kernel("verity_rows_gemv", {"x", "w"}, {"out"},
-                            std::string(ROW_PRODUCT_PRELUDE) + ROWS_GEMV, ROWS_GEMV_HEADER);
-  const auto& a = x.inner;
-  std::vector<std::pair<std::string, mx::fast::TemplateArg>> tmpl = {{"T", a.dtype()},
-                                                                     {"NPT", npt},
-                                                                     {"ROWS", rows},
-                                                                     {"AHEAD", ahead}};
-  auto out = kernel({a, w.inner}, {{a.shape(0), w.inner.shape(0)}}, {a.dtype()},
-                    row_product_grid(a, w.inner, rows), {256, 1, 1}, tmpl, std::nullopt, false, {});
-  return wrap(out.at(0));
-}
-
+// Each warp computes one output for `rows` rows (include/row_products.h): 8 warps a block,
+// one block row per `rows` rows.
 ArrayPtr rows_qmv(const Array& x, const Array& w, const Array& scales, const Array& biases,
                   int32_t group_size, int32_t bits, int32_t rows, int32_t ahead) {
   static const auto kernel =
       mx::fast::cuda_kernel("verity_rows_qmv", {"x", "w", "scales", "biases"}, {"out"},
-                            std::string(ROW_PRODUCT_PRELUDE) + ROWS_QMV, ROWS_QMV_HEADER);
+                            ROWS_QMV, ROWS_QMV_HEADER);
   const auto& a = x.inner;
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> tmpl = {
       {"T", a.dtype()}, {"BITS", bits}, {"GROUP", group_size}, {"ROWS", rows}, {"AHEAD", ahead}};
-  auto out = kernel({a, w.inner, scales.inner, biases.inner}, {{a.shape(0), w.inner.shape(0)}},
-                    {a.dtype()}, row_product_grid(a, w.inner, rows), {256, 1, 1}, tmpl, std::nullopt,
-                    false, {});
+  const int n = w.inner.shape(0);
+  std::tuple<int, int, int> grid = {(n + 7) / 8 * 256, (a.shape(0) + rows - 1) / rows, 1};
+  auto out = kernel({a, w.inner, scales.inner, biases.inner}, {{a.shape(0), n}}, {a.dtype()}, grid,
+                    {256, 1, 1}, tmpl, std::nullopt, false, {});
   return wrap(out.at(0));
 }
 

@@ -13,9 +13,9 @@
 //!   transposed strides, and the batched gemv computes each row as gemv computes it alone;
 //! - a quantized product through `gather_qmm` over at most [`QMV_ROWS`] rows per call, which
 //!   runs qmv's per-row kernel (quantized_matmul would take qmm there);
-//! - on CUDA, where it checks out, either product in one call that repeats gemv's or qmv's
-//!   arithmetic for up to 8 rows per weight load instead ([`crate::model::row_products`]),
-//!   since both forms above read the whole weight once per row;
+//! - on CUDA, where it checks out, the quantized product in one call that repeats qmv's
+//!   arithmetic for several rows per weight load instead ([`crate::model::row_products`]),
+//!   since `gather_qmm` reads the whole weight once per row;
 //! - attention one query at a time over its own key extent: the one-token step's call itself.
 //!
 //! RMS norms, RoPE at offsets, softmax, logsumexp, argmax and gathers already give each row its
@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use mlx::{ops, Array, Dtype, Result};
 
-use crate::model::row_products::{self, Packed};
+use crate::model::row_products;
 
 /// The most rows one `gather_qmm` call takes and still runs qmv's kernel (MLX switches to a
 /// tiled kernel at 8 rows).
@@ -127,8 +127,7 @@ pub(crate) fn rows(x: &Array) -> i32 {
 }
 
 /// `x @ wt` for `wt` (K, N) a transposed view of a row-major (N, K) weight, each row by the
-/// rows kernel or the batched gemv ([module docs](self)); the result has `x`'s shape with N
-/// last.
+/// batched gemv ([module docs](self)); the result has `x`'s shape with N last.
 ///
 /// A one-output product (qwen3_next's shared-expert gate) stays one call: with N = 1, MLX runs
 /// gemv over `x`'s rows whatever their number, and each row gets its lone bits, where the
@@ -139,17 +138,13 @@ pub fn dense(x: &Array, wt: &Array) -> Result<Array> {
     if n == 1 {
         return x.matmul(wt);
     }
-    let flat = x.reshape(&[rows, k])?;
-    if let Some(out) = row_products::dense(&flat, &wt.transpose(&[1, 0])?)? {
-        return out.reshape(&out_shape(x, n));
-    }
     let lhs = x.reshape(&[rows, k, 1])?.transpose(&[0, 2, 1])?;
     let out = lhs.matmul(&wt.broadcast_to(&[rows, k, n])?)?;
     out.reshape(&out_shape(x, n))
 }
 
-/// `quantized_matmul(x, w, ...)` (transposed weight) each row by qmv's kernel, in calls of at
-/// most [`QMV_ROWS`] rows.
+/// `quantized_matmul(x, w, ...)` (transposed weight) each row by qmv's arithmetic: in one call
+/// where [`row_products`] takes it, else by qmv itself in calls of at most [`QMV_ROWS`] rows.
 #[allow(clippy::too_many_arguments)]
 pub fn quantized(
     x: &Array,
@@ -163,14 +158,8 @@ pub fn quantized(
 ) -> Result<Array> {
     let (k, rows) = (x.dim(-1), rows(x));
     if let (Some(biases), "affine") = (biases, mode) {
-        let packed = Packed {
-            weight: w,
-            scales,
-            biases,
-            group_size,
-            bits,
-        };
-        if let Some(out) = row_products::quantized(&x.reshape(&[rows, k])?, &packed)? {
+        let flat = x.reshape(&[rows, k])?;
+        if let Some(out) = row_products::quantized(&flat, w, scales, biases, group_size, bits)? {
             return out.reshape(&out_shape(x, out_dims));
         }
     }
