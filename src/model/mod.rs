@@ -9,6 +9,7 @@ pub mod gemma4_rope;
 pub mod gemma4_text;
 pub mod glm4_moe;
 pub mod glm4_moe_lite;
+pub mod kernel_checks;
 pub mod layers;
 pub mod llama;
 pub mod lone_rows;

@@ -10,10 +10,9 @@
 //! Dense weights keep the batched gemv: the same kind of call for gemv's arithmetic was correct,
 //! and faster on a weight held in L2, but slower when serving the 0.6B bf16 shape.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-
 use mlx::{fast, ops, random, Array, Dtype, Result};
+
+use crate::model::kernel_checks::KernelChecks;
 
 /// How the kernel splits its work (rows per weight load, tiles loaded at a time): of nine tilings
 /// timed on an H100 over a 4B-shape projection at 8 and 32 rows, within 2% of the fastest, and
@@ -24,11 +23,11 @@ const TILING: fast::RowTiling = fast::RowTiling { rows: 2, ahead: 1 };
 /// several groups of rows, one of them cut short, are checked.
 const CHECKED_ROWS: i32 = 11;
 
-/// What a check covered: element type, K, N, group size and bits.
-type Shape = (Dtype, i32, i32, i32, i32);
-
-/// Whether the check passed, per shape, once per process.
-static CHECKED: Mutex<Option<HashMap<Shape, bool>>> = Mutex::new(None);
+/// Whether the check passed, per element type, K, N, group size and bits, once per process.
+static CHECKS: KernelChecks<(Dtype, i32, i32, i32, i32), ()> = KernelChecks::new(
+    "one-call lone-row product (element type, K, N, group size, bits)",
+    "batch rows keep gather_qmm",
+);
 
 /// `quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits, "affine")` for `x`
 /// (rows, K) in one call, where that gives every row the bits of its lone product; None where
@@ -64,37 +63,15 @@ pub fn quantized(
             "affine",
         )
     };
+    let check = || Ok(matches(dtype, k, product, lone)?.then_some(()));
     if !fits
-        || !verified((dtype, k, w.dim(0), group_size, bits), || {
-            matches(dtype, k, product, lone)
-        })
+        || CHECKS
+            .outcome((dtype, k, w.dim(0), group_size, bits), check)
+            .is_none()
     {
         return Ok(None);
     }
     Ok(Some(product(x)?))
-}
-
-/// Whether the check for `shape` passed, running it the first time.
-fn verified(shape: Shape, check: impl FnOnce() -> Result<bool>) -> bool {
-    let mut checked = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
-    let checked = checked.get_or_insert_with(HashMap::new);
-    if let Some(&found) = checked.get(&shape) {
-        return found;
-    }
-    // A kernel that does not build or run here is one that does not match.
-    let found = check().unwrap_or_else(|e| {
-        tracing::warn!("the one-call lone-row product failed on this libmlx: {e}");
-        false
-    });
-    if !found {
-        let (dtype, k, n, group_size, bits) = shape;
-        tracing::warn!(
-            "the one-call lone-row product differs from MLX's qmv for {dtype:?} at K {k} N {n}, \
-             {bits}-bit in groups of {group_size}: batch rows keep gather_qmm"
-        );
-    }
-    checked.insert(shape, found);
-    found
 }
 
 /// Whether random rows through `product` all at once get the bits of each row through `lone`,

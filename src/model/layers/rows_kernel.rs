@@ -6,13 +6,12 @@
 //! per element type and head size against MLX's own call, for short and long rows, before any
 //! batch trusts it. A libmlx that rounds otherwise keeps the call per row.
 
-use std::collections::HashMap;
 use std::f64::consts::LOG2_E;
-use std::sync::Mutex;
 
 use mlx::{fast, ops, random, Array, Dtype, Result};
 
 use crate::cache::RowsKv;
+use crate::model::kernel_checks::KernelChecks;
 
 /// How a kernel rounds the attention scale into base 2 (the two MLX kernels differ).
 #[derive(Clone, Copy, Debug)]
@@ -35,11 +34,11 @@ impl Log2e {
 /// How the one-pass and the two-pass kernels round the scale, where they match MLX's.
 type Rounding = (Log2e, Log2e);
 
-/// The rounding found per (element type, head_dim); None where none matched.
-type Checked = HashMap<(Dtype, i32), Option<Rounding>>;
-
-/// The check's outcome, once per process.
-static CHECKED: Mutex<Option<Checked>> = Mutex::new(None);
+/// The rounding found per (element type, head_dim), once per process.
+static CHECKS: KernelChecks<(Dtype, i32), Rounding> = KernelChecks::new(
+    "one-call batch attention (element type, head_dim)",
+    "batch rows attend with a call each",
+);
 
 /// How to call `fast::rows_attention` for one batch step.
 pub struct OneCall {
@@ -74,24 +73,7 @@ pub fn verified(dtype: Dtype, head_dim: i32) -> bool {
 }
 
 fn rounding(dtype: Dtype, head_dim: i32) -> Option<Rounding> {
-    let mut checked = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
-    let checked = checked.get_or_insert_with(HashMap::new);
-    if let Some(&found) = checked.get(&(dtype, head_dim)) {
-        return found;
-    }
-    // A kernel that does not build or run here is one that does not match.
-    let found = find_rounding(dtype, head_dim).unwrap_or_else(|e| {
-        tracing::warn!("the one-call batch attention failed on this libmlx: {e}");
-        None
-    });
-    if found.is_none() {
-        tracing::warn!(
-            "the one-call batch attention differs from MLX's own call for {dtype:?} at head_dim \
-             {head_dim}: batch rows attend with a call each"
-        );
-    }
-    checked.insert((dtype, head_dim), found);
-    found
+    CHECKS.outcome((dtype, head_dim), || find_rounding(dtype, head_dim))
 }
 
 /// The scale roundings under which rows of random keys (short ones, then short and long ones
