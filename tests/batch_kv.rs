@@ -1,6 +1,6 @@
 //! A batch step's attention over one shared KV cache per layer (`BatchKvCache`) gives every
 //! token the bits its lone one-token step gives it over a KV cache of its own: rows of head_dim
-//! 64, 96 and 128, in float32 and bfloat16, with grouped KV heads, some of whose keys pass 1024
+//! 32, 64, 96 and 128, in float32 and bfloat16, with grouped KV heads, some of whose keys pass 1024
 //! (where a lone step on CUDA leaves the one-pass kernel that the batch's one attention call
 //! repeats), speculative rows verifying several tokens and taking rejected ones back, rows
 //! joining (growing the buffer's slots and capacity) and leaving between steps. On the CPU each
@@ -184,6 +184,14 @@ fn check(d: i32, dtype: Dtype) {
         shape,
         2100,
     );
+}
+
+/// Head_dim 32, which MLX attends unfused on CUDA: there a lone step and a batch both attend
+/// through the rows kernels (`rows_kernel::alone`).
+#[test]
+fn head_dim_32_rows_equal_their_lone_steps() {
+    check(32, Dtype::Float32);
+    check(32, Dtype::Bfloat16);
 }
 
 #[test]

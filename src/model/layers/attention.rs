@@ -224,6 +224,15 @@ fn attend_each_query(q: &Array, keys: &Array, values: &Array, scale: f32) -> Res
     query_by_query(q, &steps, &masks, scale)
 }
 
+/// One attention call over dense keys: MLX's fused call, or for a query of a head size MLX
+/// attends unfused, the rows kernels' call that a batch makes for it too ([`rows_kernel::alone`]).
+fn one_call(q: &Array, keys: &Array, values: &Array, scale: f32, mask: &Mask) -> Result<Array> {
+    match rows_kernel::alone(q, keys, values, scale, mask)? {
+        Some(out) => Ok(out),
+        None => fast::scaled_dot_product_attention(q, keys, values, scale, mask.as_sdpa()?, None),
+    }
+}
+
 /// Query t of `q` (1, heads, T, head_dim) over `steps[t]`'s keys and values with `masks[t]`,
 /// one attention call each, joined on the query axis.
 fn query_by_query(
@@ -238,21 +247,15 @@ fn query_by_query(
         .enumerate()
         .map(|(t, ((keys, values), mask))| {
             let t = t as i32;
-            fast::scaled_dot_product_attention(
-                &q.slice_axis(2, t, t + 1)?,
-                keys,
-                values,
-                scale,
-                mask.as_sdpa()?,
-                None,
-            )
+            one_call(&q.slice_axis(2, t, t + 1)?, keys, values, scale, mask)
         })
         .collect::<Result<Vec<_>>>()?;
     ops::concatenate(&outs.iter().collect::<Vec<_>>(), 2)
 }
 
 /// mlx-lm's scaled_dot_product_attention: the fused kernel for dense caches (a long chunk's
-/// rows in blocks on a reference-BLAS CPU, same bits: [`row_blocks`]), the
+/// rows in blocks on a reference-BLAS CPU, same bits: [`row_blocks`]; on CUDA a head_dim-32
+/// query of verity's own decoding through the rows kernels, [`one_call`]), the
 /// quantized-matmul formulation for quantized ones, and for one-token steps' keys
 /// ([`KeysValues::Steps`]) each query as its step attends. A backend without a quantized-matmul
 /// kernel for the cache's shape (mlx-cuda for the fixtures' group size 32) fails naming the
@@ -261,9 +264,7 @@ pub fn attend(q: &Array, kv: &KeysValues, scale: f32, mask: &Mask) -> crate::Res
     match kv {
         KeysValues::Dense { keys, values } => Ok(match row_blocks::rows_per_block(q) {
             Some(block) => row_blocks::attend_in_row_blocks(q, keys, values, scale, mask, block)?,
-            None => {
-                fast::scaled_dot_product_attention(q, keys, values, scale, mask.as_sdpa()?, None)?
-            }
+            None => one_call(q, keys, values, scale, mask)?,
         }),
         KeysValues::Steps(steps) => attend_steps(q, steps, scale, mask),
         KeysValues::Quantized {

@@ -5,13 +5,22 @@
 //! in their order; since that copies another library's arithmetic, each process checks it once
 //! per element type and head size against MLX's own call, for short and long rows, before any
 //! batch trusts it. A libmlx that rounds otherwise keeps the call per row.
+//!
+//! At head_dim 32 MLX has no vector kernel: it attends one query unfused, a product, a softmax
+//! and a cuBLAS product per call, whose bits no kernel can repeat for a batch's rows, so each row
+//! took calls of its own, launch-bound on the fixtures' shapes. There verity's own decoding
+//! ([`lone_rows::exact_decode`]) attends a lone step's query through the rows kernels too
+//! ([`alone`]), with MLX's vector-kernel arithmetic at that size: alone or in a batch, a query
+//! takes the same kernel, so its bits are its lone step's by construction. Golden replay keeps
+//! MLX's unfused call; the check here is that the kernel agrees with it to rounding.
 
 use std::f64::consts::LOG2_E;
 
 use mlx::{fast, ops, random, Array, Dtype, Result};
 
-use crate::cache::RowsKv;
+use crate::cache::{Mask, RowsKv};
 use crate::model::kernel_checks::KernelChecks;
+use crate::model::lone_rows;
 
 /// How a kernel rounds the attention scale into base 2 (the two MLX kernels differ).
 #[derive(Clone, Copy, Debug)]
@@ -34,6 +43,21 @@ impl Log2e {
 /// How the one-pass and the two-pass kernels round the scale, where they match MLX's.
 type Rounding = (Log2e, Log2e);
 
+/// How MLX's vector kernels round it (mlx/backend/cuda/scaled_dot_product_attention.cu on
+/// mlx-cuda 0.32.4), the rounding of the head sizes it has no vector kernel for.
+const VECTOR_KERNELS: Rounding = (Log2e::Double, Log2e::Float);
+
+/// Whether MLX's CUDA backend attends one query of this head size with its vector kernels.
+fn mlx_vector_kernel(head_dim: i32) -> bool {
+    matches!(head_dim, 64 | 96 | 128)
+}
+
+/// Whether verity's own decoding attends one query of this head size through the rows kernels,
+/// alone and in a batch, where MLX would call its unfused attention ([module docs](self)).
+fn own_vector_kernel(head_dim: i32) -> bool {
+    head_dim == 32 && lone_rows::exact_decode()
+}
+
 /// The rounding found per (element type, head_dim), once per process.
 static CHECKS: KernelChecks<(Dtype, i32), Rounding> = KernelChecks::new(
     "one-call batch attention (element type, head_dim)",
@@ -51,7 +75,7 @@ pub struct OneCall {
 pub fn one_call(q: &Array, scale: f32, kv: &RowsKv) -> Option<OneCall> {
     let (dtype, head_dim) = (q.dtype(), q.dim(3));
     let fits = mlx::default_is_cuda()
-        && matches!(head_dim, 64 | 96 | 128)
+        && (mlx_vector_kernel(head_dim) || own_vector_kernel(head_dim))
         && kv.keys.dim(3) == head_dim
         && kv.values.dim(3) == head_dim
         && q.dim(1) % kv.keys.dim(1) == 0
@@ -66,14 +90,72 @@ pub fn one_call(q: &Array, scale: f32, kv: &RowsKv) -> Option<OneCall> {
     })
 }
 
+/// One query `q` (1, heads, 1, head_dim) over all of `keys` and `values` (1, kv_heads, keys,
+/// head_dim) through the rows kernels, where verity's own decoding attends a query of that head
+/// size so ([`own_vector_kernel`]); None where MLX's own call is the lone step's.
+pub fn alone(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    mask: &Mask,
+) -> Result<Option<Array>> {
+    let (dtype, head_dim, extent) = (q.dtype(), q.dim(3), keys.dim(2));
+    let fits = mlx::default_is_cuda()
+        && own_vector_kernel(head_dim)
+        && matches!(mask, Mask::None | Mask::Causal)
+        && q.ndim() == 4
+        && q.dim(0) == 1
+        && q.dim(2) == 1
+        && keys.dim(0) == 1
+        && keys.dim(3) == head_dim
+        && values.shape() == keys.shape()
+        && q.dim(1) % keys.dim(1) == 0
+        && matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
+        && keys.dtype() == dtype
+        && values.dtype() == dtype;
+    let Some(r) = fits.then(|| rounding(dtype, head_dim)).flatten() else {
+        return Ok(None);
+    };
+    fast::rows_attention(
+        q,
+        keys,
+        values,
+        &Array::from_slice(&[0i32], &[1])?,
+        &Array::from_slice(&[extent], &[1])?,
+        (r.0.times(scale), r.1.times(scale)),
+        extent > 1024,
+    )
+    .map(Some)
+}
+
 /// Whether the rows kernels matched MLX's call on this process's libmlx for `dtype` and
-/// `head_dim` (checked on the first ask).
+/// `head_dim` (checked on the first ask): bit for bit where MLX has a vector kernel, to
+/// rounding where the rows kernels stand in for its unfused call.
 pub fn verified(dtype: Dtype, head_dim: i32) -> bool {
     rounding(dtype, head_dim).is_some()
 }
 
 fn rounding(dtype: Dtype, head_dim: i32) -> Option<Rounding> {
-    CHECKS.outcome((dtype, head_dim), || find_rounding(dtype, head_dim))
+    CHECKS.outcome((dtype, head_dim), || {
+        if mlx_vector_kernel(head_dim) {
+            find_rounding(dtype, head_dim)
+        } else {
+            near_unfused_calls(dtype, head_dim)
+        }
+    })
+}
+
+/// [`VECTOR_KERNELS`]' rounding, where the rows kernels agree with MLX's unfused attention to
+/// within two percent on rows short and long: that checks the kernel computes attention at this
+/// head size (its bits cannot be MLX's, and MLX rounds its scores to the element type first).
+fn near_unfused_calls(dtype: Dtype, head_dim: i32) -> Result<Option<Rounding>> {
+    let extents = [1, 37, 1025, 2100];
+    let (together, alone) = together_and_alone(dtype, head_dim, &extents, VECTOR_KERNELS)?;
+    let as_f32 = |a: Array| a.astype(Dtype::Float32)?.to_vec::<f32>();
+    let near = (as_f32(together)?.iter().zip(as_f32(alone)?))
+        .all(|(&a, b)| (a - b).abs() <= 0.02 * (1.0 + b.abs()));
+    Ok(near.then_some(VECTOR_KERNELS))
 }
 
 /// The scale roundings under which rows of random keys (short ones, then short and long ones
@@ -100,6 +182,18 @@ fn find_rounding(dtype: Dtype, head_dim: i32) -> Result<Option<Rounding>> {
 }
 
 fn matches_lone_calls(dtype: Dtype, head_dim: i32, extents: &[i32], r: Rounding) -> Result<bool> {
+    let (together, alone) = together_and_alone(dtype, head_dim, extents, r)?;
+    Ok(together.to_bytes()? == alone.to_bytes()?)
+}
+
+/// Rows of random keys (`extents` of them each; two query heads per KV head) attended in one
+/// call of the rows kernels under rounding `r`, and each alone by MLX's own call.
+fn together_and_alone(
+    dtype: Dtype,
+    head_dim: i32,
+    extents: &[i32],
+    r: Rounding,
+) -> Result<(Array, Array)> {
     let normal = |shape: &[i32], seed: u64| -> Result<Array> {
         random::normal(shape, Dtype::Float32, &random::key(seed)?)?.astype(dtype)
     };
@@ -135,5 +229,5 @@ fn matches_lone_calls(dtype: Dtype, head_dim: i32, extents: &[i32], r: Rounding)
         })
         .collect::<Result<Vec<_>>>()?;
     let alone = ops::concatenate(&alone.iter().collect::<Vec<_>>(), 0)?;
-    Ok(together.to_bytes()? == alone.to_bytes()?)
+    Ok((together, alone))
 }
