@@ -10,7 +10,9 @@
 // reductions. So each row gets the bits of its lone step, whatever rows surround it and however
 // long their keys are. Each kernel leaves the rows of the other length alone; the combining
 // kernel copies the one-pass rows' outputs through. The caller (src/model/layers/rows_kernel.rs)
-// checks once per process that they match MLX's own call before trusting them.
+// checks once per process that they match MLX's own call before trusting them. At head_dim 32,
+// which MLX's vector kernels do not take, verity's own decode steps attend through these kernels
+// alone as well (a lane holds one element of the query and of the output).
 #pragma once
 
 namespace verity_mlx {
