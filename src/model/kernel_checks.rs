@@ -1,8 +1,9 @@
 //! Custom CUDA kernels that repeat MLX's arithmetic are trusted only once a check shows they
-//! give MLX's own bits on this process's libmlx: once per key (operand types and shape), run
-//! the first time a caller asks, remembered for the process. A kernel that does not build or
-//! run counts as one that does not match; either way the caller keeps MLX's own calls, and a
-//! warning says so once.
+//! give MLX's own bits on this process's libmlx (or, where one stands in for a call of MLX's
+//! that no batch can repeat, agrees with it to rounding): once per key (operand types and
+//! shape), run the first time a caller asks, remembered for the process. A kernel that does not
+//! build or run counts as one that does not match; either way the caller keeps MLX's own calls,
+//! and a warning says so once.
 
 use std::collections::HashMap;
 use std::fmt::Debug;

@@ -61,7 +61,7 @@ fn own_vector_kernel(head_dim: i32) -> bool {
 /// The rounding found per (element type, head_dim), once per process.
 static CHECKS: KernelChecks<(Dtype, i32), Rounding> = KernelChecks::new(
     "one-call batch attention (element type, head_dim)",
-    "batch rows attend with a call each",
+    "rows attend with MLX's own calls, a call each",
 );
 
 /// How to call `fast::rows_attention` for one batch step.
@@ -74,13 +74,8 @@ pub struct OneCall {
 /// step's write), where it gives each row its lone call's bits; None otherwise.
 pub fn one_call(q: &Array, scale: f32, kv: &RowsKv) -> Option<OneCall> {
     let (dtype, head_dim) = (q.dtype(), q.dim(3));
-    let fits = mlx::default_is_cuda()
-        && (mlx_vector_kernel(head_dim) || own_vector_kernel(head_dim))
-        && kv.keys.dim(3) == head_dim
-        && kv.values.dim(3) == head_dim
-        && q.dim(1) % kv.keys.dim(1) == 0
-        && matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
-        && kv.keys.dtype() == dtype;
+    let fits = kernel_takes(q, &kv.keys, &kv.values)
+        && (mlx_vector_kernel(head_dim) || own_vector_kernel(head_dim));
     if !fits {
         return None;
     }
@@ -101,19 +96,12 @@ pub fn alone(
     mask: &Mask,
 ) -> Result<Option<Array>> {
     let (dtype, head_dim, extent) = (q.dtype(), q.dim(3), keys.dim(2));
-    let fits = mlx::default_is_cuda()
+    let fits = kernel_takes(q, keys, values)
         && own_vector_kernel(head_dim)
         && matches!(mask, Mask::None | Mask::Causal)
-        && q.ndim() == 4
         && q.dim(0) == 1
         && q.dim(2) == 1
-        && keys.dim(0) == 1
-        && keys.dim(3) == head_dim
-        && values.shape() == keys.shape()
-        && q.dim(1) % keys.dim(1) == 0
-        && matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
-        && keys.dtype() == dtype
-        && values.dtype() == dtype;
+        && keys.dim(0) == 1;
     let Some(r) = fits.then(|| rounding(dtype, head_dim)).flatten() else {
         return Ok(None);
     };
@@ -127,6 +115,20 @@ pub fn alone(
         extent > 1024,
     )
     .map(Some)
+}
+
+/// Whether the rows kernels take queries `q` (rows, heads, 1, head_dim) over `keys` and
+/// `values` (slots, kv_heads, capacity, head_dim) on this device: CUDA, floats of one element
+/// type, a head size shared by all three, grouped query heads.
+fn kernel_takes(q: &Array, keys: &Array, values: &Array) -> bool {
+    let dtype = q.dtype();
+    mlx::default_is_cuda()
+        && matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
+        && keys.dtype() == dtype
+        && values.dtype() == dtype
+        && keys.dim(3) == q.dim(3)
+        && values.shape() == keys.shape()
+        && q.dim(1) % keys.dim(1) == 0
 }
 
 /// Whether the rows kernels matched MLX's call on this process's libmlx for `dtype` and
