@@ -3,9 +3,9 @@
 //! 32, 64, 96 and 128, in float32 and bfloat16, with grouped KV heads, some of whose keys pass 1024
 //! (where a lone step on CUDA leaves the one-pass kernel that the batch's one attention call
 //! repeats), speculative rows verifying several tokens and taking rejected ones back, rows
-//! joining (growing the buffer's slots and capacity) and leaving between steps. On the CPU each
-//! row takes a call over its own keys; under the nextest `gpu` profile on CUDA, one kernel for
-//! every row.
+//! joining (growing the buffer's slots and capacity) and leaving between steps; and a lone
+//! speculative verify over a cache of its own. On the CPU each row (each verified query) takes a
+//! call over its own keys; under the nextest `gpu` profile on CUDA, one kernel for every row.
 
 mod support;
 
@@ -186,30 +186,90 @@ fn check(d: i32, dtype: Dtype) {
     );
 }
 
+/// A lone speculative verify of `n` tokens after `len` keys, over its own KV cache (the lone-row
+/// path: on CUDA one call of the rows kernels for all its queries, else a call per query), must
+/// give every token the bits of its one-token step.
+fn verify_alone(len: i32, n: usize, (d, dtype): (i32, Dtype), seed: u64) {
+    let rope = Rope::new(d, 10000.0, false, None).unwrap();
+    let mut verified = filled(len, d, dtype, seed);
+    let mut stepped = filled(len, d, dtype, seed);
+    let q = normal(&[1, Q_HEADS, n as i32, d], dtype, seed + 10);
+    let k = normal(&[1, KV_HEADS, n as i32, d], dtype, seed + 11);
+    let v = normal(&[1, KV_HEADS, n as i32, d], dtype, seed + 12);
+    let scale = (d as f64).powf(-0.5) as f32;
+    let lens = [n];
+    let together = lone_rows::decode_rows(|| {
+        let mut rows = LayerRows::one(&mut verified, &lens);
+        attend_rows(&rope, scale, &q, &k, &v, &[Mask::Causal], &mut rows)
+    })
+    .unwrap();
+    for t in 0..n {
+        let alone = attend_rows(
+            &rope,
+            scale,
+            &token(&q, t),
+            &token(&k, t),
+            &token(&v, t),
+            &[Mask::None],
+            &mut LayerRows::one(&mut stepped, &[1]),
+        )
+        .unwrap();
+        assert_eq!(
+            support::bits(&token(&together, t)),
+            support::bits(&alone),
+            "head_dim {d}, {dtype:?}: a lone verify's token {t} of {n} after {len} keys \
+             differs from its one-token step"
+        );
+    }
+}
+
+fn check_verifies(d: i32, dtype: Dtype) {
+    support::on_invariant_device();
+    lone_rows::on_any_device(|| {
+        let long = BatchKvCache::keeps_lone_attention(dtype, 1400);
+        let lens = if long {
+            [1, 31, 1000, 1022]
+        } else {
+            [1, 31, 100, 230]
+        };
+        for (i, (len, n)) in lens.into_iter().zip([2, 4, 3, 4]).enumerate() {
+            verify_alone(len, n, (d, dtype), 3000 + 100 * i as u64);
+        }
+    });
+}
+
 /// Head_dim 32, which MLX attends unfused on CUDA: there a lone step and a batch both attend
 /// through the rows kernels (`rows_kernel::alone`).
 #[test]
 fn head_dim_32_rows_equal_their_lone_steps() {
     check(32, Dtype::Float32);
     check(32, Dtype::Bfloat16);
+    check_verifies(32, Dtype::Float32);
+    check_verifies(32, Dtype::Bfloat16);
 }
 
 #[test]
 fn head_dim_64_rows_equal_their_lone_steps() {
     check(64, Dtype::Float32);
     check(64, Dtype::Bfloat16);
+    check_verifies(64, Dtype::Float32);
+    check_verifies(64, Dtype::Bfloat16);
 }
 
 #[test]
 fn head_dim_96_rows_equal_their_lone_steps() {
     check(96, Dtype::Float32);
     check(96, Dtype::Float16);
+    check_verifies(96, Dtype::Float32);
+    check_verifies(96, Dtype::Float16);
 }
 
 #[test]
 fn head_dim_128_rows_equal_their_lone_steps() {
     check(128, Dtype::Float32);
     check(128, Dtype::Bfloat16);
+    check_verifies(128, Dtype::Float32);
+    check_verifies(128, Dtype::Bfloat16);
 }
 
 /// On CUDA a lone step in half precision over 256 keys or more, sliced from a buffer of a

@@ -206,10 +206,14 @@ pub fn attend_row(
     }
 }
 
-/// Causal attention of `q`'s L queries (1, heads, L, head_dim), the last L of the keys, one
-/// query at a time over the keys up to its own position: the call a one-token step makes at
-/// that position, so its kernel and bits ([`lone_rows`]).
+/// Causal attention of `q`'s L queries (1, heads, L, head_dim), the last L of the keys, each
+/// over the keys up to its own position with the bits of the call a one-token step makes at that
+/// position ([`lone_rows`]): on CUDA all in one call of the rows kernels where they repeat that
+/// call ([`rows_kernel::each_query`]), else one call per query.
 fn attend_each_query(q: &Array, keys: &Array, values: &Array, scale: f32) -> Result<Array> {
+    if let Some(out) = rows_kernel::each_query(q, keys, values, scale)? {
+        return Ok(out);
+    }
     let (l, key_len) = (q.dim(2), keys.dim(2));
     let steps = (0..l)
         .map(|i| {

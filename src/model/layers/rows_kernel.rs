@@ -4,7 +4,9 @@
 //! or 128: one pass up to 1024 keys, two beyond), whose float operations the rows kernels repeat
 //! in their order; since that copies another library's arithmetic, each process checks it once
 //! per element type and head size against MLX's own call, for short and long rows, before any
-//! batch trusts it. A libmlx that rounds otherwise keeps the call per row.
+//! batch trusts it. A libmlx that rounds otherwise keeps the call per row. A lone speculative
+//! verify takes the same call ([`each_query`]): its queries are rows over one slot, each up to
+//! its own position, where it would otherwise make a call per query.
 //!
 //! At head_dim 32 MLX has no vector kernel: it attends one query unfused, a product, a softmax
 //! and a cuBLAS product per call, whose bits no kernel can repeat for a batch's rows, so each row
@@ -115,6 +117,34 @@ pub fn alone(
         extent > 1024,
     )
     .map(Some)
+}
+
+/// Causal queries `q` (1, heads, L, head_dim), the last L positions of `keys` and `values` (1,
+/// kv_heads, keys, head_dim), in one call of the rows kernels, each query a row over the keys up
+/// to its own position: a lone verify's queries with the bits of the one-token steps at those
+/// positions, as a batch's call gives them ([`one_call`]'s conditions); None otherwise.
+pub fn each_query(q: &Array, keys: &Array, values: &Array, scale: f32) -> Result<Option<Array>> {
+    let (queries, key_len, head_dim) = (q.dim(2), keys.dim(2), q.dim(3));
+    let per_query = |y: &Array| y.transpose(&[2, 1, 0, 3]);
+    let rows = per_query(q)?;
+    let fits = kernel_takes(&rows, keys, values)
+        && (mlx_vector_kernel(head_dim) || own_vector_kernel(head_dim))
+        && q.dim(0) == 1
+        && keys.dim(0) == 1;
+    let Some(r) = fits.then(|| rounding(q.dtype(), head_dim)).flatten() else {
+        return Ok(None);
+    };
+    let extents: Vec<i32> = (0..queries).map(|t| key_len - (queries - 1 - t)).collect();
+    let out = fast::rows_attention(
+        &rows,
+        keys,
+        values,
+        &Array::from_slice(&vec![0i32; queries as usize], &[queries])?,
+        &Array::from_slice(&extents, &[queries])?,
+        (r.0.times(scale), r.1.times(scale)),
+        key_len > 1024,
+    )?;
+    per_query(&out).map(Some)
 }
 
 /// Whether the rows kernels take queries `q` (rows, heads, 1, head_dim) over `keys` and
