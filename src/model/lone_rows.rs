@@ -16,7 +16,9 @@
 //! - on CUDA, where it checks out, the quantized product in one call that repeats qmv's
 //!   arithmetic for several rows per weight load instead ([`crate::model::row_products`]),
 //!   since `gather_qmm` reads the whole weight once per row;
-//! - attention one query at a time over its own key extent: the one-token step's call itself.
+//! - attention one query at a time over its own key extent: the one-token step's call itself,
+//!   or on CUDA, where they repeat that call, one call of the rows kernels for every query
+//!   ([`crate::model::layers::rows_kernel`]).
 //!
 //! RMS norms, RoPE at offsets, softmax, logsumexp, argmax and gathers already give each row its
 //! lone bits, and so does everything on the CPU, where this path is never taken.

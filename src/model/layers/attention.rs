@@ -189,7 +189,8 @@ fn attend_batch(
 }
 
 /// One row's attention over the keys and values its cache returned: [`attend`], or, on the
-/// lone-row path over a plain KV cache (`plain_kv`) with a causal mask, one query at a time.
+/// lone-row path over a plain KV cache (`plain_kv`) with a causal mask, each query over its own
+/// key extent ([`attend_each_query`]).
 pub fn attend_row(
     q: &Array,
     kv: &KeysValues,
