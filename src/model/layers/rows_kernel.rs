@@ -97,26 +97,12 @@ pub fn alone(
     scale: f32,
     mask: &Mask,
 ) -> Result<Option<Array>> {
-    let (dtype, head_dim, extent) = (q.dtype(), q.dim(3), keys.dim(2));
-    let fits = kernel_takes(q, keys, values)
-        && own_vector_kernel(head_dim)
-        && matches!(mask, Mask::None | Mask::Causal)
-        && q.dim(0) == 1
-        && q.dim(2) == 1
-        && keys.dim(0) == 1;
-    let Some(r) = fits.then(|| rounding(dtype, head_dim)).flatten() else {
+    let takes =
+        own_vector_kernel(q.dim(3)) && matches!(mask, Mask::None | Mask::Causal) && q.dim(2) == 1;
+    if !takes {
         return Ok(None);
-    };
-    fast::rows_attention(
-        q,
-        keys,
-        values,
-        &Array::from_slice(&[0i32], &[1])?,
-        &Array::from_slice(&[extent], &[1])?,
-        (r.0.times(scale), r.1.times(scale)),
-        extent > 1024,
-    )
-    .map(Some)
+    }
+    each_query(q, keys, values, scale)
 }
 
 /// Causal queries `q` (1, heads, L, head_dim), the last L positions of `keys` and `values` (1,
@@ -125,7 +111,11 @@ pub fn alone(
 /// positions, as a batch's call gives them ([`one_call`]'s conditions); None otherwise.
 pub fn each_query(q: &Array, keys: &Array, values: &Array, scale: f32) -> Result<Option<Array>> {
     let (queries, key_len, head_dim) = (q.dim(2), keys.dim(2), q.dim(3));
-    let per_query = |y: &Array| y.transpose(&[2, 1, 0, 3]);
+    // The queries as the rows axis (one query already is one row).
+    let per_query = |y: &Array| match queries {
+        1 => Ok(y.clone()),
+        _ => y.transpose(&[2, 1, 0, 3]),
+    };
     let rows = per_query(q)?;
     let fits = kernel_takes(&rows, keys, values)
         && (mlx_vector_kernel(head_dim) || own_vector_kernel(head_dim))
