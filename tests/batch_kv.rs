@@ -238,38 +238,34 @@ fn check_verifies(d: i32, dtype: Dtype) {
     });
 }
 
+/// Batch rows and lone verifies at head size `d` in each of `dtypes`.
+fn rows_and_verifies(d: i32, dtypes: [Dtype; 2]) {
+    for dtype in dtypes {
+        check(d, dtype);
+        check_verifies(d, dtype);
+    }
+}
+
 /// Head_dim 32, which MLX attends unfused on CUDA: there a lone step and a batch both attend
 /// through the rows kernels (`rows_kernel::alone`).
 #[test]
 fn head_dim_32_rows_equal_their_lone_steps() {
-    check(32, Dtype::Float32);
-    check(32, Dtype::Bfloat16);
-    check_verifies(32, Dtype::Float32);
-    check_verifies(32, Dtype::Bfloat16);
+    rows_and_verifies(32, [Dtype::Float32, Dtype::Bfloat16]);
 }
 
 #[test]
 fn head_dim_64_rows_equal_their_lone_steps() {
-    check(64, Dtype::Float32);
-    check(64, Dtype::Bfloat16);
-    check_verifies(64, Dtype::Float32);
-    check_verifies(64, Dtype::Bfloat16);
+    rows_and_verifies(64, [Dtype::Float32, Dtype::Bfloat16]);
 }
 
 #[test]
 fn head_dim_96_rows_equal_their_lone_steps() {
-    check(96, Dtype::Float32);
-    check(96, Dtype::Float16);
-    check_verifies(96, Dtype::Float32);
-    check_verifies(96, Dtype::Float16);
+    rows_and_verifies(96, [Dtype::Float32, Dtype::Float16]);
 }
 
 #[test]
 fn head_dim_128_rows_equal_their_lone_steps() {
-    check(128, Dtype::Float32);
-    check(128, Dtype::Bfloat16);
-    check_verifies(128, Dtype::Float32);
-    check_verifies(128, Dtype::Bfloat16);
+    rows_and_verifies(128, [Dtype::Float32, Dtype::Bfloat16]);
 }
 
 /// On CUDA a lone step in half precision over 256 keys or more, sliced from a buffer of a
