@@ -23,6 +23,7 @@
 
 mod draft_policy;
 mod greedy;
+mod round_drafts;
 mod shared;
 
 use std::ptr;
@@ -39,11 +40,14 @@ use crate::generate::{
 };
 use crate::model::{lone_rows, LanguageModel};
 use crate::sample::StepSampler;
-use crate::speculative::draft_model::{draft_together, SharedDraftCaches};
+use crate::speculative::draft_model::{
+    draft_together, draft_unread, SharedDraftCaches, UnreadDrafts,
+};
 use crate::speculative::{DraftPrefix, DraftSource, Drafter, SpeculationStats, Speculator};
 use crate::{error::contract, Result};
 pub use draft_policy::{Choice, DraftPolicy};
 use greedy::GreedyRows;
+use round_drafts::{Drafted, DraftingRows, Unread};
 use shared::DraftGroup;
 
 /// A plain row between steps.
@@ -110,7 +114,9 @@ pub struct StepSplit {
     pub steps: usize,
     /// The rows of every step, summed (over `steps`: the mean width of the batch).
     pub rows: usize,
-    /// Drafting the speculative rows' next rounds (draft models run their forwards here).
+    /// Drafting the speculative rows' next rounds: draft models run their forwards here, but
+    /// for drafts left on the device for the step's one evaluation (`round_drafts`), whose
+    /// forwards this only enqueues.
     pub draft: Duration,
     /// Building the step's graph: the packed forward and every row's sampling or verdict.
     pub build: Duration,
@@ -325,8 +331,10 @@ impl<'m> Batch<'m> {
     }
 
     /// The next round's drafts of every speculative row whose draft model another row drafts
-    /// with too, each model's rows drafting together; None for the rows that draft alone.
-    fn draft_shared(&mut self) -> Result<Vec<Option<Vec<u32>>>> {
+    /// with too, each model's rows drafting together; None for the rows that draft alone. A
+    /// model's rows whose verdicts do not read their drafts leave them on the device
+    /// ([`Drafted::Unread`], rows of the returned [`UnreadDrafts`]).
+    fn draft_shared(&mut self) -> Result<(Vec<Option<Drafted>>, Vec<UnreadDrafts>)> {
         let models: Vec<Option<&'m ModelBundle>> = self
             .rows
             .iter()
@@ -337,10 +345,8 @@ impl<'m> Batch<'m> {
             .collect();
         let shared =
             |m: &ModelBundle| models.iter().flatten().filter(|o| ptr::eq(**o, m)).count() > 1;
-        let mut out = vec![None; self.rows.len()];
-        // Per draft model: the drafting rows' indices, their (source, context, drafts wanted),
-        // and their rows in the model's shared draft caches, if any.
-        let mut groups: Vec<(&'m ModelBundle, Vec<usize>, Vec<_>, Vec<usize>)> = Vec::new();
+        let mut out: Vec<Option<Drafted>> = (0..self.rows.len()).map(|_| None).collect();
+        let mut groups: Vec<DraftingRows<'_, 'm>> = Vec::new();
         for ((i, row), model) in self.rows.iter_mut().enumerate().zip(&models) {
             let (
                 Some(model),
@@ -357,23 +363,40 @@ impl<'m> Batch<'m> {
             let Some(stepped) = source.stepped() else {
                 continue;
             };
+            let reads_drafts = speculator.verdict_reads_drafts();
             let Some((want, ctx)) = speculator.draft_request() else {
-                out[i] = Some(Vec::new());
+                out[i] = Some(Drafted::Read(Vec::new()));
                 continue;
             };
-            let g = match groups.iter().position(|g| ptr::eq(g.0, model)) {
+            let g = match groups.iter().position(|g| ptr::eq(g.model, model)) {
                 Some(g) => g,
                 None => {
-                    groups.push((model, Vec::new(), Vec::new(), Vec::new()));
+                    groups.push(DraftingRows {
+                        model,
+                        rows: Vec::new(),
+                        members: Vec::new(),
+                        in_buffer: Vec::new(),
+                        read_now: false,
+                    });
                     groups.len() - 1
                 }
             };
             let in_buffer = self.draft_groups.iter().find_map(|g| g.row_of(row.id));
-            groups[g].1.push(i);
-            groups[g].2.push((stepped, ctx, want));
-            groups[g].3.extend(in_buffer);
+            let group = &mut groups[g];
+            group.rows.push(i);
+            group.members.push((stepped, ctx, want));
+            group.in_buffer.extend(in_buffer);
+            group.read_now |= reads_drafts;
         }
-        for (model, rows, members, in_buffer) in groups {
+        let mut unread = Vec::new();
+        for group in groups {
+            let DraftingRows {
+                model,
+                rows,
+                members,
+                in_buffer,
+                read_now,
+            } = group;
             let shared = self
                 .draft_groups
                 .iter_mut()
@@ -395,14 +418,20 @@ impl<'m> Batch<'m> {
                 _ => None,
             };
             let (rows, mut members): (Vec<usize>, Vec<_>) = order.into_iter().unzip();
-            for (i, drafts) in
-                rows.into_iter()
-                    .zip(draft_together(model.model(), &mut members, shared)?)
-            {
-                out[i] = Some(drafts);
+            if read_now {
+                let drafts = draft_together(model.model(), &mut members, shared)?;
+                for (i, drafts) in rows.into_iter().zip(drafts) {
+                    out[i] = Some(Drafted::Read(drafts));
+                }
+            } else {
+                let group = unread.len();
+                unread.push(draft_unread(model.model(), &mut members, shared)?);
+                for (row, i) in rows.into_iter().enumerate() {
+                    out[i] = Some(Drafted::Unread { group, row });
+                }
             }
         }
-        Ok(out)
+        Ok((out, unread))
     }
 
     /// One step of every row: one packed forward over each row's next input, then each row's
@@ -425,15 +454,19 @@ impl<'m> Batch<'m> {
             on_token(id, t)
         };
         self.arrange_shared()?;
-        let drafted = self.draft_shared()?;
+        let (drafted, unread) = self.draft_shared()?;
+        let unread = Unread::new(unread)?;
         let inputs: Vec<Vec<u32>> = self
             .rows
             .iter_mut()
-            .zip(drafted)
+            .zip(&drafted)
             .map(|(row, drafts)| match (&mut row.decoder, drafts) {
                 (Decoder::Plain(p), _) => Ok(vec![p.next]),
-                (Decoder::Speculative { speculator, .. }, Some(drafts)) => {
-                    Ok(speculator.open_round(drafts))
+                (Decoder::Speculative { speculator, .. }, Some(Drafted::Read(drafts))) => {
+                    Ok(speculator.open_round(drafts.clone()))
+                }
+                (Decoder::Speculative { speculator, .. }, Some(Drafted::Unread { .. })) => {
+                    Ok(vec![speculator.open_round_unread()])
                 }
                 (
                     Decoder::Speculative {
@@ -444,7 +477,12 @@ impl<'m> Batch<'m> {
             })
             .collect::<Result<_>>()?;
         let drafted_at = Instant::now();
-        let lens: Vec<usize> = inputs.iter().map(Vec::len).collect();
+        let lens: Vec<usize> = (inputs.iter().zip(&drafted))
+            .map(|(input, drafts)| match drafts {
+                Some(Drafted::Unread { group, row }) => input.len() + unread.count(*group, *row),
+                _ => input.len(),
+            })
+            .collect();
         let mut taps: Vec<usize> = self
             .rows
             .iter()
@@ -456,7 +494,7 @@ impl<'m> Batch<'m> {
             .collect();
         taps.sort_unstable();
         taps.dedup();
-        let ids = token_array(&inputs.concat())?;
+        let ids = unread.ids(&inputs, &drafted)?;
         let out = {
             let mut caches: Vec<&mut [LayerCache]> = match &mut self.shared {
                 Some(shared) => {
@@ -515,8 +553,30 @@ impl<'m> Batch<'m> {
         }
         // Every row's tokens at once: the host waits for the device once per step.
         let built_at = Instant::now();
-        mlx::eval(sampled.iter().flat_map(|(y, lp)| [y, lp]).chain(&pending))?;
+        mlx::eval(
+            (sampled.iter().flat_map(|(y, lp)| [y, lp]))
+                .chain(&pending)
+                .chain(unread.tokens()),
+        )?;
         let evaluated_at = Instant::now();
+        let read = unread.read()?;
+        for (row, drafts) in self.rows.iter_mut().zip(&drafted) {
+            let (
+                Decoder::Speculative {
+                    speculator, source, ..
+                },
+                Some(Drafted::Unread { group, row }),
+            ) = (&mut row.decoder, drafts)
+            else {
+                continue;
+            };
+            let drafts = &read[*group][*row];
+            speculator.read_drafts(drafts);
+            source
+                .stepped()
+                .expect("a row drafting together steps its draft model")
+                .close_round(drafts);
+        }
         let greedy_tokens = greedy
             .as_ref()
             .map(|g| g.tokens.to_vec::<u32>())

@@ -137,8 +137,73 @@ pub struct SharedDraftCaches<'a> {
 pub fn draft_together(
     model: &dyn LanguageModel,
     rows: &mut [(&mut dyn SteppedDraft, DraftContext<'_>, usize)],
-    mut shared: Option<SharedDraftCaches<'_>>,
+    shared: Option<SharedDraftCaches<'_>>,
 ) -> Result<Vec<Vec<u32>>> {
+    let unread = draft_unread(model, rows, shared)?;
+    let drafts = unread.read()?;
+    for ((source, _, _), drafts) in rows.iter_mut().zip(&drafts) {
+        source.close_round(drafts);
+    }
+    Ok(drafts)
+}
+
+/// The drafts of rows that drafted together, still on the device: each draft step's sampled
+/// tokens with the rows it holds. A batch feeds them to its verify forward as they are, so that
+/// the host builds the verify while the device drafts and waits once a round, for the drafts
+/// and the verdict together; it then closes each row's round with its drafts as read.
+pub struct UnreadDrafts {
+    /// Every step's tokens (uint32), each with the rows it holds, in order.
+    steps: Vec<(Vec<usize>, Array)>,
+    /// The rows that drafted together.
+    rows: usize,
+}
+
+impl UnreadDrafts {
+    /// Every draft, step after step, in one (T,) uint32 array; None when no row drafted.
+    pub fn tokens(&self) -> Result<Option<Array>> {
+        let tokens: Vec<&Array> = self.steps.iter().map(|(_, t)| t).collect();
+        Ok(match tokens[..] {
+            [] => None,
+            [one] => Some(one.clone()),
+            _ => Some(mlx::ops::concatenate(&tokens, 0)?),
+        })
+    }
+
+    /// Where row `r`'s drafts sit in [`UnreadDrafts::tokens`], in order.
+    pub fn positions(&self, r: usize) -> Vec<usize> {
+        let mut at = 0;
+        let mut positions = Vec::new();
+        for (held, _) in &self.steps {
+            positions.extend(held.iter().position(|&h| h == r).map(|i| at + i));
+            at += held.len();
+        }
+        positions
+    }
+
+    /// Each row's drafts, given [`UnreadDrafts::tokens`] as read back.
+    pub fn split(&self, tokens: &[u32]) -> Vec<Vec<u32>> {
+        (0..self.rows)
+            .map(|r| self.positions(r).iter().map(|&i| tokens[i]).collect())
+            .collect()
+    }
+
+    /// Each row's drafts, waiting for the device.
+    fn read(&self) -> Result<Vec<Vec<u32>>> {
+        let tokens = match self.tokens()? {
+            Some(t) => t.to_vec::<u32>()?,
+            None => Vec::new(),
+        };
+        Ok(self.split(&tokens))
+    }
+}
+
+/// [`draft_together`]'s draft steps, enqueued and not read: the rows' rounds stay open until
+/// their drafts are read and closed ([`SteppedDraft::close_round`]).
+pub fn draft_unread(
+    model: &dyn LanguageModel,
+    rows: &mut [(&mut dyn SteppedDraft, DraftContext<'_>, usize)],
+    mut shared: Option<SharedDraftCaches<'_>>,
+) -> Result<UnreadDrafts> {
     // Each row's next input: its pending tokens first, then its last draft.
     let mut next: Vec<Option<Next>> = rows
         .iter_mut()
@@ -216,17 +281,10 @@ pub fn draft_together(
             mlx::async_eval(step)?;
         }
     }
-    mlx::eval(steps.iter().map(|(_, t)| t))?;
-    let mut out = vec![Vec::new(); rows.len()];
-    for (held, tokens) in &steps {
-        for (&r, token) in held.iter().zip(tokens.to_vec::<u32>()?) {
-            out[r].push(token);
-        }
-    }
-    for ((source, _, _), drafts) in rows.iter_mut().zip(&out) {
-        source.close_round(drafts);
-    }
-    Ok(out)
+    Ok(UnreadDrafts {
+        steps,
+        rows: rows.len(),
+    })
 }
 
 /// Pending tokens from which a greedy row's draft caches catch up before its round. A round

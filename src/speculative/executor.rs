@@ -305,10 +305,35 @@ impl Speculator {
     /// any past its budget dropped): returns `[last, drafts...]`, the target's next input.
     pub(crate) fn open_round(&mut self, mut drafts: Vec<u32>) -> Vec<u32> {
         drafts.truncate(self.draft_budget());
-        self.input = vec![self.last];
-        self.input.extend(&drafts);
-        begin_round(&mut self.caches);
+        self.open_round_unread();
+        self.read_drafts(&drafts);
         self.input.clone()
+    }
+
+    /// Opens the round on the target caches with drafts still on the device (drafted as
+    /// [`Speculator::draft_request`] asked, never past its budget), which the caller feeds
+    /// after the returned `last`; [`Speculator::read_drafts`] gives them to the round once read,
+    /// before [`Speculator::settle`]. Only for a round whose verdict does not read its drafts
+    /// ([`Speculator::verdict_reads_drafts`]).
+    pub(crate) fn open_round_unread(&mut self) -> u32 {
+        self.input = vec![self.last];
+        begin_round(&mut self.caches);
+        self.last
+    }
+
+    /// The drafts of the round [`Speculator::open_round_unread`] opened, as read.
+    pub(crate) fn read_drafts(&mut self, drafts: &[u32]) {
+        self.input.extend(drafts);
+    }
+
+    /// Whether the round's verdict, as [`Speculator::enqueue_verdict`] builds it, reads the
+    /// drafts: greedy with processors other than a logit bias and no grammar, each position
+    /// processed with the drafts before it.
+    pub(crate) fn verdict_reads_drafts(&self) -> bool {
+        !self.sampler.is_constrained()
+            && self.sampler.is_greedy()
+            && self.sampler.has_processors()
+            && !self.sampler.samples_by_argmax()
     }
 
     /// Enqueues the round's verdict over the target's `logits` (1, n, V) when it needs no token
@@ -322,7 +347,7 @@ impl Speculator {
             return Ok(Vec::new());
         }
         let logits = logits.squeeze(&[0])?;
-        if !processors || self.sampler.samples_by_argmax() {
+        if !self.verdict_reads_drafts() {
             let logits = match self.sampler.argmax_bias(logits.dim(1), logits.dtype())? {
                 Some(bias) => logits.add(&bias)?,
                 None => logits,
