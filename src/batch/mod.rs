@@ -463,7 +463,7 @@ impl<'m> Batch<'m> {
             .map(|(row, drafts)| match (&mut row.decoder, drafts) {
                 (Decoder::Plain(p), _) => Ok(vec![p.next]),
                 (Decoder::Speculative { speculator, .. }, Some(Drafted::Read(drafts))) => {
-                    Ok(speculator.open_round(drafts.clone()))
+                    Ok(speculator.open_round(drafts))
                 }
                 (Decoder::Speculative { speculator, .. }, Some(Drafted::Unread { .. })) => {
                     Ok(vec![speculator.open_round_unread()])

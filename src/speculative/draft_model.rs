@@ -152,16 +152,30 @@ pub fn draft_together(
 /// the host builds the verify while the device drafts and waits once a round, for the drafts
 /// and the verdict together; it then closes each row's round with its drafts as read.
 pub struct UnreadDrafts {
-    /// Every step's tokens (uint32), each with the rows it holds, in order.
-    steps: Vec<(Vec<usize>, Array)>,
-    /// The rows that drafted together.
-    rows: usize,
+    /// Every step's tokens (uint32), in order.
+    steps: Vec<Array>,
+    /// Where each row's drafts sit in [`UnreadDrafts::tokens`], in order.
+    positions: Vec<Vec<usize>>,
 }
 
 impl UnreadDrafts {
+    /// The drafts of `rows` rows from each step's tokens with the rows they hold.
+    fn new(steps: Vec<(Vec<usize>, Array)>, rows: usize) -> UnreadDrafts {
+        let mut positions = vec![Vec::new(); rows];
+        let mut at = 0;
+        for (held, _) in &steps {
+            for (i, &r) in held.iter().enumerate() {
+                positions[r].push(at + i);
+            }
+            at += held.len();
+        }
+        let steps = steps.into_iter().map(|(_, tokens)| tokens).collect();
+        UnreadDrafts { steps, positions }
+    }
+
     /// Every draft, step after step, in one (T,) uint32 array; None when no row drafted.
     pub fn tokens(&self) -> Result<Option<Array>> {
-        let tokens: Vec<&Array> = self.steps.iter().map(|(_, t)| t).collect();
+        let tokens: Vec<&Array> = self.steps.iter().collect();
         Ok(match tokens[..] {
             [] => None,
             [one] => Some(one.clone()),
@@ -170,20 +184,14 @@ impl UnreadDrafts {
     }
 
     /// Where row `r`'s drafts sit in [`UnreadDrafts::tokens`], in order.
-    pub fn positions(&self, r: usize) -> Vec<usize> {
-        let mut at = 0;
-        let mut positions = Vec::new();
-        for (held, _) in &self.steps {
-            positions.extend(held.iter().position(|&h| h == r).map(|i| at + i));
-            at += held.len();
-        }
-        positions
+    pub fn positions(&self, r: usize) -> &[usize] {
+        &self.positions[r]
     }
 
     /// Each row's drafts, given [`UnreadDrafts::tokens`] as read back.
     pub fn split(&self, tokens: &[u32]) -> Vec<Vec<u32>> {
-        (0..self.rows)
-            .map(|r| self.positions(r).iter().map(|&i| tokens[i]).collect())
+        (self.positions.iter())
+            .map(|at| at.iter().map(|&i| tokens[i]).collect())
             .collect()
     }
 
@@ -281,10 +289,7 @@ pub fn draft_unread(
             mlx::async_eval(step)?;
         }
     }
-    Ok(UnreadDrafts {
-        steps,
-        rows: rows.len(),
-    })
+    Ok(UnreadDrafts::new(steps, rows.len()))
 }
 
 /// Pending tokens from which a greedy row's draft caches catch up before its round. A round

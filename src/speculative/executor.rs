@@ -248,7 +248,7 @@ impl Speculator {
             Some((want, mut ctx)) => source.draft(want, &mut ctx)?,
             None => Vec::new(),
         };
-        Ok(self.open_round(drafts))
+        Ok(self.open_round(&drafts))
     }
 
     /// What the next round may draft: how many tokens, and the context to draft them in. None
@@ -303,10 +303,10 @@ impl Speculator {
 
     /// Opens the round on the target caches with `drafts` (from [`Speculator::draft_request`];
     /// any past its budget dropped): returns `[last, drafts...]`, the target's next input.
-    pub(crate) fn open_round(&mut self, mut drafts: Vec<u32>) -> Vec<u32> {
-        drafts.truncate(self.draft_budget());
+    pub(crate) fn open_round(&mut self, drafts: &[u32]) -> Vec<u32> {
+        let drafts = &drafts[..drafts.len().min(self.draft_budget())];
         self.open_round_unread();
-        self.read_drafts(&drafts);
+        self.read_drafts(drafts);
         self.input.clone()
     }
 
