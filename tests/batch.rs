@@ -21,7 +21,9 @@ use verity::batch::{Batch, DraftPolicy};
 use verity::bundle::ModelBundle;
 use verity::cache::{KvQuantization, LayerCache};
 use verity::decode::{decode, Hooks, Request, Start};
-use verity::generate::{Control, FinishReason, GenerateParams, GeneratedToken};
+use verity::generate::{
+    prefill, token_array, Control, FinishReason, GenerateParams, GeneratedToken,
+};
 use verity::grammar::Grammar;
 use verity::model::LanguageModel;
 use verity::speculative::{DraftPrefix, Drafter, DrafterSpec, SpeculationStats};
@@ -358,7 +360,9 @@ fn check_speculative_fixture(fixture: &str, caches: Caches, drafters: &[DrafterS
                     );
                 }
                 let got = &got[&i];
-                let whole = row.cancelled.is_none_or(|c| c - row.joins >= want.len());
+                // A row emits a token a step, the first a step late when it joined a batch
+                // stepping ahead (its prompt's last token rides the next step enqueued).
+                let whole = row.cancelled.is_none_or(|c| c - row.joins > want.len());
                 prop_assert!(
                     got.len() <= want.len() && got[..] == want[..got.len()],
                     "row {i} of {rows:?}: the batch emitted {:?}, alone {:?}",
@@ -937,4 +941,77 @@ fn running_rows_step_between_a_joining_prompts_chunks_and_every_row_equals_alone
         alone(model, Some(&drafter), None, &short[1..], &params)
     );
     assert_eq!(got[2], alone(model, None, None, &long, &params));
+}
+
+/// A plain row leaves with caches that hold its prompt and every token it emitted but the last,
+/// as a prefill of them makes them (what the server's prefix cache keeps for a conversation's
+/// next turn), though the batch stepping ahead fed its last token before reading it: in one
+/// buffer per layer shared with another row, and in caches of its own.
+#[test]
+fn plain_rows_leave_with_the_caches_of_their_tokens_but_the_last() {
+    let b = bundle("qwen3");
+    let model = b.model();
+    let prompts: [&[u32]; 3] = [&[5, 17, 300, 42], &[9, 8, 7, 6, 5, 4, 3], &[11, 12]];
+    for share in [true, false] {
+        let params: Vec<GenerateParams> = [3, 6, 4]
+            .map(|max_tokens| GenerateParams::greedy(max_tokens, Vec::new()))
+            .into();
+        let mut batch = Batch::new(model);
+        batch.share_caches(share);
+        let mut emitted: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+        let mut left = Vec::new();
+        for (i, prompt) in prompts.iter().enumerate() {
+            let request = Request {
+                prompt,
+                params: &params[i],
+                constraint: None,
+                num_draft_tokens: None,
+            };
+            batch
+                .add(i, None, Start::Fresh, request, None, None)
+                .unwrap();
+            // The last row joins a batch already stepping ahead.
+            if i == 1 {
+                left.extend(step_tokens(&mut batch, &mut emitted));
+            }
+        }
+        while !batch.is_empty() {
+            left.extend(step_tokens(&mut batch, &mut emitted));
+        }
+        assert_eq!(left.len(), prompts.len());
+        for row in left {
+            let (i, caches) = (row.id, row.caches.expect("a plain row's caches"));
+            assert_eq!(emitted[i].len(), params[i].max_tokens, "row {i}");
+            let held = [prompts[i], &emitted[i][..emitted[i].len() - 1]].concat();
+            let mut want = model.make_cache(None);
+            let ids = token_array(&held).unwrap();
+            prefill(model, &mut want, &ids, &params[i], |_| Ok(())).unwrap();
+            for (layer, (got, want)) in caches.iter().zip(&want).enumerate() {
+                let at = format!("share {share}, row {i}, layer {layer}");
+                assert_eq!(got.offset(), held.len(), "{at}");
+                let (got, want) = (got.visible().unwrap(), want.visible().unwrap());
+                let (got, want) = (got.expect(&at), want.expect(&at));
+                assert_eq!(
+                    got.0.to_bytes().unwrap(),
+                    want.0.to_bytes().unwrap(),
+                    "{at}"
+                );
+                assert_eq!(
+                    got.1.to_bytes().unwrap(),
+                    want.1.to_bytes().unwrap(),
+                    "{at}"
+                );
+            }
+        }
+    }
+}
+
+/// One step of `batch`, each row's tokens appended under its id in `emitted`; the rows that left.
+fn step_tokens(batch: &mut Batch, emitted: &mut [Vec<u32>]) -> Vec<verity::batch::Left> {
+    batch
+        .step(&mut |i, t| {
+            emitted[i].push(t.token);
+            Control::Continue
+        })
+        .unwrap()
 }

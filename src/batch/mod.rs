@@ -17,10 +17,12 @@
 //!
 //! A row emits what its request emits alone through [`crate::decode::decode`], token for token
 //! and logprob bit for bit, wherever the packed forward gives each row its lone bits (on the
-//! CPU: tests/batch.rs). What differs is only when work happens: a lone request enqueues its
-//! next step before its current token is read (generate_step's pipelining); a batch reads every
-//! row's token at the end of each step, since its rows' next inputs are those tokens.
+//! CPU: tests/batch.rs). What differs is only when work happens: while every row decodes plain,
+//! the batch enqueues its next step before it reads the current one's tokens, as a lone request
+//! does ([`ahead`]); a step with a speculative or grammar-constrained row reads every row's
+//! tokens at its end, since its rows' next inputs (drafts, masks) are built from them.
 
+mod ahead;
 mod draft_policy;
 mod greedy;
 mod round_drafts;
@@ -29,7 +31,7 @@ mod shared;
 use std::ptr;
 use std::time::{Duration, Instant};
 
-use mlx::Dtype;
+use mlx::{Array, Dtype};
 
 use crate::bundle::ModelBundle;
 use crate::cache::{plan_step, quantize_due, LayerCache};
@@ -38,7 +40,7 @@ use crate::generate::{
     logprobs_after, prefill_request, token_array, Control, GenerateParams, GeneratedToken,
     OnPrefilled, Prefilled, Resume,
 };
-use crate::model::{lone_rows, LanguageModel};
+use crate::model::{lone_rows, Forward, LanguageModel};
 use crate::sample::StepSampler;
 use crate::speculative::draft_model::{
     draft_together, draft_unread, SharedDraftCaches, UnreadDrafts,
@@ -57,8 +59,48 @@ struct Plain {
     params: GenerateParams,
     /// The token this row feeds next: its prompt's last, then each emitted one.
     next: u32,
+    /// Its position in the step enqueued ahead whose tokens are read next ([`ahead::Ahead`]),
+    /// while that token is on the device only.
+    ahead: Option<usize>,
     emitted: usize,
 }
+
+impl Plain {
+    /// The row's logprobs (V,) and sampled token (1,) from its logits (1, 1, V) after it fed
+    /// `input` (its processors' history then holds it).
+    fn sample(&mut self, input: &Array, logits: &Array) -> Result<(Array, Array)> {
+        let logprobs = logprobs_after(&mut self.sampler, input, &logits.squeeze(&[1])?)?;
+        let y = self.sampler.sample(&logprobs)?.astype(Dtype::Uint32)?;
+        Ok((y, logprobs.squeeze(&[0])?))
+    }
+
+    /// Hands row `id`'s token of a step to `on_token`; true when the row ends with it (EOS,
+    /// max_tokens, or its callback answered `Stop`).
+    fn emit(
+        &mut self,
+        id: usize,
+        token: u32,
+        logprobs: Array,
+        on_token: OnToken<'_>,
+    ) -> Result<bool> {
+        if self.sampler.is_constrained() {
+            self.sampler.advance_grammar(token)?;
+        }
+        self.emitted += 1;
+        self.next = token;
+        let finish = self.params.finish_for(token, self.emitted);
+        let step = GeneratedToken {
+            token,
+            logprobs,
+            from_draft: false,
+            finish,
+        };
+        Ok(on_token(id, &step) == Control::Stop || finish.is_some())
+    }
+}
+
+/// What a step hands each row's tokens to.
+type OnToken<'a> = &'a mut dyn FnMut(usize, &GeneratedToken) -> Control;
 
 /// How a row decodes.
 enum Decoder<'m> {
@@ -172,6 +214,8 @@ pub struct Batch<'m> {
     /// Whether greedy speculative rows draft or decode plain, when measured
     /// ([`Batch::adapt_drafts`]).
     draft_policy: Option<DraftPolicy>,
+    /// The step enqueued ahead whose tokens are not read yet.
+    ahead: Option<ahead::Ahead>,
     /// Whether a row joined or a prompt chunk was prefilled since the last step: the next step
     /// pays for them (the row's caches moved into the shared ones, MLX's buffer cache released
     /// after a chunk and allocated again), so its time says nothing about drafting and the
@@ -189,6 +233,7 @@ impl<'m> Batch<'m> {
             draft_groups: Vec::new(),
             may_share: true,
             draft_policy: None,
+            ahead: None,
             prefilled: false,
             split: StepSplit::default(),
         }
@@ -259,6 +304,7 @@ impl<'m> Batch<'m> {
                     sampler,
                     params: request.params.clone(),
                     next: last,
+                    ahead: None,
                     emitted: 0,
                 }))
             }
@@ -327,6 +373,9 @@ impl<'m> Batch<'m> {
         };
         self.leave_shared(at, false)?;
         self.rows.remove(at);
+        if self.rows.is_empty() {
+            self.ahead = None;
+        }
         Ok(true)
     }
 
@@ -438,10 +487,14 @@ impl<'m> Batch<'m> {
     /// tokens handed to `on_token(id, token)` in order. Returns the rows that left: after their
     /// last token (EOS or max_tokens, the finish reason on it) or when their callback answered
     /// `Stop`.
-    pub fn step(
-        &mut self,
-        on_token: &mut dyn FnMut(usize, &GeneratedToken) -> Control,
-    ) -> Result<Vec<Left>> {
+    pub fn step(&mut self, on_token: OnToken<'_>) -> Result<Vec<Left>> {
+        if self.runs_ahead() {
+            return self.step_ahead(on_token);
+        }
+        if let Some(ahead) = self.ahead.take() {
+            // A row joined that the batch cannot step ahead: this step reads the one enqueued.
+            return self.read_ahead(ahead, None, on_token);
+        }
         if self.rows.is_empty() {
             return Ok(Vec::new());
         }
@@ -494,22 +547,7 @@ impl<'m> Batch<'m> {
             .collect();
         taps.sort_unstable();
         taps.dedup();
-        let ids = unread.ids(&inputs, &drafted)?;
-        let out = {
-            let mut caches: Vec<&mut [LayerCache]> = match &mut self.shared {
-                Some(shared) => {
-                    plan_step(shared, &lens)?;
-                    vec![&mut shared[..]]
-                }
-                None => self
-                    .rows
-                    .iter_mut()
-                    .map(|row| &mut row.decoder.caches_mut()[..])
-                    .collect(),
-            };
-            let ids = ids.expand_dims(&[0])?;
-            lone_rows::decode_rows(|| self.model.forward_rows(&ids, &mut caches, &lens, &taps))?
-        };
+        let out = self.forward(&unread.ids(&inputs, &drafted)?, &lens, &taps)?;
         let greedy = GreedyRows::sample(&self.rows, &lens, &out.logits)?;
         let mut sampled = Vec::new();
         let mut pending = Vec::new();
@@ -522,11 +560,7 @@ impl<'m> Batch<'m> {
                 Decoder::Plain(p) => {
                     quantize_due(&mut p.caches, p.params.kv_quantization.as_ref())?;
                     if greedy.as_ref().and_then(|g| g.index(start)).is_none() {
-                        let input = token_array(&[p.next])?;
-                        let logits = logits.squeeze(&[1])?;
-                        let logprobs = logprobs_after(&mut p.sampler, &input, &logits)?;
-                        let y = p.sampler.sample(&logprobs)?.astype(Dtype::Uint32)?;
-                        sampled.push((y, logprobs.squeeze(&[0])?));
+                        sampled.push(p.sample(&token_array(&[p.next])?, &logits)?);
                     }
                 }
                 Decoder::Speculative { speculator, .. } => {
@@ -629,21 +663,9 @@ impl<'m> Batch<'m> {
                     (y.item::<u32>()?, logprobs)
                 }
             };
-            if p.sampler.is_constrained() {
-                p.sampler.advance_grammar(token)?;
-            }
-            p.emitted += 1;
-            let finish = p.params.finish_for(token, p.emitted);
-            let step = GeneratedToken {
-                token,
-                logprobs,
-                from_draft: false,
-                finish,
-            };
-            if on_token(row.id, &step) == Control::Stop || finish.is_some() {
+            if p.emit(row.id, token, logprobs, &mut on_token)? {
                 leaving.push(row.id);
             }
-            p.next = token;
         }
         let split = &mut self.split;
         split.steps += 1;
@@ -658,16 +680,57 @@ impl<'m> Batch<'m> {
         if let (Some(policy), Some(_), false) = (&mut self.draft_policy, choice, prefilled) {
             policy.record(lens.len(), emitted, started.elapsed());
         }
-        for at in (0..self.rows.len()).rev() {
-            if leaving.contains(&self.rows[at].id) {
-                let plain = matches!(self.rows[at].decoder, Decoder::Plain(_));
-                self.leave_shared(at, plain)?;
+        self.depart(&leaving, false)
+    }
+
+    /// One packed forward over `ids` (T,), row r feeding the next `lens[r]` of them, over the
+    /// shared caches or each row's own; `taps` lists the hidden states wanted back.
+    fn forward(&mut self, ids: &Array, lens: &[usize], taps: &[usize]) -> Result<Forward> {
+        let model = self.model;
+        let mut caches: Vec<&mut [LayerCache]> = match &mut self.shared {
+            Some(shared) => {
+                plan_step(shared, lens)?;
+                vec![&mut shared[..]]
             }
+            None => self
+                .rows
+                .iter_mut()
+                .map(|row| &mut row.decoder.caches_mut()[..])
+                .collect(),
+        };
+        let ids = ids.expand_dims(&[0])?;
+        lone_rows::decode_rows(|| model.forward_rows(&ids, &mut caches, lens, taps))
+    }
+
+    /// The rows in `leaving` leave the batch, a plain row with its caches; `fed`: each of them
+    /// fed its last token to a step enqueued ahead, which its caches give back first, so that
+    /// they hold what they would had the batch waited.
+    fn depart(&mut self, leaving: &[usize], fed: bool) -> Result<Vec<Left>> {
+        for at in (0..self.rows.len()).rev() {
+            if !leaving.contains(&self.rows[at].id) {
+                continue;
+            }
+            if fed {
+                let in_shared = at < self.shared_rows();
+                match &mut self.shared {
+                    Some(shared) if in_shared => shared::trim(shared, at, 1)?,
+                    _ => {
+                        for cache in self.rows[at].decoder.caches_mut() {
+                            cache.trim(1)?;
+                        }
+                    }
+                }
+            }
+            let plain = matches!(self.rows[at].decoder, Decoder::Plain(_));
+            self.leave_shared(at, plain)?;
         }
         let (gone, staying) = std::mem::take(&mut self.rows)
             .into_iter()
             .partition(|row| leaving.contains(&row.id));
         self.rows = staying;
+        if self.rows.is_empty() {
+            self.ahead = None;
+        }
         Ok(gone
             .into_iter()
             .map(|row| match row.decoder {

@@ -1,0 +1,209 @@
+//! Plain rows one step ahead. While every row decodes plain, without a grammar, over caches
+//! that can give a token back, the batch enqueues step n+1 over step n's tokens still on the
+//! device before it reads them, as a lone request (generate_step) and mlx-lm's batch
+//! (`GenerationBatch._step`, mlx_lm/generate.py:1429-1442) do: on a GPU the host builds and
+//! launches a step while the device computes the one before. A row that ends has fed its last
+//! token to the step ahead; its caches give that token back as it leaves, so that they hold
+//! what they would had the batch waited. The forwards are the same, so are every row's bits.
+
+use std::time::Instant;
+
+use mlx::Array;
+
+use super::greedy::GreedyRows;
+use super::{Batch, Decoder, Left, OnToken, Plain};
+use crate::cache::{quantize_due, LayerCache};
+use crate::error::contract;
+use crate::generate::token_array;
+use crate::Result;
+
+/// A step enqueued whose tokens are not read yet.
+pub(super) struct Ahead {
+    /// Its token of each row, in the order of the rows it stepped (n,) uint32: the input of
+    /// the step after it.
+    tokens: Array,
+    /// Each row's logprobs (V,), in the same order.
+    logprobs: Vec<Array>,
+}
+
+impl Batch<'_> {
+    /// Whether the next step runs ahead: every row decodes plain, without a grammar (which
+    /// reads a token before it masks the next), over KV caches (its own or the shared ones),
+    /// which give back a token fed past the row's end.
+    pub(super) fn runs_ahead(&self) -> bool {
+        !self.rows.is_empty()
+            && self.rows.iter().all(|row| match &row.decoder {
+                Decoder::Plain(p) => {
+                    !p.sampler.is_constrained()
+                        && (p.caches.iter())
+                            .all(|c| matches!(c, LayerCache::Kv(_) | LayerCache::QuantizedKv(_)))
+                }
+                Decoder::Speculative { .. } => false,
+            })
+    }
+
+    /// Enqueues the next step over each row's unread token (or, for a row that joined since,
+    /// its prompt's last), then reads the step before and hands its tokens out. With no step
+    /// ahead yet, it enqueues two before it reads.
+    pub(super) fn step_ahead(&mut self, on_token: OnToken<'_>) -> Result<Vec<Left>> {
+        let started = Instant::now();
+        self.prefilled = false;
+        let previous = self.ahead.take();
+        self.arrange_shared()?;
+        let inputs = self.inputs_after(previous.as_ref())?;
+        let lens = vec![1; self.rows.len()];
+        let ids = match &inputs {
+            Inputs::Whole(tokens) => tokens.clone(),
+            Inputs::Rows(rows) => concatenate(rows)?,
+        };
+        let logits = self.forward(&ids, &lens, &[])?.logits;
+        let greedy = GreedyRows::sample(&self.rows, &lens, &logits)?;
+        let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
+        for (at, row) in self.rows.iter_mut().enumerate() {
+            let p = plain(&mut row.decoder)?;
+            quantize_due(&mut p.caches, p.params.kv_quantization.as_ref())?;
+            match greedy.as_ref().and_then(|g| Some((g.index(at as i32)?, g))) {
+                Some((i, g)) => {
+                    tokens.push(None);
+                    logprobs.push(g.logprobs[i].clone());
+                }
+                None => {
+                    let input = match &inputs {
+                        Inputs::Whole(t) => t.slice_axis(0, at as i32, at as i32 + 1)?,
+                        Inputs::Rows(rows) => rows[at].clone(),
+                    };
+                    let (y, lp) =
+                        p.sample(&input, &logits.slice_axis(1, at as i32, at as i32 + 1)?)?;
+                    tokens.push(Some(y));
+                    logprobs.push(lp);
+                }
+            }
+        }
+        let tokens = match (&greedy, tokens.iter().all(Option::is_none)) {
+            (Some(g), true) => g.tokens.clone(),
+            _ => {
+                let mut next = 0;
+                let rows = (tokens.into_iter())
+                    .map(|t| match (t, &greedy) {
+                        (Some(y), _) => Ok(y),
+                        (None, Some(g)) => {
+                            next += 1;
+                            Ok(g.tokens.slice_axis(0, next - 1, next)?)
+                        }
+                        (None, None) => Err(contract("a greedy row without greedy rows")),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                concatenate(&rows)?
+            }
+        };
+        let built_at = Instant::now();
+        mlx::async_eval(std::iter::once(&tokens).chain(&logprobs))?;
+        let split = &mut self.split;
+        split.steps += 1;
+        split.rows += lens.len();
+        split.shared += usize::from(self.shared.is_some());
+        split.build += built_at - started;
+        split.eval += built_at.elapsed();
+        let next = Ahead { tokens, logprobs };
+        match previous {
+            None => {
+                self.enqueued(next);
+                self.step_ahead(on_token)
+            }
+            Some(previous) => self.read_ahead(previous, Some(next), on_token),
+        }
+    }
+
+    /// Reads the step enqueued ahead and hands each row's token out; the rows that joined
+    /// since have none in it. `next`: the step enqueued after it, every row's last token fed to
+    /// it, or None when the batch stops running ahead.
+    pub(super) fn read_ahead(
+        &mut self,
+        ahead: Ahead,
+        next: Option<Ahead>,
+        on_token: OnToken<'_>,
+    ) -> Result<Vec<Left>> {
+        let started = Instant::now();
+        let tokens = ahead.tokens.to_vec::<u32>()?;
+        let read_at = Instant::now();
+        let mut leaving = Vec::new();
+        let mut logprobs = ahead.logprobs.into_iter().map(Some).collect::<Vec<_>>();
+        for row in &mut self.rows {
+            let Decoder::Plain(p) = &mut row.decoder else {
+                continue;
+            };
+            let Some(at) = p.ahead.take() else {
+                continue;
+            };
+            let lp = (logprobs[at].take()).ok_or_else(|| contract("a row read twice"))?;
+            if p.emit(row.id, tokens[at], lp, on_token)? {
+                leaving.push(row.id);
+            }
+        }
+        let fed = next.is_some();
+        if let Some(next) = next {
+            self.enqueued(next);
+        }
+        let left = self.depart(&leaving, fed)?;
+        self.split.eval += read_at - started;
+        self.split.settle += read_at.elapsed();
+        Ok(left)
+    }
+
+    /// `step` is the step enqueued ahead, every row in it at its place.
+    fn enqueued(&mut self, step: Ahead) {
+        for (at, row) in self.rows.iter_mut().enumerate() {
+            if let Decoder::Plain(p) = &mut row.decoder {
+                p.ahead = Some(at);
+            }
+        }
+        self.ahead = Some(step);
+    }
+
+    /// Each row's input to the step after `previous`: its token there, or its prompt's last.
+    fn inputs_after(&self, previous: Option<&Ahead>) -> Result<Inputs> {
+        let at = |row: &super::Row<'_>| match &row.decoder {
+            Decoder::Plain(p) => p.ahead,
+            Decoder::Speculative { .. } => None,
+        };
+        if let Some(previous) = previous {
+            let same = previous.logprobs.len() == self.rows.len()
+                && (self.rows.iter().enumerate()).all(|(i, row)| at(row) == Some(i));
+            if same {
+                return Ok(Inputs::Whole(previous.tokens.clone()));
+            }
+        }
+        let rows = (self.rows.iter())
+            .map(|row| match (at(row), previous, &row.decoder) {
+                (Some(i), Some(previous), _) => {
+                    Ok(previous.tokens.slice_axis(0, i as i32, i as i32 + 1)?)
+                }
+                (_, _, Decoder::Plain(p)) => Ok(token_array(&[p.next])?),
+                _ => Err(contract("a speculative row in a step ahead")),
+            })
+            .collect::<Result<_>>()?;
+        Ok(Inputs::Rows(rows))
+    }
+}
+
+/// The token ids a step ahead feeds: the step before's tokens as they are, or each row's (1,).
+enum Inputs {
+    Whole(Array),
+    Rows(Vec<Array>),
+}
+
+/// The plain row a step ahead holds.
+fn plain<'a>(decoder: &'a mut Decoder<'_>) -> Result<&'a mut Plain> {
+    match decoder {
+        Decoder::Plain(p) => Ok(p),
+        Decoder::Speculative { .. } => Err(contract("a speculative row in a step ahead")),
+    }
+}
+
+/// `pieces` end to end (1-D), or the one piece itself.
+fn concatenate(pieces: &[Array]) -> Result<Array> {
+    Ok(match pieces {
+        [one] => one.clone(),
+        _ => mlx::ops::concatenate(&pieces.iter().collect::<Vec<_>>(), 0)?,
+    })
+}
