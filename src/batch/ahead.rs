@@ -68,9 +68,12 @@ impl Batch<'_> {
                     logprobs.push(g.logprobs[i].clone());
                 }
                 None => {
-                    let input = match &inputs {
-                        Inputs::Whole(t) => t.slice_axis(0, at as i32, at as i32 + 1)?,
-                        Inputs::Rows(rows) => rows[at].clone(),
+                    // A row that joined since feeds its prompt's last token as a lone request
+                    // does (int32), so that its processors' history is that request's.
+                    let input = match (&inputs, p.ahead) {
+                        (Inputs::Whole(t), _) => t.slice_axis(0, at as i32, at as i32 + 1)?,
+                        (Inputs::Rows(rows), Some(_)) => rows[at].clone(),
+                        (Inputs::Rows(_), None) => token_array(&[p.next])?,
                     };
                     let (y, lp) =
                         p.sample(&input, &logits.slice_axis(1, at as i32, at as i32 + 1)?)?;
@@ -178,7 +181,7 @@ impl Batch<'_> {
                 (Some(i), Some(previous), _) => {
                     Ok(previous.tokens.slice_axis(0, i as i32, i as i32 + 1)?)
                 }
-                (_, _, Decoder::Plain(p)) => Ok(token_array(&[p.next])?),
+                (_, _, Decoder::Plain(p)) => Ok(Array::from_slice(&[p.next], &[1])?),
                 _ => Err(contract("a speculative row in a step ahead")),
             })
             .collect::<Result<_>>()?;
@@ -186,7 +189,8 @@ impl Batch<'_> {
     }
 }
 
-/// The token ids a step ahead feeds: the step before's tokens as they are, or each row's (1,).
+/// The token ids a step ahead feeds: the step before's tokens as they are, or each row's (1,),
+/// all uint32 (the tokens' type), so that joining them converts none.
 enum Inputs {
     Whole(Array),
     Rows(Vec<Array>),
