@@ -946,13 +946,14 @@ fn running_rows_step_between_a_joining_prompts_chunks_and_every_row_equals_alone
 /// A plain row leaves with caches that hold its prompt and every token it emitted but the last,
 /// as a prefill of them makes them (what the server's prefix cache keeps for a conversation's
 /// next turn), though the batch stepping ahead fed its last token before reading it: in one
-/// buffer per layer shared with another row, and in caches of its own.
+/// buffer per layer shared with another row, in KV caches of its own, and in a hybrid model's
+/// recurrent layers.
 #[test]
 fn plain_rows_leave_with_the_caches_of_their_tokens_but_the_last() {
-    let b = bundle("qwen3");
-    let model = b.model();
-    let prompts: [&[u32]; 3] = [&[5, 17, 300, 42], &[9, 8, 7, 6, 5, 4, 3], &[11, 12]];
-    for share in [true, false] {
+    for (fixture, share) in [("qwen3", true), ("qwen3", false), ("qwen3_5", false)] {
+        let b = bundle(fixture);
+        let model = b.model();
+        let prompts: [&[u32]; 3] = [&[5, 17, 300, 42], &[9, 8, 7, 6, 5, 4, 3], &[11, 12]];
         let params: Vec<GenerateParams> = [3, 6, 4]
             .map(|max_tokens| GenerateParams::greedy(max_tokens, Vec::new()))
             .into();
@@ -987,23 +988,26 @@ fn plain_rows_leave_with_the_caches_of_their_tokens_but_the_last() {
             let ids = token_array(&held).unwrap();
             prefill(model, &mut want, &ids, &params[i], |_| Ok(())).unwrap();
             for (layer, (got, want)) in caches.iter().zip(&want).enumerate() {
-                let at = format!("share {share}, row {i}, layer {layer}");
+                let at = format!("{fixture}, share {share}, row {i}, layer {layer}");
                 assert_eq!(got.offset(), held.len(), "{at}");
-                let (got, want) = (got.visible().unwrap(), want.visible().unwrap());
-                let (got, want) = (got.expect(&at), want.expect(&at));
-                assert_eq!(
-                    got.0.to_bytes().unwrap(),
-                    want.0.to_bytes().unwrap(),
-                    "{at}"
-                );
-                assert_eq!(
-                    got.1.to_bytes().unwrap(),
-                    want.1.to_bytes().unwrap(),
-                    "{at}"
-                );
+                assert_eq!(held_bits(got), held_bits(want), "{at}");
             }
         }
     }
+}
+
+/// The bits a cache holds of its tokens: a KV cache's visible keys and values, a recurrent
+/// layer's state.
+fn held_bits(cache: &LayerCache) -> Vec<Vec<u8>> {
+    let arrays = match cache {
+        LayerCache::Recurrent(_) => cache.state().into_iter().cloned().collect(),
+        _ => {
+            let (keys, values) = cache.visible().unwrap().expect("a filled cache");
+            vec![keys, values]
+        }
+    };
+    assert!(!arrays.is_empty(), "a cache holds its tokens");
+    arrays.iter().map(|a| a.to_bytes().unwrap()).collect()
 }
 
 /// One step of `batch`, each row's tokens appended under its id in `emitted`; the rows that left.

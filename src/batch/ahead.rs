@@ -3,16 +3,17 @@
 //! device before it reads them, as a lone request (generate_step) and mlx-lm's batch
 //! (`GenerationBatch._step`, mlx_lm/generate.py:1429-1442) do: on a GPU the host builds and
 //! launches a step while the device computes the one before. A row that ends has fed its last
-//! token to the step ahead; its caches give that token back as it leaves, so that they hold
-//! what they would had the batch waited. The forwards are the same, so are every row's bits.
+//! token to the step ahead; its caches give that token back as it leaves (a KV cache trims it,
+//! a recurrent layer returns to its state before the step), so that they hold what they would
+//! had the batch waited. The forwards are the same, so are every row's bits.
 
 use std::time::Instant;
 
 use mlx::Array;
 
 use super::greedy::GreedyRows;
-use super::{Batch, Decoder, Left, OnToken, Plain};
-use crate::cache::{quantize_due, LayerCache};
+use super::{shared, Batch, Decoder, Left, OnToken, Plain};
+use crate::cache::{quantize_due, LayerCache, RecurrentState};
 use crate::error::contract;
 use crate::generate::token_array;
 use crate::Result;
@@ -28,18 +29,45 @@ pub(super) struct Ahead {
 
 impl Batch<'_> {
     /// Whether the next step runs ahead: every row decodes plain, without a grammar (which
-    /// reads a token before it masks the next), over KV caches (its own or the shared ones),
-    /// which give back a token fed past the row's end.
+    /// reads a token before it masks the next), over caches that give back a token fed past
+    /// the row's end: KV caches (its own or the shared ones) and recurrent layers, not a
+    /// rotating window, which overwrote a key with it.
     pub(super) fn runs_ahead(&self) -> bool {
         !self.rows.is_empty()
             && self.rows.iter().all(|row| match &row.decoder {
                 Decoder::Plain(p) => {
                     !p.sampler.is_constrained()
-                        && (p.caches.iter())
-                            .all(|c| matches!(c, LayerCache::Kv(_) | LayerCache::QuantizedKv(_)))
+                        && (p.caches.iter()).all(|c| !matches!(c, LayerCache::Rotating(_)))
                 }
                 Decoder::Speculative { .. } => false,
             })
+    }
+
+    /// Row `at`, which fed its last token to the step ahead, takes that token back out of its
+    /// caches.
+    pub(super) fn give_back(&mut self, at: usize) -> Result<()> {
+        let in_shared = at < self.shared_rows();
+        if let (Some(shared), true) = (&mut self.shared, in_shared) {
+            return shared::trim(shared, at, 1);
+        }
+        let p = plain(&mut self.rows[at].decoder)?;
+        let mut before = std::mem::take(&mut p.recurrent_before).into_iter();
+        for (layer, cache) in p.caches.iter_mut().enumerate() {
+            match cache {
+                LayerCache::Recurrent(c) => {
+                    let (at, state) = before.next().ok_or_else(|| contract("no state kept"))?;
+                    if at != layer {
+                        return Err(contract("a recurrent state kept for another layer"));
+                    }
+                    c.state = state;
+                    c.seen -= 1;
+                }
+                cache => {
+                    cache.trim(1)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Enqueues the next step over each row's unread token (or, for a row that joined since,
@@ -50,6 +78,10 @@ impl Batch<'_> {
         self.prefilled = false;
         let previous = self.ahead.take();
         self.arrange_shared()?;
+        for row in &mut self.rows {
+            let p = plain(&mut row.decoder)?;
+            p.recurrent_before = recurrent_states(&p.caches);
+        }
         let inputs = self.inputs_after(previous.as_ref())?;
         let lens = vec![1; self.rows.len()];
         let ids = match &inputs {
@@ -202,6 +234,16 @@ fn plain<'a>(decoder: &'a mut Decoder<'_>) -> Result<&'a mut Plain> {
         Decoder::Plain(p) => Ok(p),
         Decoder::Speculative { .. } => Err(contract("a speculative row in a step ahead")),
     }
+}
+
+/// The state of each recurrent layer of `caches`, by layer.
+fn recurrent_states(caches: &[LayerCache]) -> Vec<(usize, Option<RecurrentState>)> {
+    (caches.iter().enumerate())
+        .filter_map(|(layer, c)| match c {
+            LayerCache::Recurrent(c) => Some((layer, c.state.clone())),
+            _ => None,
+        })
+        .collect()
 }
 
 /// `pieces` end to end (1-D), or the one piece itself.

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use mlx::{Array, Dtype};
 
 use crate::bundle::ModelBundle;
-use crate::cache::{plan_step, quantize_due, LayerCache};
+use crate::cache::{plan_step, quantize_due, LayerCache, RecurrentState};
 use crate::decode::{Request, Start};
 use crate::generate::{
     logprobs_after, prefill_request, token_array, Control, GenerateParams, GeneratedToken,
@@ -62,6 +62,9 @@ struct Plain {
     /// Its position in the step enqueued ahead whose tokens are read next ([`ahead::Ahead`]),
     /// while that token is on the device only.
     ahead: Option<usize>,
+    /// Its recurrent layers' states before the step enqueued last, by layer: what they give
+    /// back if the row ends on the token before ([`ahead::give_back`]).
+    recurrent_before: Vec<(usize, Option<RecurrentState>)>,
     emitted: usize,
 }
 
@@ -305,6 +308,7 @@ impl<'m> Batch<'m> {
                     params: request.params.clone(),
                     next: last,
                     ahead: None,
+                    recurrent_before: Vec::new(),
                     emitted: 0,
                 }))
             }
@@ -711,15 +715,7 @@ impl<'m> Batch<'m> {
                 continue;
             }
             if fed {
-                let in_shared = at < self.shared_rows();
-                match &mut self.shared {
-                    Some(shared) if in_shared => shared::trim(shared, at, 1)?,
-                    _ => {
-                        for cache in self.rows[at].decoder.caches_mut() {
-                            cache.trim(1)?;
-                        }
-                    }
-                }
+                self.give_back(at)?;
             }
             let plain = matches!(self.rows[at].decoder, Decoder::Plain(_));
             self.leave_shared(at, plain)?;
