@@ -90,13 +90,13 @@ impl Batch<'_> {
         };
         let logits = self.forward(&ids, &lens, &[])?.logits;
         let greedy = GreedyRows::sample(&self.rows, &lens, &logits)?;
-        let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
+        let (mut sampled, mut logprobs) = (Vec::new(), Vec::new());
         for (at, row) in self.rows.iter_mut().enumerate() {
             let p = plain(&mut row.decoder)?;
             quantize_due(&mut p.caches, p.params.kv_quantization.as_ref())?;
             match greedy.as_ref().and_then(|g| Some((g.index(at as i32)?, g))) {
                 Some((i, g)) => {
-                    tokens.push(None);
+                    sampled.push(Err(i));
                     logprobs.push(g.logprobs[i].clone());
                 }
                 None => {
@@ -109,23 +109,20 @@ impl Batch<'_> {
                     };
                     let (y, lp) =
                         p.sample(&input, &logits.slice_axis(1, at as i32, at as i32 + 1)?)?;
-                    tokens.push(Some(y));
+                    sampled.push(Ok(y));
                     logprobs.push(lp);
                 }
             }
         }
-        let tokens = match (&greedy, tokens.iter().all(Option::is_none)) {
-            (Some(g), true) => g.tokens.clone(),
+        // Each row's token: its own sample, or (Err) its index among the greedy rows'.
+        let tokens = match &greedy {
+            Some(g) if sampled.iter().all(Result::is_err) => g.tokens.clone(),
             _ => {
-                let mut next = 0;
-                let rows = (tokens.into_iter())
+                let rows = (sampled.into_iter())
                     .map(|t| match (t, &greedy) {
-                        (Some(y), _) => Ok(y),
-                        (None, Some(g)) => {
-                            next += 1;
-                            Ok(g.tokens.slice_axis(0, next - 1, next)?)
-                        }
-                        (None, None) => Err(contract("a greedy row without greedy rows")),
+                        (Ok(y), _) => Ok(y),
+                        (Err(i), Some(g)) => Ok(g.tokens.slice_axis(0, i as i32, i as i32 + 1)?),
+                        (Err(_), None) => Err(contract("a greedy row without greedy rows")),
                     })
                     .collect::<Result<Vec<_>>>()?;
                 concatenate(&rows)?
