@@ -1,11 +1,12 @@
-//! Plain rows one step ahead. While every row decodes plain, without a grammar, over caches
-//! that can give a token back, the batch enqueues step n+1 over step n's tokens still on the
+//! Plain rows one step ahead. While every row decodes plain, without a grammar, the batch
+//! enqueues step n+1 over step n's tokens still on the
 //! device before it reads them, as a lone request (generate_step) and mlx-lm's batch
 //! (`GenerationBatch._step`, mlx_lm/generate.py:1429-1442) do: on a GPU the host builds and
 //! launches a step while the device computes the one before. A row that ends has fed its last
 //! token to the step ahead; its caches give that token back as it leaves (a KV cache trims it,
 //! a recurrent layer returns to its state before the step), so that they hold what they would
-//! had the batch waited. The forwards are the same, so are every row's bits.
+//! had the batch waited, or, where a rotating window overwrote a key with it, the row leaves
+//! without them. The forwards are the same, so are every row's bits.
 
 use std::time::Instant;
 
@@ -29,28 +30,30 @@ pub(super) struct Ahead {
 
 impl Batch<'_> {
     /// Whether the next step runs ahead: every row decodes plain, without a grammar (which
-    /// reads a token before it masks the next), over caches that give back a token fed past
-    /// the row's end: KV caches (its own or the shared ones) and recurrent layers, not a
-    /// rotating window, which overwrote a key with it.
+    /// reads a token before it masks the next).
     pub(super) fn runs_ahead(&self) -> bool {
         !self.rows.is_empty()
             && self.rows.iter().all(|row| match &row.decoder {
-                Decoder::Plain(p) => {
-                    !p.sampler.is_constrained()
-                        && (p.caches.iter()).all(|c| !matches!(c, LayerCache::Rotating(_)))
-                }
+                Decoder::Plain(p) => !p.sampler.is_constrained(),
                 Decoder::Speculative { .. } => false,
             })
     }
 
     /// Row `at`, which fed its last token to the step ahead, takes that token back out of its
-    /// caches.
-    pub(super) fn give_back(&mut self, at: usize) -> Result<()> {
+    /// caches; false (its caches untouched) when a rotating window of them cannot.
+    pub(super) fn give_back(&mut self, at: usize) -> Result<bool> {
         let in_shared = at < self.shared_rows();
         if let (Some(shared), true) = (&mut self.shared, in_shared) {
-            return shared::trim(shared, at, 1);
+            shared::trim(shared, at, 1)?;
+            return Ok(true);
         }
         let p = plain(&mut self.rows[at].decoder)?;
+        if p.caches
+            .iter()
+            .any(|c| matches!(c, LayerCache::Rotating(_)))
+        {
+            return Ok(false);
+        }
         let mut before = std::mem::take(&mut p.recurrent_before).into_iter();
         for (layer, cache) in p.caches.iter_mut().enumerate() {
             match cache {
@@ -67,7 +70,7 @@ impl Batch<'_> {
                 }
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Enqueues the next step over each row's unread token (or, for a row that joined since,

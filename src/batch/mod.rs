@@ -143,8 +143,9 @@ pub struct Left {
     pub id: usize,
     /// A speculative row's counters.
     pub speculation: Option<SpeculationStats>,
-    /// A plain row's caches as it left them: its prompt and every token it emitted but the last
-    /// (which was never fed).
+    /// A plain row's caches as it left them: its prompt and every token it emitted but the last;
+    /// None where they cannot give back the last, which the batch fed to its step ahead (a
+    /// rotating window).
     pub caches: Option<Vec<LayerCache>>,
 }
 
@@ -708,14 +709,16 @@ impl<'m> Batch<'m> {
 
     /// The rows in `leaving` leave the batch, a plain row with its caches; `fed`: each of them
     /// fed its last token to a step enqueued ahead, which its caches give back first, so that
-    /// they hold what they would had the batch waited.
+    /// they hold what they would had the batch waited (a row whose caches cannot leaves
+    /// without them).
     fn depart(&mut self, leaving: &[usize], fed: bool) -> Result<Vec<Left>> {
+        let mut not_given_back = Vec::new();
         for at in (0..self.rows.len()).rev() {
             if !leaving.contains(&self.rows[at].id) {
                 continue;
             }
-            if fed {
-                self.give_back(at)?;
+            if fed && !self.give_back(at)? {
+                not_given_back.push(self.rows[at].id);
             }
             let plain = matches!(self.rows[at].decoder, Decoder::Plain(_));
             self.leave_shared(at, plain)?;
@@ -733,7 +736,7 @@ impl<'m> Batch<'m> {
                 Decoder::Plain(p) => Left {
                     id: row.id,
                     speculation: None,
-                    caches: Some(p.caches),
+                    caches: (!not_given_back.contains(&row.id)).then_some(p.caches),
                 },
                 Decoder::Speculative { speculator, .. } => Left {
                     id: row.id,
