@@ -77,6 +77,43 @@ impl RecurrentCache {
         self.run(recurrence, mixed_qkv, a, b)
     }
 
+    /// Feeds one token of each row of `caches` through `recurrence` in one call over the rows'
+    /// stacked states, row r's inputs at r of `mixed_qkv` (R, 1, conv_dim), `a` and `b` (R, 1,
+    /// Hv); returns the (R, 1, Hv, Dv) outputs. For a batch decode step whose kernels give each
+    /// row its own bits (the CPU's, MLX's batched ones on request): the host builds the conv and
+    /// the delta rule once, not once per row. None, nothing fed, when a row has no state yet or
+    /// is inside a speculative round (whose inputs it records for a replay).
+    pub fn advance_together(
+        caches: &mut [&mut RecurrentCache],
+        recurrence: &Recurrence,
+        mixed_qkv: &Array,
+        a: &Array,
+        b: &Array,
+    ) -> Result<Option<Array>> {
+        let states: Option<Vec<&RecurrentState>> = (caches.iter())
+            .map(|c| c.round.is_none().then_some(c.state.as_ref()).flatten())
+            .collect();
+        let Some(states) = states else {
+            return Ok(None);
+        };
+        let stack = |pick: fn(&RecurrentState) -> &Array| -> mlx::Result<Array> {
+            ops::concatenate(&states.iter().map(|s| pick(s)).collect::<Vec<_>>(), 0)
+        };
+        let from = RecurrentState {
+            conv: stack(|s| &s.conv)?,
+            state: stack(|s| &s.state)?,
+        };
+        let RecurrentStep { y, conv, state } = recurrence.run(Some(&from), mixed_qkv, a, b)?;
+        for (r, cache) in (0..).zip(caches.iter_mut()) {
+            cache.state = Some(RecurrentState {
+                conv: conv.slice_axis(0, r, r + 1)?,
+                state: state.slice_axis(0, r, r + 1)?,
+            });
+            cache.seen += 1;
+        }
+        Ok(Some(y))
+    }
+
     /// Snapshots the state before a speculative round.
     pub fn begin_round(&mut self) {
         self.round = Some(Round {

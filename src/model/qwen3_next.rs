@@ -11,7 +11,7 @@ use super::layers::{
     Rope,
 };
 use super::rows::{self, LayerRows};
-use super::{Forward, LanguageModel};
+use super::{lone_rows, Forward, LanguageModel};
 use crate::cache::{KvCache, LayerCache, Mask, Recurrence, RecurrentCache};
 use crate::error::contract;
 use crate::load::{Config, LoadResult, QuantConfig, Weights};
@@ -186,28 +186,52 @@ impl GatedDeltaNet {
 
     /// Every row's mixer over `x` (1, T, H): the projections, the gated norm and the output
     /// projection once over all rows, the conv and the delta rule row by row over the row's
-    /// own recurrent state.
+    /// own recurrent state, or, for a batch decode step off the lone-row kernels (the CPU's
+    /// kernels give each row its own bits), once over the rows' stacked states.
     fn forward(&self, x: &Array, rows: &mut LayerRows, layer: usize) -> Result<Array> {
         let (bsz, s) = (x.dim(0), x.dim(1));
         let (mixed_qkv, z, b, a) = self.project(x)?;
-        let (qkv, b, a) = (
-            rows.split(&mixed_qkv, 1)?,
-            rows.split(&b, 1)?,
-            rows.split(&a, 1)?,
-        );
-        let mut outs = Vec::with_capacity(qkv.len());
-        for (r, cache) in rows.caches.iter_mut().enumerate() {
-            let LayerCache::Recurrent(cache) = cache else {
-                return Err(contract(format!("layer {layer} needs a recurrent cache")));
-            };
-            outs.push(cache.advance(&self.recurrence, &qkv[r], &a[r], &b[r])?);
-        }
-        let out = rows.join(outs, 1)?;
+        let together = if rows.one_token_each() && !lone_rows::active() {
+            let each = |t: &Array| t.reshape(&[s, 1, -1]);
+            let (qkv, a, b) = (each(&mixed_qkv)?, each(&a)?, each(&b)?);
+            let mut caches = recurrent_caches(rows, layer)?;
+            RecurrentCache::advance_together(&mut caches, &self.recurrence, &qkv, &a, &b)?
+        } else {
+            None
+        };
+        let out = match together {
+            Some(y) => y.reshape(&[bsz, s, self.recurrence.v_heads, self.recurrence.v_dim])?,
+            None => {
+                let (qkv, b, a) = (
+                    rows.split(&mixed_qkv, 1)?,
+                    rows.split(&b, 1)?,
+                    rows.split(&a, 1)?,
+                );
+                let mut outs = Vec::with_capacity(qkv.len());
+                for (r, cache) in recurrent_caches(rows, layer)?.into_iter().enumerate() {
+                    outs.push(cache.advance(&self.recurrence, &qkv[r], &a[r], &b[r])?);
+                }
+                rows.join(outs, 1)?
+            }
+        };
         // Qwen3NextRMSNormGated: precise_swiglu(out, z, rms_norm(out)).
         let normed = self.norm.forward(&out)?;
         let out = compiled::precise_swiglu(&out, &z, &normed)?;
         Ok(self.out_proj.forward(&out.reshape(&[bsz, s, -1])?)?)
     }
+}
+
+/// Each row's cache of recurrent layer `layer`.
+fn recurrent_caches<'r>(
+    rows: &'r mut LayerRows,
+    layer: usize,
+) -> Result<Vec<&'r mut RecurrentCache>> {
+    (rows.caches.iter_mut())
+        .map(|cache| match &mut **cache {
+            LayerCache::Recurrent(cache) => Ok(cache),
+            _ => Err(contract(format!("layer {layer} needs a recurrent cache"))),
+        })
+        .collect()
 }
 
 /// A full-attention decoder layer on its own (gated attention, then the SwiGLU block), as a
