@@ -3,7 +3,8 @@
 //! no padding, no shared offset. Everything that treats tokens one by one (embedding, norms,
 //! projections, MLPs, the output head) runs once over all T tokens; what mixes tokens of one
 //! sequence (attention over its cache, a recurrence) runs row by row on that row's segment,
-//! exactly as the sequence alone would run it.
+//! exactly as the sequence alone would run it (a decode step's recurrence, where the kernels
+//! allow, once over the rows' stacked states: `RecurrentCache::advance_together`).
 //!
 //! So a row's bits are its lone request's wherever the token-wise kernels give each token the
 //! same bits whatever tokens surround it, which MLX's CPU kernels over the reference BLAS do
