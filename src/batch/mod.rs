@@ -4,7 +4,8 @@
 //! accepts, from its own logits with its own processors, grammar, random keys, caches and stop
 //! conditions, and a speculative row takes its rejected drafts back from its own caches. Rows
 //! join between steps (prefilled alone, the running rows stepping between its chunks; their
-//! first token comes with the next step) and leave when they finish or are removed. Rows that
+//! first token comes with the next step, or the one after while the batch steps ahead) and leave
+//! when they finish or are removed. Rows that
 //! draft with the same draft model draft together, one packed forward per draft step
 //! (crate::speculative::draft_model::draft_together).
 //!
@@ -19,7 +20,7 @@
 //! and logprob bit for bit, wherever the packed forward gives each row its lone bits (on the
 //! CPU: tests/batch.rs). What differs is only when work happens: while every row decodes plain,
 //! the batch enqueues its next step before it reads the current one's tokens, as a lone request
-//! does ([`ahead`]); a step with a speculative or grammar-constrained row reads every row's
+//! does (`batch::ahead`); a step with a speculative or grammar-constrained row reads every row's
 //! tokens at its end, since its rows' next inputs (drafts, masks) are built from them.
 
 mod ahead;
@@ -245,7 +246,8 @@ impl<'m> Batch<'m> {
 
     /// Validates `request`, prefills its prompt but the last token alone, and adds it as row
     /// `id` (unique among the rows), speculative when `drafter` (loaded for this model) is
-    /// given; its first token comes with the next [`Batch::step`]. `between_chunks` is called
+    /// given; its first token comes with the next [`Batch::step`] (the one after, while the
+    /// batch steps ahead). `between_chunks` is called
     /// after each prefill chunk with the batch (its running rows, not yet this one) and the
     /// prompt tokens prefilled so far: there a caller steps the running rows, so that a long
     /// prompt joining does not stall them (the chunks are the lone request's, so are the
@@ -489,7 +491,8 @@ impl<'m> Batch<'m> {
     }
 
     /// One step of every row: one packed forward over each row's next input, then each row's
-    /// tokens handed to `on_token(id, token)` in order. Returns the rows that left: after their
+    /// tokens handed to `on_token(id, token)` in order (while the batch steps ahead, those of
+    /// the step enqueued the call before, `batch::ahead`). Returns the rows that left: after their
     /// last token (EOS or max_tokens, the finish reason on it) or when their callback answered
     /// `Stop`.
     pub fn step(&mut self, on_token: OnToken<'_>) -> Result<Vec<Left>> {
