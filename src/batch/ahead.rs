@@ -28,6 +28,15 @@ pub(super) struct Ahead {
     logprobs: Vec<Array>,
 }
 
+/// A step dropped unread (its rows left or were removed, the batch dropped) may still be
+/// running; waiting for it keeps MLX from writing into outputs nobody holds any more, as a lone
+/// generation waits for its step after the last token.
+impl Drop for Ahead {
+    fn drop(&mut self) {
+        let _ = mlx::eval(std::iter::once(&self.tokens).chain(&self.logprobs));
+    }
+}
+
 impl Batch<'_> {
     /// Whether the next step runs ahead: every row decodes plain, without a grammar (which
     /// reads a token before it masks the next).
@@ -154,7 +163,7 @@ impl Batch<'_> {
     /// it, or None when the batch stops running ahead.
     pub(super) fn read_ahead(
         &mut self,
-        ahead: Ahead,
+        mut ahead: Ahead,
         next: Option<Ahead>,
         on_token: OnToken<'_>,
     ) -> Result<Vec<Left>> {
@@ -162,7 +171,8 @@ impl Batch<'_> {
         let tokens = ahead.tokens.to_vec::<u32>()?;
         let read_at = Instant::now();
         let mut leaving = Vec::new();
-        let mut logprobs = ahead.logprobs.into_iter().map(Some).collect::<Vec<_>>();
+        let logprobs = std::mem::take(&mut ahead.logprobs);
+        let mut logprobs = logprobs.into_iter().map(Some).collect::<Vec<_>>();
         for row in &mut self.rows {
             let Decoder::Plain(p) = &mut row.decoder else {
                 continue;
