@@ -3,13 +3,19 @@
 //! them there: the step gathers its token ids from the drafts as sampled, so the host builds
 //! the verify while the device drafts and waits once a step, for the drafts and the verdict
 //! together. On a GPU a round otherwise waited twice: for its last draft, then for its verify,
-//! the device idle while the host built the verify (docs/gpu-rows.md).
+//! the device idle while the host built the verify (docs/gpu-rows.md). `Batch::draft_shared`
+//! drafts a step's rows that share a draft model, each model's rows together.
+
+use std::ptr;
 
 use mlx::{Array, Dtype};
 
+use super::{Batch, Decoder};
 use crate::bundle::ModelBundle;
 use crate::generate::token_array;
-use crate::speculative::draft_model::{SteppedDraft, UnreadDrafts};
+use crate::speculative::draft_model::{
+    draft_together, draft_unread, SharedDraftCaches, SteppedDraft, UnreadDrafts,
+};
 use crate::speculative::DraftContext;
 use crate::Result;
 
@@ -104,5 +110,111 @@ impl Unread {
                 Ok(g.split(&read))
             })
             .collect()
+    }
+}
+
+impl<'m> Batch<'m> {
+    /// The next round's drafts of every speculative row whose draft model another row drafts
+    /// with too, each model's rows drafting together; None for the rows that draft alone. A
+    /// model's rows whose verdicts do not read their drafts leave them on the device
+    /// ([`Drafted::Unread`], rows of the returned [`UnreadDrafts`]).
+    pub(super) fn draft_shared(&mut self) -> Result<(Vec<Option<Drafted>>, Vec<UnreadDrafts>)> {
+        let models: Vec<Option<&'m ModelBundle>> = self
+            .rows
+            .iter()
+            .map(|row| match &row.decoder {
+                Decoder::Speculative { drafter, .. } => drafter.draft_model(),
+                Decoder::Plain(_) => None,
+            })
+            .collect();
+        let shared =
+            |m: &ModelBundle| models.iter().flatten().filter(|o| ptr::eq(**o, m)).count() > 1;
+        let mut out: Vec<Option<Drafted>> = (0..self.rows.len()).map(|_| None).collect();
+        let mut groups: Vec<DraftingRows<'_, 'm>> = Vec::new();
+        for ((i, row), model) in self.rows.iter_mut().enumerate().zip(&models) {
+            let (
+                Some(model),
+                Decoder::Speculative {
+                    speculator, source, ..
+                },
+            ) = (*model, &mut row.decoder)
+            else {
+                continue;
+            };
+            if !shared(model) {
+                continue;
+            }
+            let Some(stepped) = source.stepped() else {
+                continue;
+            };
+            let reads_drafts = speculator.verdict_reads_drafts();
+            let Some((want, ctx)) = speculator.draft_request() else {
+                out[i] = Some(Drafted::Read(Vec::new()));
+                continue;
+            };
+            let g = match groups.iter().position(|g| ptr::eq(g.model, model)) {
+                Some(g) => g,
+                None => {
+                    groups.push(DraftingRows {
+                        model,
+                        rows: Vec::new(),
+                        members: Vec::new(),
+                        in_buffer: Vec::new(),
+                        read_now: false,
+                    });
+                    groups.len() - 1
+                }
+            };
+            let in_buffer = self.draft_groups.iter().find_map(|g| g.row_of(row.id));
+            let group = &mut groups[g];
+            group.rows.push(i);
+            group.members.push((stepped, ctx, want));
+            group.in_buffer.extend(in_buffer);
+            group.read_now |= reads_drafts;
+        }
+        let mut unread = Vec::new();
+        for group in groups {
+            let DraftingRows {
+                model,
+                rows,
+                members,
+                in_buffer,
+                read_now,
+            } = group;
+            let shared = self
+                .draft_groups
+                .iter_mut()
+                .find(|g| ptr::eq(g.model, model));
+            // Over shared caches the rows draft in the buffer's order.
+            let mut order: Vec<_> = rows.into_iter().zip(members).collect();
+            let shared = match shared {
+                Some(group) if in_buffer.len() == order.len() => {
+                    let mut keyed: Vec<_> = in_buffer.into_iter().zip(order).collect();
+                    keyed.sort_by_key(|(r, _)| *r);
+                    let (in_buffer, sorted): (Vec<usize>, Vec<_>) = keyed.into_iter().unzip();
+                    order = sorted;
+                    Some(SharedDraftCaches {
+                        len: group.ids.len(),
+                        caches: &mut group.caches,
+                        rows: in_buffer,
+                    })
+                }
+                _ => None,
+            };
+            let (rows, mut members): (Vec<usize>, Vec<_>) = order.into_iter().unzip();
+            if read_now {
+                let drafts = draft_together(model.model(), &mut members, shared)?;
+                for (i, drafts) in rows.into_iter().zip(drafts) {
+                    out[i] = Some(Drafted::Read(drafts));
+                }
+            } else {
+                let group = unread.len();
+                unread.push(draft_unread(model.model(), &mut members, shared)?);
+                for (row, i) in rows.into_iter().enumerate() {
+                    out[i] = Some(Drafted::Unread { group, row });
+                }
+            }
+        }
+        Ok((out, unread))
     }
 }
