@@ -12,7 +12,8 @@ use support::bundle;
 use verity::batch::Batch;
 use verity::decode::{decode, Hooks, Request, Start};
 use verity::generate::{Control, GenerateParams, GeneratedToken};
-use verity::model::{lone_rows, row_products};
+use verity::cache::Recurrence;
+use verity::model::{lone_rows, row_products, stacked_recurrence};
 use verity::speculative::{Drafter, DrafterSpec};
 
 fn normal(shape: &[i32], seed: u64) -> Array {
@@ -103,18 +104,20 @@ fn the_one_call_products_give_each_row_its_lone_product() {
 /// (token, logprob bits) of each emitted token of each row.
 type Rows = Vec<Vec<(u32, Vec<u8>)>>;
 
-/// Three prompts decoded speculatively alone, then together in a batch beside a plain row.
-fn decode_all(fixture: &str, drafter: &DrafterSpec) -> Rows {
+/// Three prompts decoded alone, then together in a batch: with a drafter, speculatively beside a
+/// plain row; without, every row plain (a hybrid batch step's recurrence then runs over the
+/// rows' stacked states).
+fn decode_all(fixture: &str, drafter: Option<&DrafterSpec>) -> Rows {
     let b = bundle(fixture);
     let model = b.model();
-    let drafter = Drafter::load(drafter, &b).unwrap();
+    let drafter = drafter.map(|d| Drafter::load(d, &b).unwrap());
     let prompts: [&[u32]; 3] = [&[5, 9, 17, 33, 8], &[100, 4, 4, 61], &[7; 12]];
     let params = GenerateParams::greedy(12, Vec::new());
     let request = |prompt| Request {
         prompt,
         params: &params,
         constraint: None,
-        num_draft_tokens: Some(3),
+        num_draft_tokens: drafter.is_some().then_some(3),
     };
     let mut out = Rows::new();
     for prompt in prompts {
@@ -124,12 +127,12 @@ fn decode_all(fixture: &str, drafter: &DrafterSpec) -> Rows {
             Control::Continue
         };
         let hooks = Hooks::tokens(&mut on_token);
-        decode(model, Some(&drafter), Start::Fresh, request(prompt), hooks).unwrap();
+        decode(model, drafter.as_ref(), Start::Fresh, request(prompt), hooks).unwrap();
         out.push(steps);
     }
     let mut batch = Batch::new(model);
     for (i, prompt) in prompts.into_iter().enumerate() {
-        let drafter = (i > 0).then_some(&drafter);
+        let drafter = drafter.as_ref().filter(|_| i > 0);
         batch
             .add(i, drafter, Start::Fresh, request(prompt), None, None)
             .unwrap();
@@ -147,10 +150,10 @@ fn decode_all(fixture: &str, drafter: &DrafterSpec) -> Rows {
     out
 }
 
-fn check(fixture: &str, drafter: DrafterSpec) {
+fn check(fixture: &str, drafter: Option<DrafterSpec>) {
     support::on_cpu();
-    let ordinary = decode_all(fixture, &drafter);
-    let lone = lone_rows::on_any_device(|| decode_all(fixture, &drafter));
+    let ordinary = decode_all(fixture, drafter.as_ref());
+    let lone = lone_rows::on_any_device(|| decode_all(fixture, drafter.as_ref()));
     assert!(
         ordinary.iter().all(|r| r.len() == 12),
         "{fixture}: every row runs 12 tokens"
@@ -159,13 +162,18 @@ fn check(fixture: &str, drafter: DrafterSpec) {
         lone, ordinary,
         "{fixture}: lone-row kernels changed the bits"
     );
+    assert_eq!(
+        lone[3..],
+        lone[..3],
+        "{fixture}: a batch row differs from its request alone"
+    );
 }
 
 #[test]
 fn verify_and_batch_rows_of_a_dense_model_have_the_ordinary_bits() {
     check(
         "qwen3-target",
-        DrafterSpec::Model(support::model_dir("qwen3-draft")),
+        Some(DrafterSpec::Model(support::model_dir("qwen3-draft"))),
     );
 }
 
@@ -173,11 +181,44 @@ fn verify_and_batch_rows_of_a_dense_model_have_the_ordinary_bits() {
 fn verify_and_batch_rows_of_a_4bit_model_have_the_ordinary_bits() {
     check(
         "qwen3-target-4bit",
-        DrafterSpec::Model(support::model_dir("qwen3-draft-4bit")),
+        Some(DrafterSpec::Model(support::model_dir("qwen3-draft-4bit"))),
     );
 }
 
 #[test]
 fn verify_and_batch_rows_of_a_hybrid_model_have_the_ordinary_bits() {
-    check("qwen3_5", DrafterSpec::Ngram { min: 1, max: 2 });
+    check("qwen3_5", Some(DrafterSpec::Ngram { min: 1, max: 2 }));
+}
+
+#[test]
+fn plain_batch_rows_of_a_hybrid_model_have_the_ordinary_bits() {
+    check("qwen3_5", None);
+}
+
+/// A hybrid batch step runs its rows' recurrence in one call where a check finds that every row
+/// keeps its lone bits that way (`verity::model::stacked_recurrence`): on the CPU, whose kernels
+/// are row-independent, at every shape and row count.
+#[test]
+fn the_stacked_recurrence_check_passes_on_the_cpu() {
+    support::on_cpu();
+    let (k_heads, v_heads, k_dim, v_dim, conv_kernel) = (2, 4, 16, 8, 4);
+    let channels = 2 * k_heads * k_dim + v_heads * v_dim;
+    for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+        let recurrence = Recurrence {
+            conv_weight: normal(&[channels, conv_kernel, 1], 1).astype(dtype).unwrap(),
+            a_log: normal(&[v_heads], 2),
+            dt_bias: normal(&[v_heads], 3),
+            k_heads,
+            v_heads,
+            k_dim,
+            v_dim,
+            conv_kernel,
+        };
+        for rows in [1, 2, 3, 8] {
+            assert!(
+                stacked_recurrence::exact(&recurrence, dtype, rows),
+                "{dtype:?}, {rows} rows"
+            );
+        }
+    }
 }

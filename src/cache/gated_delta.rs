@@ -33,7 +33,8 @@ pub struct RecurrentStep {
 }
 
 impl Recurrence {
-    fn conv_dim(&self) -> i32 {
+    /// The conv's channels: q, k and v side by side.
+    pub fn conv_dim(&self) -> i32 {
         2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
     }
 

@@ -24,6 +24,7 @@ pub mod router_margin;
 pub mod row_blocks;
 pub mod row_products;
 pub mod rows;
+pub mod stacked_recurrence;
 
 use std::path::Path;
 

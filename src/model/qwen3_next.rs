@@ -11,7 +11,7 @@ use super::layers::{
     Rope,
 };
 use super::rows::{self, LayerRows};
-use super::{lone_rows, Forward, LanguageModel};
+use super::{lone_rows, stacked_recurrence, Forward, LanguageModel};
 use crate::cache::{KvCache, LayerCache, Mask, Recurrence, RecurrentCache};
 use crate::error::contract;
 use crate::load::{Config, LoadResult, QuantConfig, Weights};
@@ -186,12 +186,16 @@ impl GatedDeltaNet {
 
     /// Every row's mixer over `x` (1, T, H): the projections, the gated norm and the output
     /// projection once over all rows, the conv and the delta rule row by row over the row's
-    /// own recurrent state, or, for a batch decode step off the lone-row kernels (the CPU's
-    /// kernels give each row its own bits), once over the rows' stacked states.
+    /// own recurrent state, or, for a batch decode step whose kernels give each row its own
+    /// bits there (the CPU's; a GPU's where [`stacked_recurrence`] found so), once over the
+    /// rows' stacked states.
     fn forward(&self, x: &Array, rows: &mut LayerRows, layer: usize) -> Result<Array> {
         let (bsz, s) = (x.dim(0), x.dim(1));
         let (mixed_qkv, z, b, a) = self.project(x)?;
-        let together = if rows.one_token_each() && !lone_rows::active() {
+        let together = if rows.one_token_each()
+            && (!lone_rows::active()
+                || stacked_recurrence::exact(&self.recurrence, mixed_qkv.dtype(), s))
+        {
             let each = |t: &Array| t.reshape(&[s, 1, -1]);
             let (qkv, a, b) = (each(&mixed_qkv)?, each(&a)?, each(&b)?);
             let mut caches = recurrent_caches(rows, layer)?;
