@@ -121,8 +121,7 @@ fn check(real: &LayerCache, reference: &RefCache, rec: &Recurrence) -> Result<()
             fresh.advance(rec, &qkv, &a, &b).unwrap();
         }
         let bits = |c: &RecurrentCache| {
-            c.state
-                .as_ref()
+            c.current()
                 .map(|s| (s.conv.to_bytes().unwrap(), s.state.to_bytes().unwrap()))
         };
         let (got, want) = (bits(c), bits(&fresh));
@@ -394,4 +393,54 @@ fn rollback_after_a_recurrent_layer_replays_the_kept_tokens() {
         ],
     )
     .unwrap();
+}
+
+/// Rows of a batch step advance their recurrent states together (and, stepping again in the
+/// same order, start from the last step's stacked states); each must hold what it holds advanced
+/// alone, also after one of them put a state back (a row giving back a token) in between.
+#[test]
+fn recurrent_rows_stepped_together_hold_their_lone_states() {
+    let rec = recurrence();
+    let mut together: Vec<RecurrentCache> = Vec::new();
+    for prompt in [&[1u32, 2][..], &[3], &[4, 5, 6]] {
+        let mut c = RecurrentCache::default();
+        let (qkv, a, b) = recurrent_inputs(&rec, prompt);
+        c.advance(&rec, &qkv, &a, &b).unwrap();
+        together.push(c);
+    }
+    let mut alone = together.clone();
+    let mut before_last = alone[1].clone();
+    let bits = |c: &RecurrentCache| {
+        let s = c.current().unwrap();
+        (
+            s.conv.to_bytes().unwrap(),
+            s.state.to_bytes().unwrap(),
+            c.seen,
+        )
+    };
+    for (step, tokens) in [[7u32, 8, 9], [10, 11, 12], [13, 14, 15], [16, 17, 18]]
+        .iter()
+        .enumerate()
+    {
+        if step == 3 {
+            // Row 1 gives back the token of the step before: its state before it put back.
+            let before: &RecurrentCache = &before_last;
+            for c in [&mut together[1], &mut alone[1]] {
+                c.restore(before.current().cloned(), before.seen);
+            }
+        }
+        before_last = alone[1].clone();
+        let (qkv, a, b) = recurrent_inputs(&rec, tokens);
+        let each = |x: &Array| x.reshape(&[3, 1, -1]).unwrap();
+        let mut rows: Vec<&mut RecurrentCache> = together.iter_mut().collect();
+        let stacked =
+            RecurrentCache::advance_together(&mut rows, &rec, &each(&qkv), &each(&a), &each(&b))
+                .unwrap();
+        assert!(stacked.is_some(), "step {step}: every row has a state");
+        for (r, c) in alone.iter_mut().enumerate() {
+            let (qkv, a, b) = recurrent_inputs(&rec, &tokens[r..r + 1]);
+            c.advance(&rec, &qkv, &a, &b).unwrap();
+            assert_eq!(bits(&together[r]), bits(c), "step {step}, row {r}");
+        }
+    }
 }

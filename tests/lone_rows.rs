@@ -10,9 +10,9 @@ mod support;
 use mlx::{ops, random, Array, Dtype};
 use support::bundle;
 use verity::batch::Batch;
+use verity::cache::Recurrence;
 use verity::decode::{decode, Hooks, Request, Start};
 use verity::generate::{Control, GenerateParams, GeneratedToken};
-use verity::cache::Recurrence;
 use verity::model::{lone_rows, row_products, stacked_recurrence};
 use verity::speculative::{Drafter, DrafterSpec};
 
@@ -127,7 +127,14 @@ fn decode_all(fixture: &str, drafter: Option<&DrafterSpec>) -> Rows {
             Control::Continue
         };
         let hooks = Hooks::tokens(&mut on_token);
-        decode(model, drafter.as_ref(), Start::Fresh, request(prompt), hooks).unwrap();
+        decode(
+            model,
+            drafter.as_ref(),
+            Start::Fresh,
+            request(prompt),
+            hooks,
+        )
+        .unwrap();
         out.push(steps);
     }
     let mut batch = Batch::new(model);
@@ -205,7 +212,9 @@ fn the_stacked_recurrence_check_passes_on_the_cpu() {
     let channels = 2 * k_heads * k_dim + v_heads * v_dim;
     for dtype in [Dtype::Float32, Dtype::Bfloat16] {
         let recurrence = Recurrence {
-            conv_weight: normal(&[channels, conv_kernel, 1], 1).astype(dtype).unwrap(),
+            conv_weight: normal(&[channels, conv_kernel, 1], 1)
+                .astype(dtype)
+                .unwrap(),
             a_log: normal(&[v_heads], 2),
             dt_bias: normal(&[v_heads], 3),
             k_heads,

@@ -71,8 +71,7 @@ impl Batch<'_> {
                     if at != layer {
                         return Err(contract("a recurrent state kept for another layer"));
                     }
-                    c.state = state;
-                    c.seen -= 1;
+                    c.restore(state, c.seen - 1);
                 }
                 cache => {
                     cache.trim(1)?;
@@ -250,7 +249,7 @@ fn plain<'a>(decoder: &'a mut Decoder<'_>) -> Result<&'a mut Plain> {
 fn recurrent_states(caches: &[LayerCache]) -> Vec<(usize, Option<RecurrentState>)> {
     (caches.iter().enumerate())
         .filter_map(|(layer, c)| match c {
-            LayerCache::Recurrent(c) => Some((layer, c.state.clone())),
+            LayerCache::Recurrent(c) => Some((layer, c.current().cloned())),
             _ => None,
         })
         .collect()

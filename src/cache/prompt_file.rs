@@ -66,7 +66,7 @@ fn state(c: &LayerCache) -> Vec<(String, Entry)> {
             &[c.offset, c.group_size as usize, c.bits as usize],
         ),
         LayerCache::Recurrent(c) => {
-            let [conv, state] = match &c.state {
+            let [conv, state] = match c.current() {
                 Some(s) => [Entry::Array(s.conv.clone()), Entry::Array(s.state.clone())],
                 None => [Entry::None, Entry::None],
             };

@@ -4,6 +4,8 @@
 //! the snapshot and replays the kept tokens through the conv and the delta rule, which gives
 //! the bits of never having seen the rejected ones.
 
+use std::rc::Rc;
+
 use mlx::{ops, Array};
 
 use super::gated_delta::{Recurrence, RecurrentStep};
@@ -31,10 +33,14 @@ struct Round {
 #[derive(Clone, Default)]
 pub struct RecurrentCache {
     /// None before the first token.
-    pub state: Option<RecurrentState>,
+    state: Option<RecurrentState>,
     /// Tokens folded into the state so far.
     pub seen: usize,
     round: Option<Round>,
+    /// The stacked states of the batch step that wrote `state` (row `.1` of them is `state`):
+    /// the next step of the same rows in the same order starts from them as they are, where
+    /// stacking the rows' states again would copy every one ([`RecurrentCache::advance_together`]).
+    stacked: Option<(Rc<RecurrentState>, usize)>,
 }
 
 impl RecurrentCache {
@@ -47,6 +53,18 @@ impl RecurrentCache {
         }
     }
 
+    /// The state, None before the first token.
+    pub fn current(&self) -> Option<&RecurrentState> {
+        self.state.as_ref()
+    }
+
+    /// Puts `state` back as the state after `seen` tokens (a row giving back a token).
+    pub fn restore(&mut self, state: Option<RecurrentState>, seen: usize) {
+        self.state = state;
+        self.seen = seen;
+        self.stacked = None;
+    }
+
     pub fn state(&self) -> Vec<&Array> {
         self.state
             .iter()
@@ -57,6 +75,7 @@ impl RecurrentCache {
     fn run(&mut self, recurrence: &Recurrence, qkv: &Array, a: &Array, b: &Array) -> Result<Array> {
         let RecurrentStep { y, conv, state } = recurrence.run(self.state.as_ref(), qkv, a, b)?;
         self.state = Some(RecurrentState { conv, state });
+        self.stacked = None;
         self.seen += qkv.dim(1) as usize;
         Ok(y)
     }
@@ -82,7 +101,8 @@ impl RecurrentCache {
     /// Hv); returns the (R, 1, Hv, Dv) outputs. For a batch decode step whose kernels give each
     /// row its own bits (the CPU's, MLX's batched ones on request): the host builds the conv and
     /// the delta rule once, not once per row. None, nothing fed, when a row has no state yet or
-    /// is inside a speculative round (whose inputs it records for a replay).
+    /// is inside a speculative round (whose inputs it records for a replay). Rows that stepped
+    /// together last, in the same order, start from that step's stacked states uncopied.
     pub fn advance_together(
         caches: &mut [&mut RecurrentCache],
         recurrence: &Recurrence,
@@ -96,20 +116,27 @@ impl RecurrentCache {
         let Some(states) = states else {
             return Ok(None);
         };
-        let stack = |pick: fn(&RecurrentState) -> &Array| -> mlx::Result<Array> {
-            ops::concatenate(&states.iter().map(|s| pick(s)).collect::<Vec<_>>(), 0)
-        };
-        let from = RecurrentState {
-            conv: stack(|s| &s.conv)?,
-            state: stack(|s| &s.state)?,
+        let from = match stacked_last(caches) {
+            Some(stacked) => stacked.as_ref().clone(),
+            None => {
+                let stack = |pick: fn(&RecurrentState) -> &Array| -> mlx::Result<Array> {
+                    ops::concatenate(&states.iter().map(|s| pick(s)).collect::<Vec<_>>(), 0)
+                };
+                RecurrentState {
+                    conv: stack(|s| &s.conv)?,
+                    state: stack(|s| &s.state)?,
+                }
+            }
         };
         let RecurrentStep { y, conv, state } = recurrence.run(Some(&from), mixed_qkv, a, b)?;
+        let stacked = Rc::new(RecurrentState { conv, state });
         for (r, cache) in (0..).zip(caches.iter_mut()) {
             cache.state = Some(RecurrentState {
-                conv: conv.slice_axis(0, r, r + 1)?,
-                state: state.slice_axis(0, r, r + 1)?,
+                conv: stacked.conv.slice_axis(0, r, r + 1)?,
+                state: stacked.state.slice_axis(0, r, r + 1)?,
             });
             cache.seen += 1;
+            cache.stacked = Some((stacked.clone(), r as usize));
         }
         Ok(Some(y))
     }
@@ -140,8 +167,7 @@ impl RecurrentCache {
         if reject == 0 {
             return Ok(0);
         }
-        self.state = round.before;
-        self.seen = round.seen;
+        self.restore(round.before, round.seen);
         let keep = (fed - reject) as i32;
         if let (Some(rec), true) = (&round.recurrence, keep > 0) {
             let cat = |pick: fn(&(Array, Array, Array)) -> &Array| -> mlx::Result<Array> {
@@ -153,4 +179,15 @@ impl RecurrentCache {
         }
         Ok(reject)
     }
+}
+
+/// The stacked states every cache of `caches` is a row of, in order, if they are all the rows of
+/// one batch step's.
+fn stacked_last(caches: &[&mut RecurrentCache]) -> Option<Rc<RecurrentState>> {
+    let (stacked, _) = caches.first()?.stacked.as_ref()?;
+    let whole = stacked.state.dim(0) as usize == caches.len()
+        && (caches.iter().enumerate()).all(
+            |(r, c)| matches!(&c.stacked, Some((s, at)) if Rc::ptr_eq(s, stacked) && *at == r),
+        );
+    whole.then(|| stacked.clone())
 }

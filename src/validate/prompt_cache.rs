@@ -101,7 +101,7 @@ fn layer(found: &LayerCache, fresh: &LayerCache, p: &GenerateParams) -> Result<(
             Ok(())
         }
         (LayerCache::Recurrent(f), LayerCache::Recurrent(e)) => {
-            if let (Some(f), Some(e)) = (&f.state, &e.state) {
+            if let (Some(f), Some(e)) = (f.current(), e.current()) {
                 for (name, a, b) in [("conv", &f.conv, &e.conv), ("state", &f.state, &e.state)] {
                     if a.shape() != b.shape() || a.dtype() != b.dtype() {
                         return Err(format!(
