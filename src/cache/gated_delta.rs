@@ -38,6 +38,11 @@ impl Recurrence {
         2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
     }
 
+    /// The depthwise conv over `conv_input` (B, K - 1 + S, conv_dim): (B, S, conv_dim).
+    pub fn conv(&self, conv_input: &Array) -> Result<Array> {
+        ops::conv1d(conv_input, &self.conv_weight, 1, 0, 1, self.conv_dim())
+    }
+
     /// Feeds S tokens' projected inputs — `mixed_qkv` (B, S, conv_dim), `a` and `b` (B, S, Hv)
     /// — through the conv and the delta rule, starting from `from` (zeros if None).
     pub fn run(
@@ -60,14 +65,7 @@ impl Recurrence {
         let conv = conv_input
             .slice_axis(1, n - (self.conv_kernel - 1), n)?
             .contiguous()?;
-        let conv_out = compiled::silu(&ops::conv1d(
-            &conv_input,
-            &self.conv_weight,
-            1,
-            0,
-            1,
-            self.conv_dim(),
-        )?)?;
+        let conv_out = compiled::silu(&self.conv(&conv_input)?)?;
         let kd = self.k_heads * self.k_dim;
         let parts = ops::split_sections(&conv_out, &[kd, 2 * kd], -1)?;
         let q = parts[0].reshape(&[bsz, s, self.k_heads, self.k_dim])?;
