@@ -947,13 +947,14 @@ fn running_rows_step_between_a_joining_prompts_chunks_and_every_row_equals_alone
 /// as a prefill of them makes them (what the server's prefix cache keeps for a conversation's
 /// next turn), though the batch stepping ahead fed its last token before reading it: in one
 /// buffer per layer shared with another row, in KV caches of its own, and in a hybrid model's
-/// recurrent layers; a sliding window's rotating caches, which the step ahead overwrote, are not
-/// handed out.
+/// recurrent layers, its own or beside another row's; a sliding window's rotating caches, which
+/// the step ahead overwrote, are not handed out.
 #[test]
 fn plain_rows_leave_with_the_caches_of_their_tokens_but_the_last() {
     let cases = [
         ("qwen3", true),
         ("qwen3", false),
+        ("qwen3_5", true),
         ("qwen3_5", false),
         ("gemma3", false),
     ];

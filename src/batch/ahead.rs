@@ -13,7 +13,7 @@ use std::time::Instant;
 use mlx::Array;
 
 use super::greedy::GreedyRows;
-use super::{shared, Batch, Decoder, Left, OnToken, Plain};
+use super::{Batch, Decoder, Left, OnToken, Plain};
 use crate::cache::{quantize_due, LayerCache, RecurrentState};
 use crate::error::contract;
 use crate::generate::token_array;
@@ -49,34 +49,37 @@ impl Batch<'_> {
     }
 
     /// Row `at`, which fed its last token to the step ahead, takes that token back out of its
-    /// caches; false (its caches untouched) when a rotating window of them cannot.
+    /// caches, its own or its row of the shared ones; false (its caches untouched) when a
+    /// rotating window of them cannot.
     pub(super) fn give_back(&mut self, at: usize) -> Result<bool> {
         let in_shared = at < self.shared_rows();
-        if let (Some(shared), true) = (&mut self.shared, in_shared) {
-            shared::trim(shared, at, 1)?;
-            return Ok(true);
-        }
         let p = plain(&mut self.rows[at].decoder)?;
-        if p.caches
-            .iter()
-            .any(|c| matches!(c, LayerCache::Rotating(_)))
-        {
+        let (caches, row) = match &mut self.shared {
+            Some(shared) if in_shared => (&mut shared[..], at),
+            _ => (&mut p.caches[..], 0),
+        };
+        if caches.iter().any(|c| matches!(c, LayerCache::Rotating(_))) {
             return Ok(false);
         }
         let mut before = std::mem::take(&mut p.recurrent_before).into_iter();
-        for (layer, cache) in p.caches.iter_mut().enumerate() {
-            match cache {
-                LayerCache::Recurrent(c) => {
-                    let (at, state) = before.next().ok_or_else(|| contract("no state kept"))?;
-                    if at != layer {
-                        return Err(contract("a recurrent state kept for another layer"));
-                    }
-                    c.restore(state, c.seen - 1);
+        for (layer, cache) in caches.iter_mut().enumerate() {
+            let recurrent = match cache {
+                LayerCache::Recurrent(c) => c,
+                LayerCache::RecurrentRows(rows) => &mut rows[row],
+                LayerCache::Batch(b) => {
+                    b.trim(row, 1)?;
+                    continue;
                 }
                 cache => {
                     cache.trim(1)?;
+                    continue;
                 }
+            };
+            let (at, state) = before.next().ok_or_else(|| contract("no state kept"))?;
+            if at != layer {
+                return Err(contract("a recurrent state kept for another layer"));
             }
+            recurrent.restore(state, recurrent.seen - 1);
         }
         Ok(true)
     }
@@ -89,9 +92,13 @@ impl Batch<'_> {
         self.prefilled = false;
         let previous = self.ahead.take();
         self.arrange_shared()?;
-        for row in &mut self.rows {
+        let shared_rows = self.shared_rows();
+        for (at, row) in self.rows.iter_mut().enumerate() {
             let p = plain(&mut row.decoder)?;
-            p.recurrent_before = recurrent_states(&p.caches);
+            p.recurrent_before = match &self.shared {
+                Some(shared) if at < shared_rows => recurrent_states(shared, at),
+                _ => recurrent_states(&p.caches, 0),
+            };
         }
         let inputs = self.inputs_after(previous.as_ref())?;
         let lens = vec![1; self.rows.len()];
@@ -245,11 +252,13 @@ fn plain<'a>(decoder: &'a mut Decoder<'_>) -> Result<&'a mut Plain> {
     }
 }
 
-/// The state of each recurrent layer of `caches`, by layer.
-fn recurrent_states(caches: &[LayerCache]) -> Vec<(usize, Option<RecurrentState>)> {
+/// A row's state of each recurrent layer of `caches`, by layer: of its own caches, or of the
+/// shared ones holding it as row `row`.
+fn recurrent_states(caches: &[LayerCache], row: usize) -> Vec<(usize, Option<RecurrentState>)> {
     (caches.iter().enumerate())
         .filter_map(|(layer, c)| match c {
             LayerCache::Recurrent(c) => Some((layer, c.current().cloned())),
+            LayerCache::RecurrentRows(rows) => Some((layer, rows[row].current().cloned())),
             _ => None,
         })
         .collect()

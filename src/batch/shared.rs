@@ -9,7 +9,7 @@ use mlx::Dtype;
 
 use super::{Batch, Decoder, Row};
 use crate::bundle::ModelBundle;
-use crate::cache::{eval_state, BatchKvCache, KvCache, LayerCache};
+use crate::cache::{eval_state, BatchKvCache, KvCache, LayerCache, RecurrentCache};
 use crate::{error::contract, Result};
 
 /// The rows that draft with one draft model, their draft caches in one buffer per layer.
@@ -27,11 +27,42 @@ impl DraftGroup<'_> {
     }
 }
 
-/// Whether every cache of `caches` is a filled plain KV cache.
-fn filled_kv(caches: &[LayerCache]) -> bool {
-    caches
-        .iter()
-        .all(|c| matches!(c, LayerCache::Kv(kv) if kv.kv.is_some()))
+/// Whether every cache of `caches` is a filled plain KV cache, or, where `recurrent` allows,
+/// a recurrent cache holding a state.
+fn filled(caches: &[LayerCache], recurrent: bool) -> bool {
+    caches.iter().all(|c| match c {
+        LayerCache::Kv(kv) => kv.kv.is_some(),
+        LayerCache::Recurrent(r) => recurrent && r.current().is_some(),
+        _ => false,
+    })
+}
+
+/// A row's offset: its first KV layer's (a recurrent layer's count of tokens is not kept by a
+/// prompt cache file).
+fn kv_offset(caches: &[LayerCache]) -> usize {
+    (caches.iter())
+        .find(|c| matches!(c, LayerCache::Kv(_)))
+        .map_or(0, LayerCache::offset)
+}
+
+/// One buffer per attention layer and the rows' recurrent caches side by side per recurrent
+/// layer, holding `rows`' caches in order.
+fn gather(rows: &[Vec<LayerCache>]) -> Result<Vec<LayerCache>> {
+    let layers = rows.first().map_or(0, Vec::len);
+    (0..layers)
+        .map(|l| match rows.first().map(|c| &c[l]) {
+            Some(LayerCache::Recurrent(_)) => {
+                let own = rows.iter().map(|c| recurrent(&c[l]).cloned());
+                Ok(LayerCache::RecurrentRows(own.collect::<Result<_>>()?))
+            }
+            _ => {
+                let own = rows.iter().map(|c| plain_kv(&c[l]));
+                Ok(LayerCache::Batch(BatchKvCache::gather(
+                    &own.collect::<Result<Vec<_>>>()?,
+                )?))
+            }
+        })
+        .collect()
 }
 
 /// A row's cache of one layer as the plain KV cache a shared buffer takes in.
@@ -39,38 +70,38 @@ fn plain_kv(c: &LayerCache) -> Result<&KvCache> {
     match c {
         LayerCache::Kv(kv) => Ok(kv),
         _ => Err(contract(
-            "a row joins shared caches with a cache other than plain KV",
+            "a row joins shared caches with a cache other than plain KV where its rows' are",
         )),
     }
 }
 
-/// One buffer per layer holding `rows`' caches, in order.
-fn gather(rows: &[Vec<LayerCache>]) -> Result<Vec<LayerCache>> {
-    let layers = rows.first().map_or(0, Vec::len);
-    (0..layers)
-        .map(|l| {
-            let own = rows
-                .iter()
-                .map(|c| plain_kv(&c[l]))
-                .collect::<Result<Vec<_>>>()?;
-            Ok(LayerCache::Batch(BatchKvCache::gather(&own)?))
-        })
-        .collect()
+/// A row's cache of one layer as the recurrent cache shared caches keep beside the others'.
+fn recurrent(c: &LayerCache) -> Result<&RecurrentCache> {
+    match c {
+        LayerCache::Recurrent(r) => Ok(r),
+        _ => Err(contract(
+            "a row joins shared caches with a cache other than recurrent where its rows' are",
+        )),
+    }
 }
 
-/// `caches`' batch cache of every layer.
-fn batch_caches(caches: &mut [LayerCache]) -> impl Iterator<Item = Result<&mut BatchKvCache>> {
-    caches.iter_mut().map(|layer| match layer {
-        LayerCache::Batch(b) => Ok(b),
-        _ => Err(contract("shared caches hold a batch cache per layer")),
+/// `shared`'s batch cache of every attention layer.
+fn batch_caches(shared: &mut [LayerCache]) -> impl Iterator<Item = &mut BatchKvCache> {
+    shared.iter_mut().filter_map(|layer| match layer {
+        LayerCache::Batch(b) => Some(b),
+        _ => None,
     })
 }
 
 /// Row `row`'s own caches, taken back out of `shared`, evaluated now so that the copies hold
 /// none of the shared buffers the next step writes in place.
 fn leave(shared: &mut [LayerCache], row: usize) -> Result<Vec<LayerCache>> {
-    let caches = batch_caches(shared)
-        .map(|b| Ok(LayerCache::Kv(b?.leave(row)?)))
+    let caches = (shared.iter_mut())
+        .map(|layer| match layer {
+            LayerCache::Batch(b) => Ok(LayerCache::Kv(b.leave(row)?)),
+            LayerCache::RecurrentRows(rows) => Ok(LayerCache::Recurrent(rows.remove(row))),
+            _ => Err(contract("shared caches hold batch caches only")),
+        })
         .collect::<Result<Vec<_>>>()?;
     eval_state(&caches)?;
     Ok(caches)
@@ -78,40 +109,73 @@ fn leave(shared: &mut [LayerCache], row: usize) -> Result<Vec<LayerCache>> {
 
 /// Adds `row`'s caches to `shared` as its last row.
 fn join(shared: &mut [LayerCache], row: &[LayerCache]) -> Result<()> {
-    for (b, c) in batch_caches(shared).zip(row) {
-        b?.join(plain_kv(c)?)?;
+    for (layer, c) in shared.iter_mut().zip(row) {
+        match layer {
+            LayerCache::Batch(b) => b.join(plain_kv(c)?)?,
+            LayerCache::RecurrentRows(rows) => rows.push(recurrent(c)?.clone()),
+            _ => return Err(contract("shared caches hold batch caches only")),
+        }
     }
     Ok(())
 }
 
 /// Frees row `row`'s slots in `shared` without copying its caches out.
-fn drop_row(shared: &mut [LayerCache], row: usize) -> Result<()> {
+fn drop_row(shared: &mut [LayerCache], row: usize) {
+    for layer in shared {
+        match layer {
+            LayerCache::Batch(b) => b.drop_row(row),
+            LayerCache::RecurrentRows(rows) => {
+                rows.remove(row);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Takes back the last `n` tokens of row `row` in `shared` (only KV layers can: a recurrent
+/// row gives back a token from the state it kept, `Batch::give_back`).
+pub(super) fn trim(shared: &mut [LayerCache], row: usize, n: usize) -> Result<()> {
+    if shared
+        .iter()
+        .any(|c| matches!(c, LayerCache::RecurrentRows(_)))
+    {
+        return Err(contract("shared recurrent rows take no speculative rounds"));
+    }
     for b in batch_caches(shared) {
-        b?.drop_row(row);
+        b.trim(row, n)?;
     }
     Ok(())
 }
 
-/// Takes back the last `n` tokens of row `row` in `shared`.
-pub(super) fn trim(shared: &mut [LayerCache], row: usize, n: usize) -> Result<()> {
-    for b in batch_caches(shared) {
-        b?.trim(row, n)?;
+/// How many rows `shared` holds.
+fn rows_in(shared: &[LayerCache]) -> usize {
+    match shared.first() {
+        Some(LayerCache::Batch(b)) => b.rows(),
+        Some(LayerCache::RecurrentRows(rows)) => rows.len(),
+        _ => 0,
     }
-    Ok(())
+}
+
+/// The first attention layer's batch cache of `shared`.
+fn first_batch(shared: &[LayerCache]) -> Option<&BatchKvCache> {
+    shared.iter().find_map(|c| match c {
+        LayerCache::Batch(b) => Some(b),
+        _ => None,
+    })
 }
 
 /// Whether a buffer outgrew its rows (a long row left): gathering them afresh pads less.
 fn outgrown(shared: &[LayerCache]) -> bool {
-    matches!(shared.first(), Some(LayerCache::Batch(c)) if c.outgrown())
+    first_batch(shared).is_some_and(BatchKvCache::outgrown)
 }
 
 /// The element type of the keys of `caches` (shared or a row's own), if it holds any.
 fn key_dtype(caches: &[LayerCache]) -> Option<Dtype> {
-    match caches.first()? {
+    caches.iter().find_map(|c| match c {
         LayerCache::Batch(c) => Some(c.dtype()),
         LayerCache::Kv(c) => c.kv.as_ref().map(|(k, _)| k.dtype()),
         _ => None,
-    }
+    })
 }
 
 /// Whether rows of `offsets` whose next step feeds up to `rounds` tokens each keep their lone
@@ -123,10 +187,7 @@ fn keeps_lone_attention(dtype: Option<Dtype>, offsets: &[usize], rounds: &[usize
 
 /// The rows' offsets in a shared buffer.
 fn offsets(shared: &[LayerCache]) -> Vec<usize> {
-    match shared.first() {
-        Some(LayerCache::Batch(c)) => c.offsets(),
-        _ => Vec::new(),
-    }
+    first_batch(shared).map_or_else(Vec::new, BatchKvCache::offsets)
 }
 
 impl<'m> Row<'m> {
@@ -169,23 +230,28 @@ impl<'m> Row<'m> {
 impl<'m> Batch<'m> {
     /// The rows already in the shared caches (the first ones; later rows joined since).
     pub(super) fn shared_rows(&self) -> usize {
-        self.shared.as_deref().map_or(0, |s| offsets(s).len())
+        self.shared.as_deref().map_or(0, rows_in)
     }
 
-    /// Whether the next step's rows can share one KV cache per layer: two or more, every one
-    /// that may share ([`Row::may_share`]), on a model whose attention reads a batch cache,
-    /// every row not yet shared holding filled plain KV caches, their lengths close enough for
-    /// one buffer ([`BatchKvCache::fits`]) and short enough that each keeps its lone attention.
+    /// Whether the next step's rows can share one KV cache per attention layer (and sit side
+    /// by side in each recurrent layer): two or more, every one that may share
+    /// ([`Row::may_share`]), on a model whose layers read batch caches, every row not yet
+    /// shared holding filled plain KV caches (and, a plain row, recurrent states), their
+    /// lengths close enough for one buffer ([`BatchKvCache::fits`]) and short enough that each
+    /// keeps its lone attention.
     fn can_share(&self) -> bool {
         let shared = self.shared_rows();
         let mut lens = self.shared.as_deref().map(offsets).unwrap_or_default();
         let mut dtype = self.shared.as_deref().and_then(key_dtype);
         for row in &self.rows[shared..] {
             let caches = row.decoder.caches();
-            if !filled_kv(caches) {
+            // A speculative row's round is taken back in caches of its own; a recurrent state
+            // only so.
+            let plain = matches!(row.decoder, Decoder::Plain(_));
+            if !filled(caches, plain) {
                 return false;
             }
-            lens.push(caches.first().map_or(0, LayerCache::offset));
+            lens.push(kv_offset(caches));
             dtype = dtype.or(key_dtype(caches));
         }
         let rounds: Vec<usize> = self.rows.iter().map(Row::max_round).collect();
@@ -254,7 +320,7 @@ impl<'m> Batch<'m> {
         if target {
             *self.rows[at].decoder.caches_mut() = leave(shared, at)?;
         } else {
-            drop_row(shared, at)?;
+            drop_row(shared, at);
         }
         if self.shared_rows() == 0 {
             self.shared = None;
@@ -287,8 +353,8 @@ impl<'m> Batch<'m> {
             }
             rounds.push(row.max_round());
             match row.draft_caches() {
-                Some(c) if filled_kv(c) => {
-                    lens.push(c.first().map_or(0, LayerCache::offset));
+                Some(c) if filled(c, false) => {
+                    lens.push(kv_offset(c));
                     dtype = dtype.or(key_dtype(c));
                 }
                 _ => shareable = false,
@@ -393,7 +459,7 @@ impl<'m> Batch<'m> {
                 .draft_caches()
                 .expect("a row drafting with a draft model") = own;
         } else {
-            drop_row(&mut group.caches, r)?;
+            drop_row(&mut group.caches, r);
         }
         group.ids.remove(r);
         let left = group.ids.len();

@@ -328,10 +328,14 @@ pub struct StepLayout {
 /// layer's batch cache of `caches` (each would build the same arrays again). Nothing happens
 /// for caches other than batch caches.
 pub fn plan_step(caches: &mut [LayerCache], lens: &[usize]) -> Result<()> {
-    let layout = match caches.first() {
-        Some(LayerCache::Batch(first)) => first.layout(lens)?,
-        _ => return Ok(()),
+    let first = caches.iter().find_map(|c| match c {
+        LayerCache::Batch(b) => Some(b),
+        _ => None,
+    });
+    let Some(first) = first else {
+        return Ok(());
     };
+    let layout = first.layout(lens)?;
     for cache in caches {
         if let LayerCache::Batch(b) = cache {
             b.planned = Some(layout.clone());

@@ -58,6 +58,11 @@ pub enum LayerCache {
     /// Every row's KV cache of a batch decode step, in one buffer ([`BatchKvCache`]): the batch
     /// passes its rows' caches as one such row, and only attention's batch path reads it.
     Batch(BatchKvCache),
+    /// Every row's recurrent cache of one layer, side by side: where a hybrid model's batch
+    /// holds its attention layers' rows in [`BatchKvCache`]s, its recurrent layers' rows sit
+    /// here, in the same row order, and step together
+    /// ([`RecurrentCache::advance_together`]).
+    RecurrentRows(Vec<RecurrentCache>),
 }
 
 /// The keys and values attention reads after an update.
@@ -96,6 +101,7 @@ impl LayerCache {
             LayerCache::QuantizedKv(c) => c.offset,
             LayerCache::Recurrent(c) => c.seen,
             LayerCache::Batch(c) => c.offsets().into_iter().max().unwrap_or(0),
+            LayerCache::RecurrentRows(rows) => rows.iter().map(|c| c.seen).max().unwrap_or(0),
         }
     }
 
@@ -106,7 +112,7 @@ impl LayerCache {
             LayerCache::Kv(c) => c.update_and_fetch(keys, values).map(dense),
             LayerCache::Rotating(c) => c.update_and_fetch(keys, values).map(dense),
             LayerCache::QuantizedKv(c) => c.update_and_fetch(keys, values),
-            LayerCache::Recurrent(_) => {
+            LayerCache::Recurrent(_) | LayerCache::RecurrentRows(_) => {
                 Err(contract("an attention layer was given a recurrent cache"))
             }
             LayerCache::Batch(_) => Err(contract(
@@ -121,7 +127,7 @@ impl LayerCache {
             LayerCache::Kv(c) => mask::attention_mask(n, c.offset, window),
             LayerCache::QuantizedKv(c) => mask::attention_mask(n, c.offset, window),
             LayerCache::Rotating(c) => c.make_mask(n, window),
-            LayerCache::Recurrent(_) => Ok(Mask::None),
+            LayerCache::Recurrent(_) | LayerCache::RecurrentRows(_) => Ok(Mask::None),
             // Attention's batch path builds each row's own mask.
             LayerCache::Batch(_) => Ok(Mask::None),
         }
@@ -140,7 +146,9 @@ impl LayerCache {
             }),
             LayerCache::QuantizedKv(c) => c.dequantized(),
             LayerCache::Rotating(c) => c.temporal(),
-            LayerCache::Recurrent(_) | LayerCache::Batch(_) => Ok(None),
+            LayerCache::Recurrent(_) | LayerCache::Batch(_) | LayerCache::RecurrentRows(_) => {
+                Ok(None)
+            }
         }
     }
 
@@ -150,7 +158,10 @@ impl LayerCache {
         match self {
             LayerCache::Kv(c) => Ok(c.trim(n)),
             LayerCache::QuantizedKv(c) => Ok(c.trim(n)),
-            LayerCache::Rotating(_) | LayerCache::Recurrent(_) | LayerCache::Batch(_) => {
+            LayerCache::Rotating(_)
+            | LayerCache::Recurrent(_)
+            | LayerCache::Batch(_)
+            | LayerCache::RecurrentRows(_) => {
                 Err(contract("only KV caches trim outside a speculative round"))
             }
         }
@@ -176,6 +187,9 @@ impl LayerCache {
             LayerCache::QuantizedKv(c) => c.state(),
             LayerCache::Recurrent(c) => c.state(),
             LayerCache::Batch(c) => c.state(),
+            LayerCache::RecurrentRows(rows) => {
+                rows.iter().flat_map(RecurrentCache::state).collect()
+            }
         }
     }
 

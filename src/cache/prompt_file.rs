@@ -32,6 +32,7 @@ fn class_name(c: &LayerCache) -> &'static str {
         LayerCache::QuantizedKv(_) => "QuantizedKVCache",
         LayerCache::Recurrent(_) => "ArraysCache",
         LayerCache::Batch(_) => "BatchKVCache",
+        LayerCache::RecurrentRows(_) => "ArraysCache",
     }
 }
 
@@ -78,7 +79,7 @@ fn state(c: &LayerCache) -> Vec<(String, Entry)> {
             ]
         }
         // Refused by save_prompt_cache before any state is read.
-        LayerCache::Batch(_) => Vec::new(),
+        LayerCache::Batch(_) | LayerCache::RecurrentRows(_) => Vec::new(),
     }
 }
 
@@ -105,7 +106,7 @@ pub fn save_prompt_cache(
         meta.insert(format!("2.{scalars}.0"), key.to_string());
         meta.insert(format!("2.{scalars}.1"), kind.to_string());
     };
-    if caches.iter().any(|c| matches!(c, LayerCache::Batch(_))) {
+    if (caches.iter()).any(|c| matches!(c, LayerCache::Batch(_) | LayerCache::RecurrentRows(_))) {
         return Err(PromptFileError::Format {
             path: p,
             message: "a batch cache holds several sequences; save each row's own caches".into(),

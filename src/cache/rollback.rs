@@ -30,7 +30,7 @@ impl LayerCache {
             LayerCache::Recurrent(_) => Rollback::SnapshotReplay,
             LayerCache::Rotating(c) if c.offset + round_len <= c.max_size => Rollback::Trim,
             LayerCache::Rotating(_) if one_token_writes => Rollback::Restore,
-            LayerCache::Batch(_) => {
+            LayerCache::Batch(_) | LayerCache::RecurrentRows(_) => {
                 Rollback::Refuse("a batch cache's rows take rounds in caches of their own".into())
             }
             LayerCache::Rotating(c) => Rollback::Refuse(format!(
@@ -48,7 +48,7 @@ impl LayerCache {
             LayerCache::QuantizedKv(c) => c.round_start = Some(c.offset),
             LayerCache::Rotating(c) => c.begin_round(),
             LayerCache::Recurrent(c) => c.begin_round(),
-            LayerCache::Batch(_) => {}
+            LayerCache::Batch(_) | LayerCache::RecurrentRows(_) => {}
         }
     }
 
@@ -66,7 +66,9 @@ impl LayerCache {
             }
             LayerCache::Rotating(c) => c.end_round(reject),
             LayerCache::Recurrent(c) => c.end_round(reject),
-            LayerCache::Batch(_) => Err(contract("a batch cache takes no speculative rounds")),
+            LayerCache::Batch(_) | LayerCache::RecurrentRows(_) => {
+                Err(contract("a batch cache takes no speculative rounds"))
+            }
         }
     }
 }

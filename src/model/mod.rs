@@ -65,9 +65,11 @@ pub trait LanguageModel {
         self.forward_rows(ids, &mut [caches], &[len], taps)
     }
 
-    /// Whether every layer attends through attention's rows path (`layers::attend_rows`), so
-    /// that a batch step of plain KV caches may hand it its rows' caches as one
-    /// [`crate::cache::BatchKvCache`] per layer.
+    /// Whether every attention layer attends through attention's rows path
+    /// (`layers::attend_rows`) and every recurrent layer reads its rows' caches side by side,
+    /// so that a batch step may hand it its rows' caches as one
+    /// [`crate::cache::BatchKvCache`] per attention layer and one
+    /// [`LayerCache::RecurrentRows`] per recurrent layer.
     fn attends_batch_caches(&self) -> bool {
         false
     }

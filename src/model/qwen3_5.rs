@@ -220,6 +220,10 @@ impl LanguageModel for Model {
         self.text.outer()
     }
 
+    fn attends_batch_caches(&self) -> bool {
+        self.text.attends_batch_caches()
+    }
+
     fn attention_head_dim(&self) -> usize {
         self.text.attention_head_dim()
     }

@@ -225,17 +225,20 @@ impl GatedDeltaNet {
     }
 }
 
-/// Each row's cache of recurrent layer `layer`.
+/// Each row's cache of recurrent layer `layer`: its own, or its row of the batch's.
 fn recurrent_caches<'r>(
     rows: &'r mut LayerRows,
     layer: usize,
 ) -> Result<Vec<&'r mut RecurrentCache>> {
-    (rows.caches.iter_mut())
-        .map(|cache| match &mut **cache {
-            LayerCache::Recurrent(cache) => Ok(cache),
-            _ => Err(contract(format!("layer {layer} needs a recurrent cache"))),
-        })
-        .collect()
+    let mut caches = Vec::with_capacity(rows.lens().len());
+    for cache in &mut rows.caches {
+        match &mut **cache {
+            LayerCache::Recurrent(cache) => caches.push(cache),
+            LayerCache::RecurrentRows(each) => caches.extend(each.iter_mut()),
+            _ => return Err(contract(format!("layer {layer} needs a recurrent cache"))),
+        }
+    }
+    Ok(caches)
 }
 
 /// A full-attention decoder layer on its own (gated attention, then the SwiGLU block), as a
@@ -441,6 +444,10 @@ impl LanguageModel for Model {
 
     fn num_layers(&self) -> usize {
         self.layers.len()
+    }
+
+    fn attends_batch_caches(&self) -> bool {
+        true
     }
 
     fn attention_head_dim(&self) -> usize {

@@ -12,7 +12,8 @@
 //! joined. A batch decode step of plain KV caches may pass its rows' caches as one row of
 //! [`LayerCache::Batch`] caches instead (one per layer, each holding every row: the batch's
 //! `lens` still one per row), which attention reads with one write and, on CUDA, one call
-//! (`crate::cache::BatchKvCache`).
+//! (`crate::cache::BatchKvCache`); a hybrid model's recurrent layers then hold their rows'
+//! caches side by side ([`LayerCache::RecurrentRows`]).
 
 use mlx::{ops, Array};
 
@@ -97,18 +98,28 @@ pub(crate) fn check(
     tokens: usize,
 ) -> Result<()> {
     if let [only] = rows {
-        if let Some(LayerCache::Batch(c)) = only.first() {
+        let batch_rows = only.iter().find_map(|c| match c {
+            LayerCache::Batch(c) => Some(c.rows()),
+            LayerCache::RecurrentRows(c) => Some(c.len()),
+            _ => None,
+        });
+        if let Some(batch_rows) = batch_rows {
             // A row of a batch cache may take no token this step (a draft step of rows that
             // draft different numbers of tokens).
+            let layer_rows = |c: &LayerCache| match c {
+                LayerCache::Batch(c) => c.rows() == batch_rows,
+                LayerCache::RecurrentRows(c) => c.len() == batch_rows,
+                _ => false,
+            };
             if only.len() != layers
-                || c.rows() != lens.len()
+                || !only.iter().all(layer_rows)
+                || batch_rows != lens.len()
                 || tokens == 0
                 || tokens != lens.iter().sum::<usize>()
             {
                 return Err(contract(format!(
-                    "a batch cache of {} rows and {} layers for row lengths {lens:?} ({tokens} \
-                     tokens) in a model of {layers} layers",
-                    c.rows(),
+                    "batch caches of {batch_rows} rows and {} layers for row lengths {lens:?} \
+                     ({tokens} tokens) in a model of {layers} layers",
                     only.len()
                 )));
             }

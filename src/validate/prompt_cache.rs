@@ -131,6 +131,7 @@ fn kind(c: &LayerCache) -> &'static str {
         LayerCache::QuantizedKv(_) => "quantized KV",
         LayerCache::Recurrent(_) => "recurrent (gated-DeltaNet)",
         LayerCache::Batch(_) => "batch KV",
+        LayerCache::RecurrentRows(_) => "batch recurrent",
     }
 }
 
