@@ -25,7 +25,7 @@ use verity::generate::{
     prefill, token_array, Control, FinishReason, GenerateParams, GeneratedToken,
 };
 use verity::grammar::Grammar;
-use verity::model::LanguageModel;
+use verity::model::{lone_rows, LanguageModel};
 use verity::speculative::{DraftPrefix, Drafter, DrafterSpec, SpeculationStats};
 
 /// (token, logprob bits, finish) of each emitted token.
@@ -944,8 +944,8 @@ fn running_rows_step_between_a_joining_prompts_chunks_and_every_row_equals_alone
 }
 
 /// A plain row leaves with caches that hold its prompt and every token it emitted but the last,
-/// as a prefill of them makes them (what the server's prefix cache keeps for a conversation's
-/// next turn), though the batch stepping ahead fed its last token before reading it: in one
+/// as the request decoded alone holds them (what the server's prefix cache keeps for a
+/// conversation's next turn), though the batch stepping ahead fed its last token before reading it: in one
 /// buffer per layer shared with another row, in KV caches of its own, and in a hybrid model's
 /// recurrent layers, its own or beside another row's; a sliding window's rotating caches, which
 /// the step ahead overwrote, are not handed out.
@@ -1000,9 +1000,7 @@ fn plain_rows_leave_with_the_caches_of_their_tokens_but_the_last() {
             }
             let caches = row.caches.expect("a plain row's caches");
             let held = [prompts[i], &emitted[i][..emitted[i].len() - 1]].concat();
-            let mut want = model.make_cache(None);
-            let ids = token_array(&held).unwrap();
-            prefill(model, &mut want, &ids, &params[i], |_| Ok(())).unwrap();
+            let want = decoded_alone(model, &held, prompts[i].len(), &params[i]);
             for (layer, (got, want)) in caches.iter().zip(&want).enumerate() {
                 let at = format!("{fixture}, share {share}, row {i}, layer {layer}");
                 assert_eq!(got.offset(), held.len(), "{at}");
@@ -1010,6 +1008,24 @@ fn plain_rows_leave_with_the_caches_of_their_tokens_but_the_last() {
             }
         }
     }
+}
+
+/// The caches of a request alone after it fed `tokens`, the first `prompt` of them its prompt:
+/// the prompt but its last prefilled, then one decode step a token.
+fn decoded_alone(
+    model: &dyn LanguageModel,
+    tokens: &[u32],
+    prompt: usize,
+    params: &GenerateParams,
+) -> Vec<LayerCache> {
+    let mut caches = model.make_cache(None);
+    let ids = token_array(&tokens[..prompt - 1]).unwrap();
+    prefill(model, &mut caches, &ids, params, |_| Ok(())).unwrap();
+    for &token in &tokens[prompt - 1..] {
+        let ids = token_array(&[token]).unwrap().expand_dims(&[0]).unwrap();
+        lone_rows::decode_rows(|| model.forward(&ids, &mut caches, &[])).unwrap();
+    }
+    caches
 }
 
 /// The bits a cache holds of its tokens: a KV cache's visible keys and values, a recurrent
