@@ -8,7 +8,7 @@ fixture tokenizer lacks are zero, so their logits are 0 and greedy text stays de
 Reproducible: the same shape, dtype and seed give the same weights. The mixture-of-experts shape
 has Qwen3-30B-A3B's layers (128 experts of width 768, 8 per token) but 4 of its 48, and a tied
 head like the dense ones, so a speed row measures the expert layers at a size a bench can load
-twice.
+twice. The hybrid shape has Qwen3.5-0.8B's gated-DeltaNet and gated-attention layers.
 
     python oracles/make_bench_models.py qwen3-0.6b [--dtype bfloat16] [--bits 4] [--out DIR]
 
@@ -39,6 +39,20 @@ SHAPES = {
                             num_attention_heads=16, num_key_value_heads=8)),
     "qwen3-4b": (12, dict(QWEN3, hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
                           num_attention_heads=32, num_key_value_heads=8)),
+    # Qwen3.5-0.8B's text layers as mlx_lm's qwen3_next builds them without experts (24 layers,
+    # every 4th full attention, 8 heads and 2 KV heads of 256, the vocabulary; the DeltaNet's 16
+    # key and value heads of 128 and the MLP's 3584 follow Qwen3-Next's per-head dims, unverified).
+    "qwen3_5-0.8b": (14, dict(QWEN3, architectures=["Qwen3NextForCausalLM"],
+                              model_type="qwen3_next", hidden_size=1024, num_hidden_layers=24,
+                              intermediate_size=3584, num_attention_heads=8,
+                              num_key_value_heads=2, head_dim=256, vocab_size=248320,
+                              rope_theta=10000000.0, partial_rotary_factor=0.25,
+                              full_attention_interval=4, linear_num_key_heads=16,
+                              linear_num_value_heads=16, linear_key_head_dim=128,
+                              linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                              num_experts=0, num_experts_per_tok=0, decoder_sparse_step=1,
+                              shared_expert_intermediate_size=0, mlp_only_layers=[],
+                              moe_intermediate_size=0)),
     # Qwen3-30B-A3B's layers, 4 of them.
     "qwen3-30b-a3b-l4": (13, dict(QWEN3_MOE, hidden_size=2048, num_hidden_layers=4,
                                   intermediate_size=6144, moe_intermediate_size=768,
