@@ -446,6 +446,7 @@ impl<'m> Batch<'m> {
             .collect();
         taps.sort_unstable();
         taps.dedup();
+        self.begin_shared_rounds();
         let out = self.forward(&unread.ids(&inputs, &drafted)?, &lens, &taps)?;
         let greedy = GreedyRows::sample(&self.rows, &lens, &out.logits)?;
         let mut sampled = Vec::new();
@@ -535,7 +536,7 @@ impl<'m> Batch<'m> {
                 control
             })?;
             if let Some(shared) = &mut self.shared {
-                shared::trim(shared, at, rejected)?;
+                shared::end_round(shared, at, rejected)?;
             }
             let taken_back = source.stepped().map_or(0, |s| s.taken_back());
             let member = (self.draft_groups.iter_mut()).find_map(|g| Some((g.row_of(row.id)?, g)));

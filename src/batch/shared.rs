@@ -133,16 +133,35 @@ fn drop_row(shared: &mut [LayerCache], row: usize) {
 }
 
 /// Takes back the last `n` tokens of row `row` in `shared` (only KV layers can: a recurrent
-/// row gives back a token from the state it kept, `Batch::give_back`).
+/// row takes a round back with [`end_round`], or a token from the state it kept,
+/// `Batch::give_back`).
 pub(super) fn trim(shared: &mut [LayerCache], row: usize, n: usize) -> Result<()> {
     if shared
         .iter()
         .any(|c| matches!(c, LayerCache::RecurrentRows(_)))
     {
-        return Err(contract("shared recurrent rows take no speculative rounds"));
+        return Err(contract(
+            "shared recurrent rows take a round back with end_round",
+        ));
     }
     for b in batch_caches(shared) {
         b.trim(row, n)?;
+    }
+    Ok(())
+}
+
+/// Closes row `row`'s speculative round in `shared`, taking back its `rejected` last tokens:
+/// its KV slots' extents go back, its recurrent layers restore their snapshots and replay the
+/// kept tokens (`RecurrentCache::end_round`), as its own caches would.
+pub(super) fn end_round(shared: &mut [LayerCache], row: usize, rejected: usize) -> Result<()> {
+    for layer in shared {
+        match layer {
+            LayerCache::Batch(b) => b.trim(row, rejected)?,
+            LayerCache::RecurrentRows(rows) => {
+                rows[row].end_round(rejected)?;
+            }
+            _ => return Err(contract("shared caches hold batch caches only")),
+        }
     }
     Ok(())
 }
@@ -236,7 +255,7 @@ impl<'m> Batch<'m> {
     /// Whether the next step's rows can share one KV cache per attention layer (and sit side
     /// by side in each recurrent layer): two or more, every one that may share
     /// ([`Row::may_share`]), on a model whose layers read batch caches, every row not yet
-    /// shared holding filled plain KV caches (and, a plain row, recurrent states), their
+    /// shared holding filled plain KV caches (and recurrent states), their
     /// lengths close enough for one buffer ([`BatchKvCache::fits`]) and short enough that each
     /// keeps its lone attention.
     fn can_share(&self) -> bool {
@@ -245,10 +264,7 @@ impl<'m> Batch<'m> {
         let mut dtype = self.shared.as_deref().and_then(key_dtype);
         for row in &self.rows[shared..] {
             let caches = row.decoder.caches();
-            // A speculative row's round is taken back in caches of its own; a recurrent state
-            // only so.
-            let plain = matches!(row.decoder, Decoder::Plain(_));
-            if !filled(caches, plain) {
+            if !filled(caches, true) {
                 return false;
             }
             lens.push(kv_offset(caches));
@@ -326,6 +342,25 @@ impl<'m> Batch<'m> {
             self.shared = None;
         }
         Ok(())
+    }
+
+    /// Opens the speculative rounds of the rows in the shared caches on their recurrent layers
+    /// there (their KV slots need no mark: [`end_round`] sets a row's extent back by the
+    /// tokens it rejects), as each row's speculator opens the round on caches of its own.
+    pub(super) fn begin_shared_rounds(&mut self) {
+        let Some(shared) = &mut self.shared else {
+            return;
+        };
+        for (at, row) in self.rows.iter().enumerate().take(rows_in(shared)) {
+            if !matches!(row.decoder, Decoder::Speculative { .. }) {
+                continue;
+            }
+            for layer in shared.iter_mut() {
+                if let LayerCache::RecurrentRows(rows) = layer {
+                    rows[at].begin_round();
+                }
+            }
+        }
     }
 
     /// Whether the rows drafting with `model` can share its caches: two or more, every one
