@@ -234,7 +234,7 @@ fn alone_with_stats(
 
 /// A schedule run as one batch: every row's emitted tokens by row index, the speculation
 /// counters of the speculative rows that finished, the most rows that decoded in one step, and
-/// the steps whose rows shared one KV cache per layer.
+/// the steps whose rows shared one KV cache per attention layer.
 struct Batched {
     steps: BTreeMap<usize, Steps>,
     speculation: BTreeMap<usize, SpeculationStats>,

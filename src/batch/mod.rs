@@ -166,7 +166,8 @@ pub struct StepSplit {
     pub eval: Duration,
     /// Reading each row's tokens back, acceptance, rollback, and the callbacks.
     pub settle: Duration,
-    /// The steps whose rows shared one KV cache per layer ([`crate::cache::BatchKvCache`]).
+    /// The steps whose rows shared one KV cache per attention layer
+    /// ([`crate::cache::BatchKvCache`]).
     pub shared: usize,
     /// The steps some of whose rows drafted over shared draft caches.
     pub shared_drafts: usize,

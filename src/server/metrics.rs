@@ -174,8 +174,8 @@ impl Metrics {
             shared_steps: registered(
                 r,
                 "batch_shared_cache_steps",
-                "Batch steps whose rows shared one KV cache per layer (every row over plain KV \
-                 caches)",
+                "Batch steps whose rows shared one KV cache per attention layer (every row over \
+                 plain KV caches, a hybrid's beside its recurrent ones)",
             ),
             shared_draft_steps: registered(
                 r,
