@@ -9,7 +9,7 @@ use mlx::Dtype;
 
 use super::{Batch, Decoder, Row};
 use crate::bundle::ModelBundle;
-use crate::cache::{eval_state, BatchKvCache, KvCache, LayerCache, RecurrentCache};
+use crate::cache::{eval_state, first_batch, BatchKvCache, KvCache, LayerCache, RecurrentCache};
 use crate::{error::contract, Result};
 
 /// The rows that draft with one draft model, their draft caches in one buffer per layer.
@@ -173,14 +173,6 @@ fn rows_in(shared: &[LayerCache]) -> usize {
         Some(LayerCache::RecurrentRows(rows)) => rows.len(),
         _ => 0,
     }
-}
-
-/// The first attention layer's batch cache of `shared`.
-fn first_batch(shared: &[LayerCache]) -> Option<&BatchKvCache> {
-    shared.iter().find_map(|c| match c {
-        LayerCache::Batch(b) => Some(b),
-        _ => None,
-    })
 }
 
 /// Whether a buffer outgrew its rows (a long row left): gathering them afresh pads less.

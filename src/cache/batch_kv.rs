@@ -324,15 +324,19 @@ pub struct StepLayout {
     query_extents: Vec<usize>,
 }
 
+/// The first batch cache of `caches` (a hybrid model's first attention layer's).
+pub fn first_batch(caches: &[LayerCache]) -> Option<&BatchKvCache> {
+    caches.iter().find_map(|c| match c {
+        LayerCache::Batch(b) => Some(b),
+        _ => None,
+    })
+}
+
 /// Builds the layout of a step whose rows take `lens` tokens once and leaves it with every
 /// layer's batch cache of `caches` (each would build the same arrays again). Nothing happens
 /// for caches other than batch caches.
 pub fn plan_step(caches: &mut [LayerCache], lens: &[usize]) -> Result<()> {
-    let first = caches.iter().find_map(|c| match c {
-        LayerCache::Batch(b) => Some(b),
-        _ => None,
-    });
-    let Some(first) = first else {
+    let Some(first) = first_batch(caches) else {
         return Ok(());
     };
     let layout = first.layout(lens)?;

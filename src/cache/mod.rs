@@ -13,7 +13,7 @@ mod recurrent;
 mod rollback;
 mod rotating;
 
-pub use batch_kv::{plan_step, BatchKvCache, RowsKv, StepLayout};
+pub use batch_kv::{first_batch, plan_step, BatchKvCache, RowsKv, StepLayout};
 pub use gated_delta::{gated_delta_update, normalize_qk, Recurrence, RecurrentStep};
 pub use kv::KvCache;
 pub use mask::{attention_mask, create_causal_mask, Mask};
