@@ -475,11 +475,15 @@ fn bench_serve_refuses_bad_counts() {
 
 /// `verity bench serve` against verity alone: a server child on loopback, the client driver
 /// (stdlib Python) at each level, one report per level with every request answered and the
-/// engine's step counters over it.
+/// engine's step counters over it, and the server's log on stderr at RUST_LOG's level.
 #[test]
 fn bench_serve_reports_every_level() {
     let model = root().join("golden/models/qwen3-target");
-    let out = verity(&[
+    mlx::jit::isolate_per_test_slot();
+    let mut bench = std::process::Command::new(env!("CARGO_BIN_EXE_verity"));
+    bench.env("RUST_LOG", "info").args([
+        "--device",
+        "cpu",
         "bench",
         "serve",
         "--model",
@@ -495,11 +499,12 @@ fn bench_serve_reports_every_level() {
         "python3",
         "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = bench.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // Every request the server answered, the warm-up rounds' (two per client) included.
+    let finished = stderr.lines().filter(|l| l.contains(": finished ")).count();
+    assert_eq!(finished, 2 * (1 + 3) + 2 * 3, "{stderr}");
     let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
     let levels = doc["levels"].as_array().unwrap();
     let clients: Vec<u64> = levels

@@ -94,10 +94,15 @@ fn start_verity(a: &ServeBenchArgs, device: mlx::Device, queue: usize) -> anyhow
     if a.adaptive_drafts {
         command.arg("--adaptive-drafts");
     }
+    // The server's warnings (a kernel check that failed, and so a slower path) reach the
+    // bench's stderr; its request log does not, unless RUST_LOG asks for it.
+    if std::env::var_os("RUST_LOG").is_none() {
+        command.env("RUST_LOG", "warn");
+    }
     let mut child = command
         .args(["--port", "0", "--queue-size", &queue.to_string()])
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::inherit())
         .spawn()
         .context("starting verity serve")?;
     let stdout = child.stdout.take().context("verity serve's stdout")?;
