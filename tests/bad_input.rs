@@ -2422,6 +2422,34 @@ fn other_cases() -> Vec<Case> {
             no_setup(),
         ),
         case(
+            "bench-serve/adaptive-drafts-without-drafter",
+            &[
+                "bench",
+                "serve",
+                "--model",
+                &model_arg("qwen3"),
+                "--adaptive-drafts",
+                "--no-mlx-lm",
+            ],
+            2,
+            &["--adaptive-drafts", "needs a drafter"],
+            no_setup(),
+        ),
+        case(
+            "bench-serve/draft-mtp-without-head",
+            &[
+                "bench",
+                "serve",
+                "--model",
+                &model_arg("qwen3"),
+                "--draft-mtp",
+                "--no-mlx-lm",
+            ],
+            2,
+            &["mtp.* weights", "MTP head"],
+            no_setup(),
+        ),
+        case(
             "bench-serve/model-missing",
             &[
                 "bench",

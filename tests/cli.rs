@@ -453,6 +453,43 @@ fn bench_speeds_floor_counts_the_experts_a_token_reads() {
     );
 }
 
+/// `verity bench serve` hands verity serve any drafter the draft flags name (mlx_lm.server has
+/// none but a draft model): Qwen3.5's MTP head drafts in every round.
+#[test]
+fn bench_serve_speculates_with_any_drafter() {
+    let model = root().join("golden/models/qwen3_5");
+    let out = verity(&[
+        "bench",
+        "serve",
+        "--model",
+        &model.to_string_lossy(),
+        "--draft-mtp",
+        "--num-draft-tokens",
+        "2",
+        "--clients",
+        "2",
+        "--requests",
+        "2",
+        "--max-tokens",
+        "6",
+        "--no-mlx-lm",
+        "--python",
+        "python3",
+        "--json",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["mlx_lm_speculates"], false, "{doc}");
+    let level = &doc["levels"][0];
+    assert_eq!(level["verity"]["completion_tokens"], 12, "{level}");
+    // Drafts in every round, at most the two asked for (fewer where max_tokens is near).
+    let drafted = level["verity"]["engine"]["drafted_per_round"]
+        .as_f64()
+        .unwrap();
+    assert!(drafted > 1.0 && drafted <= 2.0, "{level}");
+}
+
 /// `verity bench serve`'s bad counts are refused before any server starts, naming the flag.
 #[test]
 fn bench_serve_refuses_bad_counts() {

@@ -17,6 +17,9 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 use verity::bundle::ModelBundle;
+use verity::speculative::Drafter;
+
+use super::draft_args::DraftArgs;
 
 #[derive(Args)]
 pub struct ServeBenchArgs {
@@ -32,16 +35,14 @@ pub struct ServeBenchArgs {
     /// Completion tokens per request (EOS is biased away, so every request generates them all).
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
-    /// Both servers speculate with this draft model folder (mlx_lm.server then decodes one
-    /// request at a time; verity keeps batching).
-    #[arg(long)]
-    draft_model: Option<PathBuf>,
-    /// Drafts per round for both servers (default: each server's own, 3 for verity).
-    #[arg(long, requires = "draft_model")]
-    num_draft_tokens: Option<usize>,
+    /// verity speculates with the drafter these name. mlx_lm.server takes a draft model alone
+    /// (and then decodes one request at a time; verity keeps batching), with its own default
+    /// drafts unless --num-draft-tokens is given; with another drafter it decodes plain.
+    #[command(flatten)]
+    draft: DraftArgs,
     /// verity's greedy speculative rows draft only while drafting measures faster than plain
     /// steps (`verity serve --adaptive-drafts`).
-    #[arg(long, requires = "draft_model")]
+    #[arg(long)]
     adaptive_drafts: bool,
     /// Python of the oracle venv (mlx_lm.server and the client driver).
     #[arg(long, default_value = "oracles/.venv/bin/python")]
@@ -70,13 +71,13 @@ impl Drop for Server {
     }
 }
 
-/// The draft flags both servers take alike.
-fn draft_flags(a: &ServeBenchArgs, command: &mut Command) {
-    if let Some(draft) = &a.draft_model {
-        command.arg("--draft-model").arg(draft);
-    }
-    if let Some(k) = a.num_draft_tokens {
-        command.args(["--num-draft-tokens", &k.to_string()]);
+/// mlx_lm.server's draft flags: a draft model and its drafts, the only drafter it has.
+fn mlx_lm_draft_flags(draft: &DraftArgs, command: &mut Command) {
+    if let Some(dir) = &draft.draft_model {
+        command.arg("--draft-model").arg(dir);
+        if let Some(k) = draft.num_draft_tokens {
+            command.args(["--num-draft-tokens", &k.to_string()]);
+        }
     }
 }
 
@@ -90,7 +91,9 @@ fn start_verity(a: &ServeBenchArgs, device: mlx::Device, queue: usize) -> anyhow
         command.arg("--batched-kernels");
     }
     command.args(["serve", "--model"]).arg(&a.model);
-    draft_flags(a, &mut command);
+    if a.draft.spec().is_some() {
+        command.args(a.draft.to_args());
+    }
     if a.adaptive_drafts {
         command.arg("--adaptive-drafts");
     }
@@ -128,7 +131,7 @@ fn start_mlx_lm(a: &ServeBenchArgs) -> anyhow::Result<Server> {
     command
         .args(["-m", "mlx_lm.server", "--model"])
         .arg(&a.model);
-    draft_flags(a, &mut command);
+    mlx_lm_draft_flags(&a.draft, &mut command);
     let child = command
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .env("HF_HUB_OFFLINE", "1")
@@ -346,11 +349,23 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
     anyhow::ensure!(a.requests >= 1, "--requests is 0, must be at least 1");
     anyhow::ensure!(a.max_tokens >= 1, "--max-tokens is 0, must be at least 1");
     anyhow::ensure!(
-        a.num_draft_tokens != Some(0),
+        a.draft.num_draft_tokens != Some(0),
         "--num-draft-tokens is 0, must be at least 1"
     );
-    // The model is loaded here only to check the folder and read its EOS set.
-    let eos = ModelBundle::load(&a.model)?.eos_token_ids;
+    let spec = a.draft.spec();
+    anyhow::ensure!(
+        !a.adaptive_drafts || spec.is_some(),
+        "--adaptive-drafts chooses between drafting and plain batch steps: it needs a drafter \
+         (--draft-model, --draft-ngram, --draft-mtp or --draft-dflash)"
+    );
+    // The model and its drafter are loaded here only to check them (before a server starts)
+    // and to read the model's EOS set.
+    let bundle = ModelBundle::load(&a.model)?;
+    if let Some(spec) = &spec {
+        Drafter::load(spec, &bundle)?;
+    }
+    let eos = bundle.eos_token_ids;
+    let mlx_lm_plain = spec.is_some() && a.draft.draft_model.is_none();
     // A bare name (python3) is looked up on PATH by the spawn; a path must exist.
     let python_missing = a.python.components().count() > 1 && !a.python.is_file();
     if !Path::new(DRIVER).is_file() || python_missing {
@@ -409,6 +424,7 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
             "device": device.name(),
             "requests": a.requests,
             "max_tokens": a.max_tokens,
+            "mlx_lm_speculates": a.draft.draft_model.is_some(),
             "levels": rows,
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
@@ -421,6 +437,9 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
         a.requests,
         a.max_tokens
     );
+    if mlx_lm_plain && !a.no_mlx_lm {
+        println!("mlx_lm.server decodes plain: it has no drafter but a draft model");
+    }
     println!(
         "\n{:>7}  {:>11}  {:>13}  {:>6}  {:>17}  {:>17}  {:>13}",
         "clients",

@@ -1,6 +1,8 @@
-//! The draft flags, defined once and flattened into `generate`, `serve` and `bench speed`: at
-//! most one drafter, named as the drafter registry names it (verity::speculative::DrafterSpec).
+//! The draft flags, defined once and flattened into `generate`, `serve`, `bench speed` and
+//! `bench serve`: at most one drafter, named as the drafter registry names it
+//! (verity::speculative::DrafterSpec).
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::Args;
@@ -41,6 +43,34 @@ pub struct DraftArgs {
 }
 
 impl DraftArgs {
+    /// These flags as another `verity` command takes them (`bench serve` passes them to the
+    /// `verity serve` it starts).
+    pub fn to_args(&self) -> Vec<OsString> {
+        let mut args: Vec<OsString> = Vec::new();
+        let mut flag = |name: &str, value: Option<OsString>| {
+            args.push(name.into());
+            args.extend(value);
+        };
+        if let Some(dir) = &self.draft_model {
+            flag("--draft-model", Some(dir.into()));
+        }
+        if self.draft_ngram {
+            flag("--draft-ngram", None);
+        }
+        if let Some(dir) = &self.draft_mtp {
+            flag("--draft-mtp", dir.as_ref().map(Into::into));
+        }
+        if let Some(dir) = &self.draft_dflash {
+            flag("--draft-dflash", Some(dir.into()));
+        }
+        if let Some(k) = self.num_draft_tokens {
+            flag("--num-draft-tokens", Some(k.to_string().into()));
+        }
+        flag("--ngram-min", Some(self.ngram_min.to_string().into()));
+        flag("--ngram-max", Some(self.ngram_max.to_string().into()));
+        args
+    }
+
     /// The drafter the flags name, if any.
     pub fn spec(&self) -> Option<DrafterSpec> {
         match (&self.draft_model, &self.draft_dflash) {
