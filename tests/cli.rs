@@ -490,6 +490,37 @@ fn bench_serve_speculates_with_any_drafter() {
     assert!(drafted > 1.0 && drafted <= 2.0, "{level}");
 }
 
+/// An mlx_lm.server that exits before listening (here a Python without mlx_lm) is reported
+/// with the last lines it wrote to stderr, as bad input.
+#[test]
+fn bench_serve_says_why_mlx_lm_server_did_not_start() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = Scratch::new("python-without-mlx-lm");
+    let python = dir.0.join("python");
+    let script = "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'mlx_lm'\" >&2\nexit 1\n";
+    fs::write(&python, script).unwrap();
+    fs::set_permissions(&python, fs::Permissions::from_mode(0o755)).unwrap();
+    let model = root().join("golden/models/qwen3-target");
+    let out = verity(&[
+        "bench",
+        "serve",
+        "--model",
+        &model.to_string_lossy(),
+        "--python",
+        &python.to_string_lossy(),
+        "--clients",
+        "1",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let line = stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+    assert!(
+        line.contains(&format!("{} -m mlx_lm.server", python.display())),
+        "{line}"
+    );
+    assert!(line.contains("No module named 'mlx_lm'"), "{line}");
+}
+
 /// `verity bench serve`'s bad counts are refused before any server starts, naming the flag.
 #[test]
 fn bench_serve_refuses_bad_counts() {

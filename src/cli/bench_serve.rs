@@ -6,10 +6,13 @@
 //! /metrics, where its engine spent each level: its batch steps by phase, and what a
 //! speculative round gave.
 
+use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Child, ChildStderr, Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -120,7 +123,7 @@ fn start_verity(a: &ServeBenchArgs, device: mlx::Device, queue: usize) -> anyhow
             return Ok(server);
         }
     }
-    bail!("verity serve exited before listening (run it alone to see why)")
+    bail!("verity serve exited before listening (its error is on the lines above)")
 }
 
 /// Starts mlx_lm.server from the oracle venv on a free loopback port and waits until it
@@ -132,13 +135,14 @@ fn start_mlx_lm(a: &ServeBenchArgs) -> anyhow::Result<Server> {
         .args(["-m", "mlx_lm.server", "--model"])
         .arg(&a.model);
     mlx_lm_draft_flags(&a.draft, &mut command);
-    let child = command
+    let mut child = command
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .env("HF_HUB_OFFLINE", "1")
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .with_context(|| format!("starting mlx_lm.server with {}", a.python.display()))?;
+    let stderr = StderrTail::drain(child.stderr.take().context("mlx_lm.server's stderr")?);
     let mut server = Server {
         name: "mlx_lm.server",
         child,
@@ -147,7 +151,11 @@ fn start_mlx_lm(a: &ServeBenchArgs) -> anyhow::Result<Server> {
     let since = Instant::now();
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
         if let Some(status) = server.child.try_wait()? {
-            bail!("mlx_lm.server exited ({status}) before listening");
+            bail!(
+                "mlx_lm.server ({} -m mlx_lm.server) exited ({status}) before listening: {}",
+                a.python.display(),
+                stderr.last_lines()
+            );
         }
         if since.elapsed() > Duration::from_secs(120) {
             bail!("mlx_lm.server did not listen within 120 s");
@@ -155,6 +163,48 @@ fn start_mlx_lm(a: &ServeBenchArgs) -> anyhow::Result<Server> {
         std::thread::sleep(Duration::from_millis(100));
     }
     Ok(server)
+}
+
+/// The last lines a child wrote to stderr: read all along (a child blocks on a full pipe), kept
+/// so that a server which exits before listening says why.
+struct StderrTail {
+    lines: Arc<Mutex<VecDeque<String>>>,
+    reader: JoinHandle<()>,
+}
+
+impl StderrTail {
+    const KEPT: usize = 8;
+
+    fn drain(stderr: ChildStderr) -> StderrTail {
+        let lines = Arc::new(Mutex::new(VecDeque::new()));
+        let kept = Arc::clone(&lines);
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+                if kept.len() == Self::KEPT {
+                    kept.pop_front();
+                }
+                kept.push_back(line);
+            }
+        });
+        StderrTail { lines, reader }
+    }
+
+    /// The kept lines, joined, once the child's stderr is closed (it has exited).
+    fn last_lines(self) -> String {
+        let _ = self.reader.join();
+        let lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
+        let text = lines
+            .iter()
+            .map(|l| l.trim())
+            .collect::<Vec<_>>()
+            .join(" | ");
+        if text.is_empty() {
+            "it wrote nothing to stderr".into()
+        } else {
+            text
+        }
+    }
 }
 
 fn device_arg(device: mlx::Device) -> &'static str {
