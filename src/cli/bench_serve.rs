@@ -415,7 +415,8 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
         Drafter::load(spec, &bundle)?;
     }
     let eos = bundle.eos_token_ids;
-    let mlx_lm_plain = spec.is_some() && a.draft.draft_model.is_none();
+    // mlx_lm.server's one drafter is a draft model; with another drafter it decodes plain.
+    let mlx_lm_speculates = a.draft.draft_model.is_some();
     // A bare name (python3) is looked up on PATH by the spawn; a path must exist.
     let python_missing = a.python.components().count() > 1 && !a.python.is_file();
     if !Path::new(DRIVER).is_file() || python_missing {
@@ -474,7 +475,7 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
             "device": device.name(),
             "requests": a.requests,
             "max_tokens": a.max_tokens,
-            "mlx_lm_speculates": a.draft.draft_model.is_some(),
+            "mlx_lm_speculates": mlx_lm_speculates,
             "levels": rows,
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
@@ -487,7 +488,7 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
         a.requests,
         a.max_tokens
     );
-    if mlx_lm_plain && !a.no_mlx_lm {
+    if spec.is_some() && !mlx_lm_speculates && !a.no_mlx_lm {
         println!("mlx_lm.server decodes plain: it has no drafter but a draft model");
     }
     println!(
