@@ -241,6 +241,8 @@ struct Batched {
     widest: usize,
     shared_steps: usize,
     shared_draft_steps: usize,
+    /// The steps that fed a draft group its next drafts before reading its verdicts.
+    drafted_ahead_steps: usize,
     /// Whether each step's greedy speculative rows decoded plain ([`Batch::adapt_drafts`]).
     undrafted: Vec<bool>,
 }
@@ -303,6 +305,7 @@ fn batched<'m>(
         widest,
         shared_steps: batch.split().shared,
         shared_draft_steps: batch.split().shared_drafts,
+        drafted_ahead_steps: batch.split().drafted_ahead,
         undrafted,
     }
 }
@@ -596,6 +599,80 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
                 "row {i}"
             );
         }
+    }
+}
+
+/// Greedy rows of one draft a round that share a draft model draft their next round before
+/// their verdicts are read (batch::draft_ahead): with prompts of different lengths, a logit
+/// bias, rows joining late and one cancelled, each row emits what it emits alone, drafts what
+/// it drafts alone (its acceptance counters, rejected drafts included), and emits what plain
+/// decoding emits.
+#[test]
+fn greedy_rows_of_one_draft_draft_ahead_as_each_alone() {
+    support::on_invariant_device();
+    let b = bundle("qwen3-target");
+    let model = b.model();
+    let drafters =
+        [Drafter::load(&DrafterSpec::Model(support::model_dir("qwen3-draft")), &b).unwrap()];
+    let prompts = [
+        "def fib(n):",
+        "The capital of France is",
+        "1, 2, 3,",
+        "Once upon a time, in a land far",
+        "import numpy as",
+    ];
+    let rows: Vec<Row> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Row {
+            prompt: b.tokenizer.encode(p, true).unwrap(),
+            max_tokens: 12 + 5 * i,
+            seed: None,
+            joins: [0, 0, 1, 4, 9][i],
+            cancelled: (i == 4).then_some(14),
+            drafter: Some((0, Some(1))),
+            grammar: false,
+            prefix: None,
+            bias: if i == 1 {
+                vec![(5, 2.5), (11, -1.5)]
+            } else {
+                Vec::new()
+            },
+        })
+        .collect();
+    let params: Vec<GenerateParams> = rows.iter().map(|r| params(&b, r, Caches::Plain)).collect();
+    let got = batched(&b, &drafters, &rows, &params, None);
+    assert!(
+        got.drafted_ahead_steps > 0,
+        "no step fed its rows' next drafts ahead"
+    );
+    for (i, row) in rows.iter().enumerate() {
+        let (want, stats) = alone_with_stats(
+            model,
+            Some(&drafters[0]),
+            Start::Fresh,
+            row.request(&b, &params[i]),
+        );
+        if row.cancelled.is_some() {
+            assert!(want.starts_with(&got.steps[&i]), "row {i}");
+            continue;
+        }
+        assert_eq!(got.steps[&i], want, "row {i}");
+        let stats = stats.unwrap();
+        assert_eq!(
+            got.speculation.get(&i),
+            Some(&stats),
+            "row {i}: other drafts"
+        );
+        assert!(
+            stats.accepted > 0 && stats.accepted < stats.drafted,
+            "row {i}: drafts both accepted and rejected"
+        );
+        assert_eq!(
+            want,
+            alone(model, None, None, &row.prompt, &params[i]),
+            "row {i}"
+        );
     }
 }
 

@@ -402,6 +402,47 @@ fn plain_requests_decoding_together_share_their_kv_caches() {
     );
 }
 
+/// Greedy requests of one draft a round decoding together draft their next rounds before
+/// reading their verdicts (batch::draft_ahead): a request beside a stream does so in all but
+/// its first and last steps, and answers what it answers alone.
+#[test]
+fn greedy_requests_of_one_draft_draft_their_next_rounds_ahead() {
+    let draft = model_dir("qwen3-draft");
+    let s = Server::start(
+        &model_dir(TARGET),
+        &[
+            "--draft-model",
+            draft.to_str().unwrap(),
+            "--num-draft-tokens",
+            "1",
+        ],
+    );
+    let request = chat("Count to ten.", 24);
+    let alone = s.ok("/v1/chat/completions", &request);
+    assert_eq!(
+        Scrape::of(&s).get("verity_batch_drafted_ahead_steps_total"),
+        0.0,
+        "a lone request has no group to draft ahead with"
+    );
+    let mut long = chat("Write a long story.", 4000);
+    long["stream"] = json!(true);
+    long["logit_bias"] = json!({"2": -100, "0": -100});
+    let lines = s.open_stream("/v1/chat/completions", &long, 2);
+    scrape_when(&s, |m| m.get("verity_running_requests") == 1.0);
+    let before = Scrape::of(&s);
+    let v = s.ok("/v1/chat/completions", &request);
+    let after = Scrape::of(&s);
+    drop(lines);
+    assert_eq!(v["choices"], alone["choices"]);
+    let rounds = v["verity_stats"]["speculation"]["rounds"].as_f64().unwrap();
+    let ahead = after.get("verity_batch_drafted_ahead_steps_total")
+        - before.get("verity_batch_drafted_ahead_steps_total");
+    assert!(
+        rounds > 4.0 && ahead >= rounds - 2.0,
+        "{rounds} rounds beside a stream, {ahead} steps drafted ahead"
+    );
+}
+
 /// Speculative requests decoding together share the target's KV caches and their draft
 /// model's: a draft-model request beside a speculative stream runs its steps on both.
 #[test]

@@ -24,6 +24,7 @@
 //! tokens at its end, since its rows' next inputs (drafts, masks) are built from them.
 
 mod ahead;
+mod draft_ahead;
 mod draft_policy;
 mod greedy;
 mod round_drafts;
@@ -174,6 +175,9 @@ pub struct StepSplit {
     /// The steps whose greedy speculative rows decoded plain, as the measured choice between
     /// drafting and plain steps had it ([`Batch::adapt_drafts`]).
     pub undrafted: usize,
+    /// The steps that fed a draft group its next drafts before reading its verdicts
+    /// (`batch::draft_ahead`).
+    pub drafted_ahead: usize,
 }
 
 impl StepSplit {
@@ -194,6 +198,7 @@ impl StepSplit {
             shared: self.shared - earlier.shared,
             shared_drafts: self.shared_drafts - earlier.shared_drafts,
             undrafted: self.undrafted - earlier.undrafted,
+            drafted_ahead: self.drafted_ahead - earlier.drafted_ahead,
         }
     }
 }
@@ -217,6 +222,8 @@ pub struct Batch<'m> {
     draft_policy: Option<DraftPolicy>,
     /// The step enqueued ahead whose tokens are not read yet.
     ahead: Option<ahead::Ahead>,
+    /// The draft groups' next drafts, fed ahead of the last step's verdicts.
+    drafts_ahead: Vec<draft_ahead::DraftsAhead<'m>>,
     /// Whether a row joined or a prompt chunk was prefilled since the last step: the next step
     /// pays for them (the row's caches moved into the shared ones, MLX's buffer cache released
     /// after a chunk and allocated again), so its time says nothing about drafting and the
@@ -235,6 +242,7 @@ impl<'m> Batch<'m> {
             may_share: true,
             draft_policy: None,
             ahead: None,
+            drafts_ahead: Vec::new(),
             prefilled: false,
             split: StepSplit::default(),
         }
@@ -407,7 +415,8 @@ impl<'m> Batch<'m> {
             on_token(id, t)
         };
         self.arrange_shared()?;
-        let (drafted, unread) = self.draft_shared()?;
+        let claimed = self.claim_ahead()?;
+        let (drafted, unread) = self.draft_shared(claimed)?;
         let unread = Unread::new(unread)?;
         let inputs: Vec<Vec<u32>> = self
             .rows
@@ -488,11 +497,13 @@ impl<'m> Batch<'m> {
         }
         // Every row's tokens at once: the host waits for the device once per step.
         let built_at = Instant::now();
-        mlx::eval(
-            (sampled.iter().flat_map(|(y, lp)| [y, lp]))
-                .chain(&pending)
-                .chain(unread.tokens()),
-        )?;
+        let enqueued: Vec<&Array> = (sampled.iter().flat_map(|(y, lp)| [y, lp]))
+            .chain(&pending)
+            .chain(unread.tokens())
+            .collect();
+        self.feed_ahead(greedy.as_ref(), &lens, &drafted, &unread, &enqueued)?;
+        let fed_at = Instant::now();
+        mlx::eval(enqueued)?;
         let evaluated_at = Instant::now();
         let read = unread.read()?;
         for (row, drafts) in self.rows.iter_mut().zip(&drafted) {
@@ -548,6 +559,9 @@ impl<'m> Batch<'m> {
                 leaving.push(row.id);
             }
         }
+        if let Some(tokens) = &greedy_tokens {
+            self.settle_ahead(tokens, &leaving)?;
+        }
         let mut sampled = sampled.into_iter();
         let mut start = 0;
         for (row, &len) in self.rows.iter_mut().zip(&lens) {
@@ -571,13 +585,14 @@ impl<'m> Batch<'m> {
         let split = &mut self.split;
         split.steps += 1;
         split.rows += lens.len();
-        split.draft += drafted_at - started;
+        split.draft += (drafted_at - started) + (fed_at - built_at);
         split.build += built_at - drafted_at;
-        split.eval += evaluated_at - built_at;
+        split.eval += evaluated_at - fed_at;
         split.settle += evaluated_at.elapsed();
         split.shared += usize::from(self.shared.is_some());
         split.shared_drafts += usize::from(!self.draft_groups.is_empty());
         split.undrafted += usize::from(choice == Some(Choice::Plain));
+        split.drafted_ahead += usize::from(!self.drafts_ahead.is_empty());
         if let (Some(policy), Some(_), false) = (&mut self.draft_policy, choice, prefilled) {
             policy.record(lens.len(), emitted, started.elapsed());
         }

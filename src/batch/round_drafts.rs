@@ -10,6 +10,7 @@ use std::ptr;
 
 use mlx::{Array, Dtype};
 
+use super::draft_ahead::Claimed;
 use super::{Batch, Decoder};
 use crate::bundle::ModelBundle;
 use crate::generate::token_array;
@@ -17,7 +18,7 @@ use crate::speculative::draft_model::{
     draft_together, draft_unread, SharedDraftCaches, SteppedDraft, UnreadDrafts,
 };
 use crate::speculative::DraftContext;
-use crate::Result;
+use crate::{error::contract, Result};
 
 /// A speculative row's drafts for the step, drafted together with other rows'.
 pub(super) enum Drafted {
@@ -59,6 +60,16 @@ impl Unread {
     /// How many drafts row `row` of group `group` feeds.
     pub(super) fn count(&self, group: usize, row: usize) -> usize {
         self.groups[group].0.positions(row).len()
+    }
+
+    /// The one draft of each of `rows` of group `group`, (R,) uint32 on the device.
+    pub(super) fn drafts(&self, group: usize, rows: &[usize]) -> Result<Array> {
+        let (g, tokens) = &self.groups[group];
+        let tokens = tokens
+            .as_ref()
+            .ok_or_else(|| contract("a group without drafts"))?;
+        let at: Vec<i32> = rows.iter().map(|&r| g.positions(r)[0] as i32).collect();
+        Ok(tokens.take(&Array::from_slice(&at, &[at.len() as i32])?, 0)?)
     }
 
     /// The arrays the step's evaluation must compute for the drafts to be read.
@@ -118,7 +129,10 @@ impl<'m> Batch<'m> {
     /// with too, each model's rows drafting together; None for the rows that draft alone. A
     /// model's rows whose verdicts do not read their drafts leave them on the device
     /// ([`Drafted::Unread`], rows of the returned [`UnreadDrafts`]).
-    pub(super) fn draft_shared(&mut self) -> Result<(Vec<Option<Drafted>>, Vec<UnreadDrafts>)> {
+    pub(super) fn draft_shared(
+        &mut self,
+        mut claimed: Vec<Claimed<'m>>,
+    ) -> Result<(Vec<Option<Drafted>>, Vec<UnreadDrafts>)> {
         let models: Vec<Option<&'m ModelBundle>> = self
             .rows
             .iter()
@@ -202,7 +216,25 @@ impl<'m> Batch<'m> {
                 _ => None,
             };
             let (rows, mut members): (Vec<usize>, Vec<_>) = order.into_iter().unzip();
-            if read_now {
+            if let Some(c) = claimed.iter().position(|c| ptr::eq(c.model, model)) {
+                // Fed ahead: the caches hold every pending token, the drafts wait on the device.
+                if shared.is_none() || members.iter().any(|(_, _, want)| *want != 1) {
+                    return Err(contract("drafts fed ahead for other rounds"));
+                }
+                for (source, _, _) in &mut members {
+                    if source
+                        .open_round(1)
+                        .is_none_or(|pending| !pending.is_empty())
+                    {
+                        return Err(contract("a round fed ahead has tokens to feed"));
+                    }
+                }
+                let group = unread.len();
+                unread.push(UnreadDrafts::one_each(claimed.swap_remove(c).drafts));
+                for (row, i) in rows.into_iter().enumerate() {
+                    out[i] = Some(Drafted::Unread { group, row });
+                }
+            } else if read_now {
                 let drafts = draft_together(model.model(), &mut members, shared)?;
                 for (i, drafts) in rows.into_iter().zip(drafts) {
                     out[i] = Some(Drafted::Read(drafts));

@@ -25,6 +25,11 @@ impl DraftGroup<'_> {
     pub(super) fn row_of(&self, id: usize) -> Option<usize> {
         self.ids.iter().position(|&i| i == id)
     }
+
+    /// The tokens row `r`'s draft caches hold.
+    pub(super) fn offset(&self, r: usize) -> usize {
+        offsets(&self.caches)[r]
+    }
 }
 
 /// Whether every cache of `caches` is a filled plain KV cache, or, where `recurrent` allows,
@@ -203,7 +208,7 @@ fn offsets(shared: &[LayerCache]) -> Vec<usize> {
 
 impl<'m> Row<'m> {
     /// The draft model this row drafts with through a draft model's rounds, if any.
-    fn draft_model(&self) -> Option<&'m ModelBundle> {
+    pub(super) fn draft_model(&self) -> Option<&'m ModelBundle> {
         match &self.decoder {
             Decoder::Speculative { drafter, .. } => drafter.draft_model(),
             Decoder::Plain(_) => None,
@@ -239,6 +244,14 @@ impl<'m> Row<'m> {
 }
 
 impl<'m> Batch<'m> {
+    /// The tokens row `at`'s target caches hold (its row of the shared ones, or its own).
+    pub(super) fn target_offset(&self, at: usize) -> usize {
+        match &self.shared {
+            Some(shared) if at < rows_in(shared) => offsets(shared)[at],
+            _ => kv_offset(self.rows[at].decoder.caches()),
+        }
+    }
+
     /// The rows already in the shared caches (the first ones; later rows joined since).
     pub(super) fn shared_rows(&self) -> usize {
         self.shared.as_deref().map_or(0, rows_in)

@@ -227,6 +227,8 @@ struct EngineCounters {
     accepted: f64,
     /// Steps whose greedy speculative rows decoded plain (--adaptive-drafts).
     undrafted: f64,
+    /// Steps that fed a draft group's next drafts before reading its verdicts.
+    drafted_ahead: f64,
     /// Seconds of the engine thread outside the steps: joining requests, keeping answers,
     /// finishing rows. (Its idle counter also holds the wait before a level's first request,
     /// so a level's idle time is the wall time left over instead.)
@@ -266,6 +268,7 @@ impl EngineCounters {
                 "verity_batch_steps_total" => c.steps += value,
                 "verity_batch_step_rows_total" => c.rows += value,
                 "verity_batch_undrafted_steps_total" => c.undrafted += value,
+                "verity_batch_drafted_ahead_steps_total" => c.drafted_ahead += value,
                 "verity_speculative_rounds_total" => c.rounds += value,
                 "verity_speculative_drafted_total" => c.drafted += value,
                 "verity_speculative_accepted_total" => c.accepted += value,
@@ -296,6 +299,7 @@ impl EngineCounters {
             drafted: self.drafted - earlier.drafted,
             accepted: self.accepted - earlier.accepted,
             undrafted: self.undrafted - earlier.undrafted,
+            drafted_ahead: self.drafted_ahead - earlier.drafted_ahead,
             outside: minus(self.outside, earlier.outside),
             queued: self.queued - earlier.queued,
         }
@@ -323,6 +327,7 @@ impl EngineCounters {
             "accepted_per_round": (self.rounds > 0.0).then(|| self.accepted / self.rounds),
             "drafted_per_round": (self.rounds > 0.0).then(|| self.drafted / self.rounds),
             "undrafted_steps": self.undrafted,
+            "drafted_ahead_steps": self.drafted_ahead,
         })
     }
 }
@@ -528,7 +533,7 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
          shares outside them joining requests / keeping answers for the prefix cache / \
          finishing rows / the rest (the engine idle), a request's mean wait in the queue, and \
          drafts accepted of drafted per round (rounds that drafted nothing included; in brackets \
-         the steps where --adaptive-drafts chose plain)"
+         the steps where --adaptive-drafts chose plain, and those that drafted ahead)"
     );
     for (clients, r) in &levels {
         let e = &r[0]["engine"];
@@ -547,6 +552,10 @@ pub fn serve(a: ServeBenchArgs, device: mlx::Device) -> anyhow::Result<ExitCode>
         let undrafted = e["undrafted_steps"].as_f64().unwrap_or(0.0);
         if undrafted > 0.0 {
             rounds += &format!(" ({undrafted} steps undrafted)");
+        }
+        let ahead = e["drafted_ahead_steps"].as_f64().unwrap_or(0.0);
+        if ahead > 0.0 {
+            rounds += &format!(" ({ahead} steps drafted ahead)");
         }
         println!(
             "{clients:>7}  {:>6} steps  {:>5.2} rows  {:.2} / {:.2} / {:.2} / {:.2} ms  {:>5.1}% of \

@@ -69,6 +69,7 @@ pub struct Metrics {
     shared_steps: Counter,
     shared_draft_steps: Counter,
     undrafted_steps: Counter,
+    drafted_ahead_steps: Counter,
     step_seconds: Family<PhaseLabels, Counter<f64, AtomicU64>>,
     engine_seconds: Family<PhaseLabels, Counter<f64, AtomicU64>>,
     rounds: Family<LaneLabels, Counter>,
@@ -188,6 +189,12 @@ impl Metrics {
                 "Batch steps whose greedy speculative rows decoded plain, plain steps having \
                  measured faster than drafting (--adaptive-drafts)",
             ),
+            drafted_ahead_steps: registered(
+                r,
+                "batch_drafted_ahead_steps",
+                "Batch steps that fed a draft group's next drafts before reading its verdicts \
+                 (greedy rows of one draft a round)",
+            ),
             step_seconds: registered(
                 r,
                 "batch_step_seconds",
@@ -273,6 +280,7 @@ impl Metrics {
         self.shared_steps.inc_by(count(step.shared));
         self.shared_draft_steps.inc_by(count(step.shared_drafts));
         self.undrafted_steps.inc_by(count(step.undrafted));
+        self.drafted_ahead_steps.inc_by(count(step.drafted_ahead));
         for (phase, spent) in [
             ("draft", step.draft),
             ("build", step.build),

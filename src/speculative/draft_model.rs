@@ -29,6 +29,9 @@ pub struct DraftModel<'m> {
     round: Option<(Vec<u32>, usize)>,
     /// The tokens the last commit took back from the caches.
     taken_back: usize,
+    /// The last of the tokens a batch fed ahead of the round's verdict, which the caches hold
+    /// and whose next draft waits on the device ([`SteppedDraft::fed_ahead`]).
+    ahead: Option<u32>,
 }
 
 impl<'m> DraftModel<'m> {
@@ -50,6 +53,7 @@ impl<'m> DraftModel<'m> {
             pending: Vec::new(),
             round: None,
             taken_back: 0,
+            ahead: None,
         }
     }
 
@@ -84,6 +88,21 @@ pub trait SteppedDraft {
     /// How many tokens the last round's commit took back from the caches: a batch holding them
     /// in a shared buffer takes them back there.
     fn taken_back(&self) -> usize;
+
+    /// After a round of one draft is committed: a batch fed the caches `fed` (the target's
+    /// greedy tokens at the round's two positions) before the verdict was read, and holds the
+    /// draft that follows the kept ones (`batch::draft_ahead`). The tokens still to be fed
+    /// are a prefix of `fed`, so the caches hold them now; returns how many of `fed` follow
+    /// them, which the batch takes back.
+    fn fed_ahead(&mut self, fed: &[u32]) -> Result<usize>;
+
+    /// Whether the caches hold tokens fed ahead whose draft the next round takes as its own
+    /// (then the round feeds nothing first); they are the batch's from here.
+    fn take_ahead(&mut self) -> bool;
+
+    /// Whether the caches hold tokens fed ahead whose draft is dropped: the last of them is
+    /// pending again, and the caller takes it back from the caches.
+    fn drop_ahead(&mut self) -> bool;
 }
 
 impl SteppedDraft for DraftModel<'_> {
@@ -114,6 +133,31 @@ impl SteppedDraft for DraftModel<'_> {
 
     fn taken_back(&self) -> usize {
         self.taken_back
+    }
+
+    fn fed_ahead(&mut self, fed: &[u32]) -> Result<usize> {
+        let kept = self.pending.len();
+        if kept == 0 || !fed.starts_with(&self.pending) || self.ahead.is_some() {
+            return Err(Error::Contract(format!(
+                "tokens {fed:?} fed ahead do not start with the pending {:?}",
+                self.pending
+            )));
+        }
+        self.ahead = self.pending.pop();
+        self.pending.clear();
+        Ok(fed.len() - kept)
+    }
+
+    fn take_ahead(&mut self) -> bool {
+        self.ahead.take().is_some()
+    }
+
+    fn drop_ahead(&mut self) -> bool {
+        let Some(last) = self.ahead.take() else {
+            return false;
+        };
+        self.pending = vec![last];
+        true
     }
 }
 
@@ -159,6 +203,12 @@ pub struct UnreadDrafts {
 }
 
 impl UnreadDrafts {
+    /// One draft for each of `tokens`' (R,) rows ([`draft_ahead`]'s).
+    pub fn one_each(tokens: Array) -> UnreadDrafts {
+        let rows = tokens.dim(0) as usize;
+        UnreadDrafts::new(vec![((0..rows).collect(), tokens)], rows)
+    }
+
     /// The drafts of `rows` rows from each step's tokens with the rows they hold.
     fn new(steps: Vec<(Vec<usize>, Array)>, rows: usize) -> UnreadDrafts {
         let mut positions = vec![Vec::new(); rows];
@@ -203,6 +253,35 @@ impl UnreadDrafts {
         };
         Ok(self.split(&tokens))
     }
+}
+
+/// The next draft of each row of `shared` (R rows, every one drafting by argmax after its row
+/// of `biases(vocab, dtype)`), fed ahead of its round's verdict: `fed` (1, 2R) holds each row's two
+/// verified positions' greedy tokens, which the draft caches take as a decode forward (the
+/// lone-row kernels on a GPU, as a round's pending tokens get them); where row r's draft was
+/// `accepted` (R,) its next draft follows the second token, else the first, whose successor
+/// its caller takes back once the verdict is read. Nothing here waits for the device.
+pub fn draft_ahead(
+    model: &dyn LanguageModel,
+    shared: &mut [LayerCache],
+    fed: &Array,
+    accepted: &Array,
+    biases: &dyn Fn(i32, Dtype) -> Result<Vec<Option<Array>>>,
+) -> Result<Array> {
+    let rows = accepted.dim(0);
+    let lens = vec![2; rows as usize];
+    plan_step(shared, &lens)?;
+    let logits = lone_rows::decode_rows(|| model.forward_rows(fed, &mut [shared], &lens, &[]))?
+        .logits
+        .squeeze(&[0])?;
+    let at: Vec<i32> = (0..2 * rows).collect();
+    let biases: Vec<Option<Array>> = (biases(logits.dim(1), logits.dtype())?.into_iter())
+        .flat_map(|b| [b.clone(), b])
+        .collect();
+    let (tokens, _) = argmax_rows(&logits, &at, &biases)?;
+    let firsts: Vec<i32> = (0..rows).map(|r| 2 * r).collect();
+    let picked = Array::from_slice(&firsts, &[rows])?.add(&accepted.astype(Dtype::Int32)?)?;
+    Ok(tokens.take(&picked, 0)?)
 }
 
 /// [`draft_together`]'s draft steps, enqueued and not read: the rows' rounds stay open until

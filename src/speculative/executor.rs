@@ -257,10 +257,7 @@ impl Speculator {
     pub(crate) fn draft_request(&mut self) -> Option<(usize, DraftContext<'_>)> {
         let seeding = self.seeding.is_some();
         let want = self.draft_budget();
-        let refused = matches!(
-            rollback_plan(&self.caches, want + 1, lone_rows::exact_decode()),
-            Rollback::Refuse(_)
-        );
+        let refused = self.refuses(want);
         if refused && !seeding {
             self.stats.refused_rounds += 1;
         }
@@ -275,6 +272,25 @@ impl Speculator {
             target: &self.caches,
         };
         Some((want, ctx))
+    }
+
+    /// How many drafts the next round takes, as [`Speculator::draft_request`] will say (0 for
+    /// none), without counting a refused round.
+    pub(crate) fn next_drafts(&self) -> usize {
+        let want = self.draft_budget();
+        if self.refuses(want) {
+            0
+        } else {
+            want
+        }
+    }
+
+    /// Whether the target caches could not take back a round of `want` drafts.
+    fn refuses(&self, want: usize) -> bool {
+        matches!(
+            rollback_plan(&self.caches, want + 1, lone_rows::exact_decode()),
+            Rollback::Refuse(_)
+        )
     }
 
     /// Drafts the next round may take: none while seeding, else up to num_draft_tokens, the
