@@ -78,7 +78,8 @@ impl<'m> Batch<'m> {
             .collect();
         let mut launched = false;
         for g in 0..self.draft_groups.len() {
-            // Each row's (greedy index, unread group and row) in the group's order.
+            // Each row's (index in the batch, index in the greedy tokens, unread group, row
+            // there), in the group's order.
             let mut members = Vec::new();
             for id in &self.draft_groups[g].ids {
                 let Some(at) = self.rows.iter().position(|r| r.id == *id) else {
