@@ -521,6 +521,87 @@ fn qwen3_target_speculative_batch_rows_equal_their_lone_requests() {
     );
 }
 
+/// Prompts of rows decoding with the trained pair.
+const PAIR_PROMPTS: [&str; 5] = [
+    "def fib(n):",
+    "The capital of France is",
+    "1, 2, 3,",
+    "Once upon a time, in a land far",
+    "import numpy as",
+];
+
+/// The trained pair: its target and its draft model as the one drafter.
+fn trained_pair() -> (ModelBundle, [Drafter; 1]) {
+    let b = bundle("qwen3-target");
+    let drafter = Drafter::load(&DrafterSpec::Model(support::model_dir("qwen3-draft")), &b);
+    (b, [drafter.unwrap()])
+}
+
+/// The first `n` of [`PAIR_PROMPTS`] as rows speculating with drafter 0, row i as `shape` has it
+/// (its prompt and drafter set; a logit bias on `biased` only).
+fn pair_rows(
+    b: &ModelBundle,
+    n: usize,
+    biased: usize,
+    shape: impl Fn(usize, Row) -> Row,
+) -> Vec<Row> {
+    (PAIR_PROMPTS.iter().take(n).enumerate())
+        .map(|(i, p)| {
+            let row = Row {
+                prompt: b.tokenizer.encode(p, true).unwrap(),
+                max_tokens: 24,
+                seed: None,
+                joins: 0,
+                cancelled: None,
+                drafter: Some((0, None)),
+                grammar: false,
+                prefix: None,
+                // A bias alone reads no history: the row drafts together with the unbiased.
+                bias: if i == biased {
+                    vec![(5, 2.5), (11, -1.5)]
+                } else {
+                    Vec::new()
+                },
+            };
+            shape(i, row)
+        })
+        .collect()
+}
+
+/// Asserts that each row of `got` emitted what it emits alone with `drafter` (a cancelled row
+/// a prefix of it), drafted what it drafts alone (its acceptance counters), and, greedy,
+/// emitted what plain decoding emits; returns each finished row's lone counters.
+fn assert_rows_as_alone(
+    b: &ModelBundle,
+    drafter: &Drafter,
+    rows: &[Row],
+    params: &[GenerateParams],
+    got: &Batched,
+) -> BTreeMap<usize, SpeculationStats> {
+    let mut counters = BTreeMap::new();
+    for (i, row) in rows.iter().enumerate() {
+        let request = row.request(b, &params[i]);
+        let (want, stats) = alone_with_stats(b.model(), Some(drafter), Start::Fresh, request);
+        if row.cancelled.is_some() {
+            assert!(want.starts_with(&got.steps[&i]), "row {i}");
+            continue;
+        }
+        assert_eq!(got.steps[&i], want, "row {i}");
+        let stats = stats.unwrap();
+        assert_eq!(
+            got.speculation.get(&i),
+            Some(&stats),
+            "row {i}: other drafts"
+        );
+        if row.seed.is_none() {
+            let plain = alone(b.model(), None, None, &row.prompt, &params[i]);
+            assert_eq!(want, plain, "row {i}");
+        }
+        counters.insert(i, stats);
+    }
+    counters
+}
+
 /// Rows that draft with one draft model draft together (one packed forward per draft step):
 /// with different prompt lengths, drafts per round, greedy and seeded, joining at different
 /// steps, with and without logits processors, each row emits what it emits alone and drafts what
@@ -528,36 +609,13 @@ fn qwen3_target_speculative_batch_rows_equal_their_lone_requests() {
 #[test]
 fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
     support::on_invariant_device();
-    let b = bundle("qwen3-target");
-    let model = b.model();
-    let drafters =
-        [Drafter::load(&DrafterSpec::Model(support::model_dir("qwen3-draft")), &b).unwrap()];
-    let prompts = [
-        "def fib(n):",
-        "The capital of France is",
-        "1, 2, 3,",
-        "Once upon a time, in a land far",
-    ];
-    let rows: Vec<Row> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| Row {
-            prompt: b.tokenizer.encode(p, true).unwrap(),
-            max_tokens: 24,
-            seed: (i == 2).then_some(7),
-            joins: i / 2,
-            cancelled: None,
-            drafter: Some((0, Some(1 + i))),
-            grammar: false,
-            prefix: None,
-            // A bias alone reads no history: the first row drafts together with the unbiased.
-            bias: if i == 0 {
-                vec![(5, 2.5), (11, -1.5)]
-            } else {
-                Vec::new()
-            },
-        })
-        .collect();
+    let (b, drafters) = trained_pair();
+    let rows = pair_rows(&b, 4, 0, |i, row| Row {
+        seed: (i == 2).then_some(7),
+        joins: i / 2,
+        drafter: Some((0, Some(1 + i))),
+        ..row
+    });
     let mut params: Vec<GenerateParams> =
         rows.iter().map(|r| params(&b, r, Caches::Plain)).collect();
     // Processors that read the drafts, on a greedy row and on the seeded one.
@@ -575,30 +633,8 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
         got.shared_draft_steps > 0,
         "the rows never shared their draft model's KV caches"
     );
-    for (i, row) in rows.iter().enumerate() {
-        let (want, stats) = alone_with_stats(
-            model,
-            Some(&drafters[0]),
-            Start::Fresh,
-            row.request(&b, &params[i]),
-        );
-        assert_eq!(got.steps[&i], want, "row {i}");
-        assert_eq!(
-            got.speculation.get(&i),
-            stats.as_ref(),
-            "row {i}: other drafts"
-        );
-        assert!(
-            stats.unwrap().accepted > 0,
-            "row {i}: the pair accepts drafts"
-        );
-        if row.seed.is_none() {
-            assert_eq!(
-                want,
-                alone(model, None, None, &row.prompt, &params[i]),
-                "row {i}"
-            );
-        }
+    for (i, stats) in assert_rows_as_alone(&b, &drafters[0], &rows, &params, &got) {
+        assert!(stats.accepted > 0, "row {i}: the pair accepts drafts");
     }
 }
 
@@ -610,68 +646,26 @@ fn rows_sharing_a_draft_model_draft_together_as_each_alone() {
 #[test]
 fn greedy_rows_of_one_draft_draft_ahead_as_each_alone() {
     support::on_invariant_device();
-    let b = bundle("qwen3-target");
-    let model = b.model();
-    let drafters =
-        [Drafter::load(&DrafterSpec::Model(support::model_dir("qwen3-draft")), &b).unwrap()];
-    let prompts = [
-        "def fib(n):",
-        "The capital of France is",
-        "1, 2, 3,",
-        "Once upon a time, in a land far",
-        "import numpy as",
-    ];
-    let rows: Vec<Row> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| Row {
-            prompt: b.tokenizer.encode(p, true).unwrap(),
-            max_tokens: 12 + 5 * i,
-            seed: None,
-            joins: [0, 0, 1, 4, 9][i],
-            cancelled: (i == 4).then_some(14),
-            drafter: Some((0, Some(1))),
-            grammar: false,
-            prefix: None,
-            bias: if i == 1 {
-                vec![(5, 2.5), (11, -1.5)]
-            } else {
-                Vec::new()
-            },
-        })
-        .collect();
+    let (b, drafters) = trained_pair();
+    let rows = pair_rows(&b, 5, 1, |i, row| Row {
+        max_tokens: 12 + 5 * i,
+        joins: [0, 0, 1, 4, 9][i],
+        cancelled: (i == 4).then_some(14),
+        drafter: Some((0, Some(1))),
+        ..row
+    });
     let params: Vec<GenerateParams> = rows.iter().map(|r| params(&b, r, Caches::Plain)).collect();
     let got = batched(&b, &drafters, &rows, &params, None);
     assert!(
         got.drafted_ahead_steps > 0,
         "no step fed its rows' next drafts ahead"
     );
-    for (i, row) in rows.iter().enumerate() {
-        let (want, stats) = alone_with_stats(
-            model,
-            Some(&drafters[0]),
-            Start::Fresh,
-            row.request(&b, &params[i]),
-        );
-        if row.cancelled.is_some() {
-            assert!(want.starts_with(&got.steps[&i]), "row {i}");
-            continue;
-        }
-        assert_eq!(got.steps[&i], want, "row {i}");
-        let stats = stats.unwrap();
-        assert_eq!(
-            got.speculation.get(&i),
-            Some(&stats),
-            "row {i}: other drafts"
-        );
+    let counters = assert_rows_as_alone(&b, &drafters[0], &rows, &params, &got);
+    assert_eq!(counters.len(), 4);
+    for (i, stats) in counters {
         assert!(
             stats.accepted > 0 && stats.accepted < stats.drafted,
             "row {i}: drafts both accepted and rejected"
-        );
-        assert_eq!(
-            want,
-            alone(model, None, None, &row.prompt, &params[i]),
-            "row {i}"
         );
     }
 }

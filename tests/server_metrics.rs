@@ -402,6 +402,21 @@ fn plain_requests_decoding_together_share_their_kv_caches() {
     );
 }
 
+/// `request`'s answer while a long stream decodes beside it, with the metrics scraped before
+/// and after it.
+fn beside_a_stream(s: &Server, request: &Value) -> (Scrape, Value, Scrape) {
+    let mut long = chat("Write a long story.", 4000);
+    long["stream"] = json!(true);
+    long["logit_bias"] = json!({"2": -100, "0": -100});
+    let lines = s.open_stream("/v1/chat/completions", &long, 2);
+    scrape_when(s, |m| m.get("verity_running_requests") == 1.0);
+    let before = Scrape::of(s);
+    let v = s.ok("/v1/chat/completions", request);
+    let after = Scrape::of(s);
+    drop(lines);
+    (before, v, after)
+}
+
 /// Greedy requests of one draft a round decoding together draft their next rounds before
 /// reading their verdicts (batch::draft_ahead): a request beside a stream does so in all but
 /// its first and last steps, and answers what it answers alone.
@@ -424,15 +439,7 @@ fn greedy_requests_of_one_draft_draft_their_next_rounds_ahead() {
         0.0,
         "a lone request has no group to draft ahead with"
     );
-    let mut long = chat("Write a long story.", 4000);
-    long["stream"] = json!(true);
-    long["logit_bias"] = json!({"2": -100, "0": -100});
-    let lines = s.open_stream("/v1/chat/completions", &long, 2);
-    scrape_when(&s, |m| m.get("verity_running_requests") == 1.0);
-    let before = Scrape::of(&s);
-    let v = s.ok("/v1/chat/completions", &request);
-    let after = Scrape::of(&s);
-    drop(lines);
+    let (before, v, after) = beside_a_stream(&s, &request);
     assert_eq!(v["choices"], alone["choices"]);
     let rounds = v["verity_stats"]["speculation"]["rounds"].as_f64().unwrap();
     let ahead = after.get("verity_batch_drafted_ahead_steps_total")
@@ -452,15 +459,7 @@ fn speculative_requests_decoding_together_share_target_and_draft_caches() {
         &model_dir(TARGET),
         &["--draft-model", draft.to_str().unwrap()],
     );
-    let mut long = chat("Write a long story.", 4000);
-    long["stream"] = json!(true);
-    long["logit_bias"] = json!({"2": -100, "0": -100});
-    let lines = s.open_stream("/v1/chat/completions", &long, 2);
-    scrape_when(&s, |m| m.get("verity_running_requests") == 1.0);
-    let before = Scrape::of(&s);
-    let v = s.ok("/v1/chat/completions", &chat("Count to ten.", 24));
-    let after = Scrape::of(&s);
-    drop(lines);
+    let (before, v, after) = beside_a_stream(&s, &chat("Count to ten.", 24));
     let rounds = v["verity_stats"]["speculation"]["rounds"].as_f64().unwrap();
     assert!(rounds > 1.0, "{rounds} rounds");
     for counter in [
