@@ -230,8 +230,8 @@ impl<'m> Batch<'m> {
         Ok(claimed)
     }
 
-    /// Whether every row of `ids` in the batch held tokens fed ahead, which their next rounds
-    /// now take; where one did not, the others keep theirs.
+    /// Whether the rows of `ids` in the batch held tokens fed ahead, which their next rounds
+    /// now take; false, taking nothing, where none did (a group's rows are fed together).
     fn take_ahead(&mut self, ids: &[usize]) -> Result<bool> {
         let mut taken = Vec::new();
         for row in self.rows.iter_mut().filter(|r| ids.contains(&r.id)) {

@@ -159,7 +159,8 @@ pub struct StepSplit {
     pub rows: usize,
     /// Drafting the speculative rows' next rounds: draft models run their forwards here, but
     /// for drafts left on the device for the step's one evaluation (`round_drafts`), whose
-    /// forwards this only enqueues.
+    /// forwards this only enqueues; in a step drafting ahead (`draft_ahead`), also launching
+    /// the step's evaluation and the next drafts' forward.
     pub draft: Duration,
     /// Building the step's graph: the packed forward and every row's sampling or verdict.
     pub build: Duration,
