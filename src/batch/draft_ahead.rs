@@ -233,19 +233,19 @@ impl<'m> Batch<'m> {
     /// Whether the rows of `ids` in the batch held tokens fed ahead, which their next rounds
     /// now take; false, taking nothing, where none did (a group's rows are fed together).
     fn take_ahead(&mut self, ids: &[usize]) -> Result<bool> {
-        let mut taken = Vec::new();
+        let mut taken = false;
         for row in self.rows.iter_mut().filter(|r| ids.contains(&r.id)) {
             let Decoder::Speculative { source, .. } = &mut row.decoder else {
                 continue;
             };
             let stepped = source.stepped().ok_or_else(|| contract("no draft model"))?;
             if !stepped.take_ahead() {
-                if !taken.is_empty() {
+                if taken {
                     return Err(contract("rows of one group fed ahead apart"));
                 }
                 return Ok(false);
             }
-            taken.push(row.id);
+            taken = true;
         }
         Ok(true)
     }
